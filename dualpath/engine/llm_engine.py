@@ -1,0 +1,169 @@
+"""The single-engine runner: ``step()`` is schedule → run → postprocess.
+
+``LLMEngine`` loads a model folder, owns the paged KV cache, and serves any number of
+requests with continuous batching, chunked prefill and prefix reuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dualpath.config import EngineConfig
+from dualpath.engine.batcher import Batcher
+from dualpath.engine.runner import ModelRunner
+from dualpath.engine.sampler import Sampler
+from dualpath.kv.block_pool import BlockPool
+from dualpath.kv.cache import TORCH_DTYPES, PagedKVCache, blocks_for_budget
+from dualpath.model.loader import load_model
+from dualpath.model.spec import ModelSpec, load_spec
+from dualpath.model.tokenizer import Tokenizer
+from dualpath.request import SamplingParams, Sequence
+
+
+@dataclass
+class RequestOutput:
+    """A finished request."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int
+
+
+def resolve_dtype(requested: str, spec: ModelSpec) -> str:
+    """``auto`` means the checkpoint's dtype when it is a half type, else float32."""
+    if requested != "auto":
+        if requested not in TORCH_DTYPES:
+            raise ValueError(f"unsupported dtype {requested!r}")
+        return requested
+    return spec.torch_dtype if spec.torch_dtype in ("bfloat16", "float16") else "float32"
+
+
+class LLMEngine:
+    """One model on one device, serving many sequences at once."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        torch.set_num_threads(config.threads)
+        self.spec = spec = load_spec(model_dir)
+        self.dtype = resolve_dtype(config.dtype, spec)
+        self.kv_dtype = self.dtype if config.kv_dtype == "auto" else config.kv_dtype
+        model = load_model(model_dir, TORCH_DTYPES[self.dtype], spec)
+        num_blocks = config.num_kv_blocks or blocks_for_budget(
+            spec, config.block_size, self.kv_dtype, config.kv_cache_mb)
+        cache = PagedKVCache(spec, num_blocks, config.block_size, self.kv_dtype)
+        self.runner = ModelRunner(model, cache)
+        self.pool = BlockPool(num_blocks)
+        seed = f"{spec.identity}/{self.kv_dtype}/bs{config.block_size}"
+        self.batcher = Batcher(config, self.pool, seed)
+        self.sampler = Sampler(config.seed)
+        has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer(model_dir) if has_tokenizer else None
+        eos = set(spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._captured: dict[int, list[torch.Tensor]] = {}
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Sequence:
+        """Queue a tokenized prompt; returns its sequence (watch ``is_finished``)."""
+        seq = Sequence(list(prompt_ids), params or SamplingParams())
+        self.batcher.add(seq)
+        return seq
+
+    @property
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return self.batcher.has_work
+
+    def step(self) -> list[Sequence]:
+        """Run one step; return the sequences that finished in it."""
+        step = self.batcher.schedule()
+        if not step.items:
+            return []
+        inputs = self.runner.prepare(step.items)
+        hidden = self.runner.run(inputs)
+        self._capture(step.items, inputs.last_rows, hidden)
+        sampling = [(seq, row) for (seq, n), row in zip(step.items, inputs.last_rows, strict=True)
+                    if seq.num_computed_tokens + n == seq.num_tokens]
+        for seq, n in step.items:
+            seq.num_computed_tokens += n
+            self.batcher.publish_blocks(seq)
+        if not sampling:
+            return []
+        seqs = [seq for seq, _ in sampling]
+        logits = self.runner.logits(hidden[[row for _, row in sampling]])
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
+        return [seq for seq, tok in zip(seqs, tokens, strict=True) if self._append(seq, tok)]
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Record a sampled token and apply the stop rules; True if ``seq`` finished."""
+        seq.append_token(token)
+        params = seq.params
+        reason = None
+        if not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif params.stop and self._hit_stop_string(seq):
+            reason = "stop"
+        elif len(seq.output_ids) >= params.max_tokens:
+            reason = "length"
+        elif seq.num_tokens >= self.spec.max_position:
+            reason = "length"
+        if reason is None:
+            return False
+        self.batcher.finish(seq, reason)
+        self.sampler.release(seq.seq_id)
+        return True
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        if self.tokenizer is None:
+            return False
+        text = self.tokenizer.decode(seq.output_ids)
+        cut = min((i for s in seq.params.stop if (i := text.find(s)) >= 0), default=-1)
+        if cut < 0:
+            return False
+        seq.output_text = text[:cut]
+        return True
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The finished request's result, with its text decoded."""
+        text = seq.output_text
+        if not text and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids)
+        return RequestOutput(seq.seq_id, seq.prompt_ids, seq.output_ids, text,
+                             seq.finish_reason or "", seq.num_cached_prompt_tokens)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run all prompts to completion; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        with tqdm(total=len(seqs), disable=not progress, desc="generate") as bar:
+            while self.has_unfinished:
+                bar.update(len(self.step()))
+        return [self.output(s) for s in seqs]
+
+    def prompt_logits(self, prompt_ids: list[int]) -> tuple[torch.Tensor, int]:
+        """Logits of every computed prompt position and how many leading tokens were cached.
+
+        Runs the prompt like any request (prefix reuse and chunking included) and returns
+        ``(logits [num_tokens - num_cached, vocab], num_cached)``.
+        """
+        seq = self.add_request(prompt_ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        self._captured[seq.seq_id] = []
+        while not seq.is_finished:
+            self.step()
+        rows = self._captured.pop(seq.seq_id)
+        return self.runner.logits(torch.cat(rows)), seq.num_cached_prompt_tokens
+
+    def _capture(self, items: list[tuple[Sequence, int]], last_rows: list[int],
+                 hidden: torch.Tensor) -> None:
+        for (seq, n), last in zip(items, last_rows, strict=True):
+            if seq.seq_id in self._captured:
+                self._captured[seq.seq_id].append(hidden[last - n + 1 : last + 1])

@@ -1,0 +1,21 @@
+"""Typed exceptions shared across dualpath components."""
+
+
+class DualPathError(Exception):
+    """Base class of every error dualpath raises on purpose."""
+
+
+class ModelSpecError(DualPathError):
+    """A model config is missing a field or describes an unsupported architecture."""
+
+
+class ModelLoadError(DualPathError):
+    """Weights or tokenizer files are missing, incomplete or do not match the config."""
+
+
+class OutOfBlocksError(DualPathError):
+    """The paged KV cache has no free block left for an allocation."""
+
+
+class RequestError(DualPathError):
+    """A request is malformed (bad sampling parameters, prompt too long, ...)."""

@@ -1,0 +1,1 @@
+"""Decoder-only Llama-family model: spec, layers, paged attention, forward, weight loading."""

@@ -1,0 +1,97 @@
+"""Per-parameter weight loader for HF safetensors checkpoints.
+
+Each checkpoint tensor is mapped to one of our parameters by name; q/k/v and gate/up tensors
+land in their shard of the fused parameter. Every parameter must be filled exactly once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dualpath.errors import ModelLoadError
+from dualpath.model.llama import LlamaForCausalLM
+from dualpath.model.spec import ModelSpec, load_spec
+
+# checkpoint name part -> (fused name part, shard)
+PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _target(name: str) -> tuple[str, str | int | None]:
+    for part, (fused, shard) in PACKED.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
+
+
+def _shard_rows(model: LlamaForCausalLM, name: str, shard: str | int) -> slice:
+    if isinstance(shard, str):  # "model.layers.N.self_attn.qkv_proj.weight"
+        return model.get_submodule(name.rsplit(".", 2)[0]).qkv_shard_rows(shard)
+    size = model.spec.intermediate_size
+    return slice(shard * size, (shard + 1) * size)
+
+
+def _copy_param(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: str,
+                tensor: torch.Tensor) -> str:
+    target, shard = _target(name)
+    if target not in params:
+        raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter")
+    param = params[target]
+    dest = param.data if shard is None else param.data[_shard_rows(model, target, shard)]
+    if dest.shape != tensor.shape:
+        raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+    dest.copy_(tensor)
+    return target if shard is None else f"{target}#{shard}"
+
+
+def _expected_keys(model: LlamaForCausalLM) -> set[str]:
+    expected = set()
+    for name, _ in model.named_parameters():
+        if ".qkv_proj.weight" in name or ".qkv_proj.bias" in name:
+            expected |= {f"{name}#{s}" for s in "qkv"}
+        elif ".gate_up_proj." in name:
+            expected |= {f"{name}#0", f"{name}#1"}
+        else:
+            expected.add(name)
+    return expected
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+    """Fill every parameter of ``model`` from the ``*.safetensors`` files of ``model_dir``."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors file in {model_dir}")
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.endswith(SKIPPED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and model.lm_head is None:
+                    continue
+                loaded.add(_copy_param(model, params, name, f.get_tensor(name)))
+    missing = _expected_keys(model) - loaded
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+               spec: ModelSpec | None = None) -> LlamaForCausalLM:
+    """Build the model for ``model_dir``'s config and load its weights in ``dtype``."""
+    spec = spec or load_spec(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec)
+    model = model.to_empty(device="cpu")
+    load_weights(model, model_dir)
+    model.to(dtype)
+    return model.eval().requires_grad_(False)
