@@ -1,0 +1,125 @@
+"""Command line: ``dualpath generate``, ``dualpath prepare-model``, ``dualpath bench engine``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from dualpath.config import EngineConfig
+from dualpath.errors import DualPathError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF model folder (Llama/Qwen2/Mistral); default: SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--block-size", type=int, default=64, help="KV block size in tokens")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an EngineConfig field, e.g. --set kv_cache_mb=256")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the common flags plus ``--set key=value`` overrides."""
+    values: dict[str, object] = {"dtype": args.dtype, "threads": args.threads,
+                                 "block_size": args.block_size}
+    types = {f.name: f.type for f in fields(EngineConfig)}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in types:
+            raise DualPathError(f"--set {item!r}: expected KEY=VALUE with KEY in {sorted(types)}")
+        values[key] = _parse_value(raw)
+    return EngineConfig(**values)  # type: ignore[arg-type]
+
+
+def _parse_value(raw: str) -> object:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from dualpath.engine.llm_engine import LLMEngine
+    from dualpath.model.default_model import resolve_model
+    from dualpath.request import SamplingParams
+
+    engine = LLMEngine(resolve_model(args.model), engine_config(args))
+    if engine.tokenizer is None:
+        raise DualPathError("the model folder has no tokenizer.json")
+    if args.raw:
+        ids = engine.tokenizer.encode(args.prompt)
+    else:
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
+                            ignore_eos=args.ignore_eos)
+    print(engine.generate([ids], params)[0].text.strip())
+    return 0
+
+
+def _cmd_prepare_model(args: argparse.Namespace) -> int:
+    from dualpath.model.default_model import ensure_default_model
+
+    print(ensure_default_model())
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from dualpath.bench.engine import run_engine_bench
+
+    run_engine_bench(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``dualpath`` command."""
+    parser = argparse.ArgumentParser(prog="dualpath", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="answer one prompt with the single-engine runner")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    _add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    prep = sub.add_parser("prepare-model", help="convert the default model once and print its path")
+    prep.set_defaults(func=_cmd_prepare_model)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    eng = bench_sub.add_parser("engine", help="prefill/decode tokens/s vs transformers")
+    eng.add_argument("--json", required=True, help="where to write the results")
+    eng.add_argument("--prompt-tokens", type=int, default=1024)
+    eng.add_argument("--decode-batches", default="1,8,32")
+    eng.add_argument("--decode-tokens", type=int, default=32, help="generated tokens per row")
+    eng.add_argument("--decode-prompt-tokens", type=int, default=128)
+    eng.add_argument("--repeats", type=int, default=2)
+    _add_engine_args(eng)
+    eng.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; bad input ends with a one-line error and exit status 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (DualPathError, ValueError) as exc:
+        print(f"dualpath: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

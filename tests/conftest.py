@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random HF checkpoints (Llama, Qwen2, Mistral) and the default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+def _save_tiny(folder: Path, config, seed: int) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):  # HF initializes biases to zero: make them matter
+                param.normal_(0.0, 0.5)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            rms_norm_eps=1e-5, eos_token_id=299)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=False)
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), cfg, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_dir(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(**TINY, rope_parameters=rope, tie_word_embeddings=True)
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama3"), cfg, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True,
+                      use_sliding_window=False)
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), cfg, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> Path:
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(**TINY, rope_theta=10000.0, sliding_window=24)
+    return _save_tiny(tmp_path_factory.mktemp("tiny-mistral"), cfg, seed=4)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted default model (``make test`` prepares it before the suite runs)."""
+    from dualpath.model.default_model import ensure_default_model
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return ensure_default_model(verbose=False)
