@@ -82,11 +82,15 @@ def _prefill(q: torch.Tensor, flat: torch.Tensor, part: PrefillSlice,
 
 def _decode(q: torch.Tensor, flat: torch.Tensor, part: DecodeSlice,
             scale: float) -> torch.Tensor:
+    """One query per sequence: plain matmuls (CPU SDPA is slow on bf16 with a mask)."""
     batch, max_ctx = part.slot_ids.shape
+    kv_heads, head_dim = flat.shape[2], flat.shape[3]
     kv = flat.index_select(0, part.slot_ids.reshape(-1)).to(q.dtype)
-    kv = kv.view(batch, max_ctx, *flat.shape[1:])  # [B, L, 2, kvh, hd]
-    k = kv[:, :, 0].transpose(1, 2)
-    v = kv[:, :, 1].transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=part.mask, scale=scale,
-                                       enable_gqa=True)
-    return o.squeeze(2)
+    kv = kv.view(batch, max_ctx, 2, kv_heads, head_dim)
+    k = kv[:, :, 0].permute(0, 2, 3, 1)  # [B, kvh, hd, L]
+    v = kv[:, :, 1].transpose(1, 2)  # [B, kvh, L, hd]
+    qg = q.view(batch, kv_heads, -1, head_dim)  # query heads grouped by their KV head
+    scores = torch.matmul(qg, k).float() * scale
+    scores.masked_fill_(~part.mask.view(batch, 1, 1, max_ctx), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).view(batch, -1, head_dim)

@@ -1,0 +1,54 @@
+"""Writing benchmark results: JSON with the machine profile, and a PNG bar chart."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+
+def machine_profile() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor(),
+            "cpus": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def write_json(path: str | Path, result: dict[str, Any]) -> Path:
+    """Write ``result`` (must hold a ``summary``) as indented JSON; returns the path."""
+    if "summary" not in result:
+        raise ValueError("a benchmark result needs a top-level summary")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def bar_chart(path: str | Path, title: str, groups: list[str],
+              series: dict[str, list[float]], ylabel: str) -> Path:
+    """A grouped bar chart, one bar per series in each group, saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        bars = ax.bar(xs, values, width, label=name)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
