@@ -16,7 +16,7 @@ from dualpath.config import EngineConfig
 from dualpath.errors import RequestError
 from dualpath.kv.block_pool import BlockPool
 from dualpath.kv.hashing import extend_block_hashes
-from dualpath.request import Sequence, SeqStatus
+from dualpath.request import SeqStatus, Sequence
 
 
 @dataclass

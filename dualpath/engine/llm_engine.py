@@ -105,21 +105,22 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int) -> bool:
         """Record a sampled token and apply the stop rules; True if ``seq`` finished."""
         seq.append_token(token)
-        params = seq.params
-        reason = None
-        if not params.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        elif params.stop and self._hit_stop_string(seq):
-            reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens:
-            reason = "length"
-        elif seq.num_tokens >= self.spec.max_position:
-            reason = "length"
+        reason = self._finish_reason(seq, token)
         if reason is None:
             return False
         self.batcher.finish(seq, reason)
         self.sampler.release(seq.seq_id)
         return True
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if params.stop and self._hit_stop_string(seq):
+            return "stop"
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.spec.max_position:
+            return "length"
+        return None
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         if self.tokenizer is None:

@@ -95,7 +95,13 @@ def _eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """Mistral honours ``sliding_window``; Qwen2 only with ``use_sliding_window`` (default off)."""
     window = cfg.get("sliding_window")
+    if cfg.get("model_type") == "qwen2":
+        if cfg.get("use_sliding_window", False):
+            raise ModelSpecError("qwen2 use_sliding_window=true (per-layer windows) is "
+                                 "not supported")
+        return None
     if window is None or cfg.get("use_sliding_window") is False:
         return None
     return int(window)

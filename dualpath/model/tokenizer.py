@@ -59,7 +59,8 @@ class Tokenizer:
         """Text of ``token_ids``."""
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> str:
         """The prompt text the chat template makes of ``messages``."""
         if not self.chat_template:
             raise ModelLoadError("this model has no chat template; use a raw prompt")
