@@ -28,6 +28,7 @@ class Sampler:
                seq_ids: list[int]) -> list[int]:
         """Next token ids for ``logits [rows, vocab]`` (fp32)."""
         tokens = logits.argmax(-1).tolist()
+        logits = logits.cpu()  # generators live on the CPU; sampling rows is cheap there
         for row, (p, seq_id) in enumerate(zip(params, seq_ids, strict=True)):
             if p.greedy:
                 continue

@@ -8,6 +8,7 @@ never Python's salted ``hash()``.
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections.abc import Sequence
 
@@ -22,7 +23,10 @@ def root_hash(seed: str) -> bytes:
 def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """Hash of one full block given its parent's hash."""
     h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES)
-    h.update(array("Q", token_ids).tobytes())
+    ids = array("Q", token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()  # hash little-endian bytes on every host
+    h.update(ids.tobytes())
     return h.digest()
 
 

@@ -139,6 +139,8 @@ def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
         )
     except KeyError as exc:
         raise ModelSpecError(f"config.json lacks the field {exc.args[0]!r}") from exc
+    if "head_dim" not in cfg and hidden % heads:
+        raise ModelSpecError("hidden_size is not a multiple of num_attention_heads")
     if cfg.get("mlp_bias"):
         raise ModelSpecError("mlp_bias=true is not supported")
     if spec.num_heads % spec.num_kv_heads:

@@ -54,7 +54,7 @@ def test_prefix_reuse_logits_equal_full_prefill(smollm2_dir):
     shared = torch.randint(0, 49000, (200,), generator=g).tolist()
     tail = torch.randint(0, 49000, (37,), generator=g).tolist()
     reuse = LLMEngine(smollm2_dir, EngineConfig(dtype="float32", num_kv_blocks=64))
-    reuse.prompt_logits(shared + [11, 12, 13])  # caches 3 full blocks of `shared`
+    reuse.prompt_logits([*shared, 11, 12, 13])  # caches 3 full blocks of `shared`
     cached_logits, num_cached = reuse.prompt_logits(shared + tail)
     assert num_cached == 192
     fresh = LLMEngine(smollm2_dir, EngineConfig(dtype="float32", num_kv_blocks=64,

@@ -1,0 +1,334 @@
+"""Import layering rules, checked statically with ``ast`` (nothing under test is imported).
+
+Pure modules (hashing, block pool, model spec, the scheduler, and later the transfer lanes and
+KV layout) must stay free of torch, networking, clocks and concurrency, directly or through any
+``dualpath`` module they import. Every import statement counts, including ones inside functions
+(they run when the function is called); only ``if TYPE_CHECKING:`` blocks are exempt.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = "dualpath"
+
+FORBIDDEN = frozenset(
+    {"torch", "zmq", "socket", "time", "datetime", "asyncio", "threading", "multiprocessing"}
+)
+
+REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/model/spec.py")
+OPTIONAL_PURE = ("dualpath/transfer/lanes.py", "dualpath/kv/layout.py")
+PURE_TREES = ("dualpath/scheduler",)
+
+
+# --- the checker -----------------------------------------------------------------------------
+
+
+def module_name(path: Path, root: Path) -> str:
+    """``root/dualpath/kv/hashing.py`` -> ``dualpath.kv.hashing`` (packages drop __init__)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def module_file(name: str, root: Path) -> Path | None:
+    """The file that defines module ``name`` under ``root``, or None if there is none."""
+    base = root.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _walk_runtime(node: ast.AST) -> Iterator[ast.AST]:
+    """Like ``ast.walk`` but skipping the bodies of ``if TYPE_CHECKING:`` blocks."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for other in child.orelse:
+                yield other
+                yield from _walk_runtime(other)
+            continue
+        yield child
+        yield from _walk_runtime(child)
+
+
+def _resolve_relative(package: str, level: int, module: str | None) -> str:
+    parts = package.split(".")
+    if level - 1 > len(parts) - 1:
+        raise ValueError(f"relative import beyond top-level package from {package}")
+    base = parts[: len(parts) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def imported_names(path: Path, root: Path) -> list[str]:
+    """Absolute names of every module ``path`` imports (``from p import m`` yields p and p.m)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    this = module_name(path, root)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    names: list[str] = []
+    for node in _walk_runtime(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = (_resolve_relative(package, node.level, node.module) if node.level
+                    else node.module or "")
+            names.append(base)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if alias.name != "*" and module_file(sub, root) is not None:
+                    names.append(sub)
+        elif (isinstance(node, ast.Call) and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Name)
+                    and node.func.id in {"__import__", "import_module"})
+                   or (isinstance(node.func, ast.Attribute)
+                       and node.func.attr == "import_module"))):
+            names.append(node.args[0].value)
+    return names
+
+
+def _with_parents(name: str) -> list[str]:
+    """``a.b.c`` -> ``[a, a.b, a.b.c]``: importing a module runs its packages' __init__ too."""
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def find_violations(start: Path, is_forbidden: Callable[[str], bool],
+                    root: Path = ROOT) -> list[list[str]]:
+    """Import chains from ``start`` to a forbidden module, following in-package imports.
+
+    Each chain lists module names, starting with ``start``'s and ending with the forbidden
+    import. Breadth-first, so every reported chain is a shortest one.
+    """
+    top = module_name(start, root).split(".")[0]
+    first = module_name(start, root)
+    queue: deque[list[str]] = deque()
+    seen: set[str] = set()
+    for parent in _with_parents(first):
+        if module_file(parent, root) is not None:
+            seen.add(parent)
+            queue.append([first] if parent == first else [first, parent])
+    violations: list[list[str]] = []
+    while queue:
+        chain = queue.popleft()
+        path = module_file(chain[-1], root)
+        assert path is not None
+        for name in imported_names(path, root):
+            if is_forbidden(name):
+                if [*chain, name] not in violations:
+                    violations.append([*chain, name])
+                continue
+            if name.split(".")[0] != top:
+                continue
+            for target in _with_parents(name):
+                if target in seen or module_file(target, root) is None:
+                    continue
+                seen.add(target)
+                if is_forbidden(target):
+                    violations.append([*chain, target])
+                else:
+                    queue.append([*chain, target])
+    return violations
+
+
+def is_forbidden_dependency(name: str) -> bool:
+    return name.split(".")[0] in FORBIDDEN
+
+
+def format_violations(start: Path, violations: list[list[str]], root: Path = ROOT) -> str:
+    lines = [f"{start.relative_to(root)} must not import {sorted(FORBIDDEN)}, but:"]
+    lines += ["  " + " -> ".join(chain) for chain in violations]
+    return "\n".join(lines)
+
+
+def pure_files(root: Path = ROOT) -> list[Path]:
+    files = [root / p for p in REQUIRED_PURE]
+    for tree in PURE_TREES:
+        if (root / tree).is_dir():
+            files += sorted((root / tree).rglob("*.py"))
+    files += [root / p for p in OPTIONAL_PURE if (root / p).is_file()]
+    return files
+
+
+# --- the rules -------------------------------------------------------------------------------
+
+
+def test_required_pure_modules_exist():
+    missing = [p for p in REQUIRED_PURE if not (ROOT / p).is_file()]
+    assert not missing, f"pure modules moved or deleted, update the layering test: {missing}"
+
+
+@pytest.mark.parametrize("path", pure_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_pure_module_has_no_forbidden_imports(path):
+    violations = find_violations(path, is_forbidden_dependency)
+    assert not violations, format_violations(path, violations)
+
+
+MODEL_FILES = sorted((ROOT / "dualpath" / "model").rglob("*.py"))
+
+
+def _is_kv(name: str) -> bool:
+    return name == "dualpath.kv" or name.startswith("dualpath.kv.")
+
+
+@pytest.mark.parametrize("path", MODEL_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_model_never_imports_kv(path):
+    violations = find_violations(path, _is_kv)
+    assert not violations, "\n".join(
+        [f"{path.relative_to(ROOT)} must not import dualpath.kv, but:"]
+        + ["  " + " -> ".join(chain) for chain in violations]
+    )
+
+
+def _run_python(code: str) -> str:
+    env = {**os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_import_dualpath_loads_no_torch():
+    loaded = _run_python(
+        "import sys, dualpath; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    assert loaded == "[]", f"`import dualpath` pulled in torch modules: {loaded}"
+
+
+def test_importing_pure_modules_loads_no_torch():
+    modules = ", ".join(module_name(p, ROOT) for p in pure_files())
+    loaded = _run_python(
+        f"import sys, {modules}; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    assert loaded == "[]", f"importing {modules} pulled in torch modules: {loaded}"
+
+
+# --- self-tests of the checker ---------------------------------------------------------------
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_checker_finds_transitive_forbidden_import(tmp_path):
+    _write(tmp_path, {
+        "dualpath/__init__.py": "",
+        "dualpath/pure.py": "from dualpath import helper\n",
+        "dualpath/helper.py": "from .sub.deep import x\n",
+        "dualpath/sub/__init__.py": "",
+        "dualpath/sub/deep.py": "def f():\n    import threading\nx = 1\n",
+    })
+    start = tmp_path / "dualpath" / "pure.py"
+    violations = find_violations(start, is_forbidden_dependency, tmp_path)
+    assert violations == [
+        ["dualpath.pure", "dualpath.helper", "dualpath.sub.deep", "threading"]
+    ]
+    message = format_violations(start, violations, tmp_path)
+    assert "dualpath/pure.py" in message
+    assert "dualpath.pure -> dualpath.helper -> dualpath.sub.deep -> threading" in message
+
+
+def test_checker_finds_forbidden_import_in_a_parent_package_init(tmp_path):
+    _write(tmp_path, {
+        "dualpath/__init__.py": "",
+        "dualpath/a/__init__.py": "import torch.nn as nn\n",
+        "dualpath/a/b.py": "",
+        "dualpath/c.py": "import dualpath.a.b\n",
+    })
+    start = tmp_path / "dualpath" / "c.py"
+    assert find_violations(start, is_forbidden_dependency, tmp_path) == [
+        ["dualpath.c", "dualpath.a", "torch.nn"]
+    ]
+    # the module's own package __init__ counts too
+    assert find_violations(tmp_path / "dualpath" / "a" / "b.py", is_forbidden_dependency,
+                           tmp_path) == [["dualpath.a.b", "dualpath.a", "torch.nn"]]
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["import time\n", "from datetime import datetime\n", "import socket as s\n",
+     "from asyncio import run\n", "import multiprocessing.pool\n", "import zmq\n",
+     "import importlib\nimportlib.import_module('torch')\n", "__import__('threading')\n"],
+    ids=lambda source: source.strip().splitlines()[-1],
+)
+def test_checker_flags_each_import_form(tmp_path, source):
+    _write(tmp_path, {"dualpath/__init__.py": "", "dualpath/m.py": source})
+    violations = find_violations(tmp_path / "dualpath" / "m.py", is_forbidden_dependency, tmp_path)
+    assert len(violations) == 1
+    assert violations[0][0] == "dualpath.m"
+    assert violations[0][-1].split(".")[0] in FORBIDDEN
+
+
+def test_checker_accepts_clean_and_type_checking_imports(tmp_path):
+    _write(tmp_path, {
+        "dualpath/__init__.py": "",
+        "dualpath/ok.py": (
+            "from __future__ import annotations\n"
+            "import hashlib\nimport numpy as np\nfrom typing import TYPE_CHECKING\n"
+            "from dualpath import other\n"
+            "if TYPE_CHECKING:\n    import torch\n"
+            "timeout = 3  # the word time in a name is fine\n"
+        ),
+        "dualpath/other.py": "import collections\n",
+    })
+    assert find_violations(tmp_path / "dualpath" / "ok.py", is_forbidden_dependency,
+                           tmp_path) == []
+
+
+def test_checker_follows_relative_parent_imports(tmp_path):
+    _write(tmp_path, {
+        "dualpath/__init__.py": "",
+        "dualpath/kv/__init__.py": "",
+        "dualpath/kv/x.py": "import socket\n",
+        "dualpath/model/__init__.py": "",
+        "dualpath/model/m.py": "from ..kv import x\n",
+    })
+    start = tmp_path / "dualpath" / "model" / "m.py"
+    assert find_violations(start, _is_kv, tmp_path) == [
+        ["dualpath.model.m", "dualpath.kv"], ["dualpath.model.m", "dualpath.kv.x"]
+    ]
+    assert find_violations(start, is_forbidden_dependency, tmp_path) == [
+        ["dualpath.model.m", "dualpath.kv.x", "socket"]
+    ]
+
+
+def test_pure_files_pick_up_scheduler_and_optional_modules(tmp_path):
+    _write(tmp_path, {p: "" for p in REQUIRED_PURE})
+    assert pure_files(tmp_path) == [tmp_path / p for p in REQUIRED_PURE]
+    _write(tmp_path, {
+        "dualpath/scheduler/__init__.py": "",
+        "dualpath/scheduler/policy/select.py": "",
+        "dualpath/transfer/lanes.py": "",
+        "dualpath/kv/layout.py": "",
+    })
+    found = {str(p.relative_to(tmp_path)) for p in pure_files(tmp_path)}
+    assert found == {
+        *REQUIRED_PURE, "dualpath/scheduler/__init__.py", "dualpath/scheduler/policy/select.py",
+        "dualpath/transfer/lanes.py", "dualpath/kv/layout.py",
+    }
+
+
+def test_checker_flags_the_real_torch_backed_kv_cache():
+    path = ROOT / "dualpath" / "kv" / "cache.py"
+    violations = find_violations(path, is_forbidden_dependency)
+    assert ["dualpath.kv.cache", "torch"] in violations
