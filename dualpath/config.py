@@ -17,6 +17,7 @@ class EngineConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on CPU with bf16 weights), float32, ...
     kv_dtype: str = "auto"  # KV cache dtype; auto follows the compute dtype
     enable_prefix_caching: bool = True
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     threads: int = 1  # torch intra-op threads (one per engine process, see README)
     seed: int = 0
 

@@ -74,3 +74,13 @@ def smollm2_dir() -> Path:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return ensure_default_model(verbose=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip cleanly on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -54,10 +54,10 @@ class LLMEngine:
         self.spec = spec = load_spec(model_dir)
         self.dtype = resolve_dtype(config.dtype, spec)
         self.kv_dtype = self.dtype if config.kv_dtype == "auto" else config.kv_dtype
-        model = load_model(model_dir, TORCH_DTYPES[self.dtype], spec)
+        model = load_model(model_dir, TORCH_DTYPES[self.dtype], spec, config.device)
         num_blocks = config.num_kv_blocks or blocks_for_budget(
             spec, config.block_size, self.kv_dtype, config.kv_cache_mb)
-        cache = PagedKVCache(spec, num_blocks, config.block_size, self.kv_dtype)
+        cache = PagedKVCache(spec, num_blocks, config.block_size, self.kv_dtype, config.device)
         self.runner = ModelRunner(model, cache)
         self.pool = BlockPool(num_blocks)
         seed = f"{spec.identity}/{self.kv_dtype}/bs{config.block_size}"

@@ -47,6 +47,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.window = model.spec.sliding_window
         self._kv_layers = cache.layers()
+        self.device = cache.data.device
 
     def prepare(self, items: list[tuple[Sequence, int]]) -> StepInputs:
         """Build the flat inputs and attention metadata for ``items``."""
@@ -74,8 +75,8 @@ class ModelRunner:
                 prefills.append(PrefillSlice(row, num_new, ctx_slots, mask))
         batch = AttentionBatch(torch.cat(slots), prefills,
                                self._decode_slice(decode_rows, decode_slots, decode_ctx))
-        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.cat(positions), batch,
-                          last_rows)
+        return StepInputs(torch.tensor(ids, dtype=torch.long).to(self.device),
+                          torch.cat(positions).to(self.device), batch.to(self.device), last_rows)
 
     def _decode_slice(self, rows: list[int], slots: list[torch.Tensor],
                       ctx_lens: list[int]) -> DecodeSlice | None:

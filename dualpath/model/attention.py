@@ -43,6 +43,18 @@ class AttentionBatch:
     prefills: list[PrefillSlice]
     decode: DecodeSlice | None
 
+    def to(self, device: torch.device) -> AttentionBatch:
+        """The same batch with every tensor on ``device``."""
+        if self.slot_mapping.device == device:
+            return self
+        prefills = [PrefillSlice(p.q_start, p.q_len, p.slot_ids.to(device),
+                                 None if p.mask is None else p.mask.to(device))
+                    for p in self.prefills]
+        decode = self.decode and DecodeSlice(self.decode.token_idx.to(device),
+                                             self.decode.slot_ids.to(device),
+                                             self.decode.mask.to(device))
+        return AttentionBatch(self.slot_mapping.to(device), prefills, decode)
+
 
 def write_kv(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:

@@ -86,12 +86,12 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-               spec: ModelSpec | None = None) -> LlamaForCausalLM:
+               spec: ModelSpec | None = None, device: str = "cpu") -> LlamaForCausalLM:
     """Build the model for ``model_dir``'s config and load its weights in ``dtype``."""
     spec = spec or load_spec(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(spec)
     model = model.to_empty(device="cpu")
     load_weights(model, model_dir)
-    model.to(dtype)
+    model.to(dtype=dtype, device=device)
     return model.eval().requires_grad_(False)
