@@ -24,7 +24,6 @@ class ScheduledStep:
     """What one step computes: (sequence, number of new tokens) pairs."""
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
-    num_preempted: int = 0
 
 
 class Batcher:
@@ -37,6 +36,7 @@ class Batcher:
         self.block_size = config.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # sequences evicted to be recomputed, since start
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; reject one that could never fit in the KV cache."""
@@ -63,7 +63,7 @@ class Batcher:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_pending_tokens, budget)
-            if not self._grow(seq, num_new, step):
+            if not self._grow(seq, num_new):
                 continue
             step.items.append((seq, num_new))
             budget -= num_new
@@ -102,19 +102,19 @@ class Batcher:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _grow(self, seq: Sequence, num_new: int, step: ScheduledStep) -> bool:
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
         """Give ``seq`` blocks for ``num_new`` more tokens, preempting others if needed."""
         need = self._blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_table)
         while need > self.pool.num_free_blocks:
             victim = self.running[-1]
             self._preempt(victim)
-            step.num_preempted += 1
             if victim is seq:
                 return False
         seq.block_table += self.pool.allocate(need) if need > 0 else []
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
