@@ -1,4 +1,4 @@
-"""Command line: ``dualpath generate``, ``dualpath prepare-model``, ``dualpath bench engine``."""
+"""Command line: ``dualpath generate``, ``prepare-model``, ``bench engine``, ``bench storage``."""
 
 from __future__ import annotations
 
@@ -70,10 +70,17 @@ def _cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from dualpath.bench.engine import run_engine_bench
 
     run_engine_bench(args)
+    return 0
+
+
+def _cmd_bench_storage(args: argparse.Namespace) -> int:
+    from dualpath.bench.storage import run_storage_bench
+
+    run_storage_bench(args)
     return 0
 
 
@@ -107,7 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--decode-prompt-tokens", type=int, default=128)
     eng.add_argument("--repeats", type=int, default=2)
     _add_engine_args(eng)
-    eng.set_defaults(func=_cmd_bench)
+    eng.set_defaults(func=_cmd_bench_engine)
+
+    sto = bench_sub.add_parser("storage", help="fs store read/write vs raw O_DIRECT reads")
+    sto.add_argument("--json", required=True, help="where to write the results")
+    sto.add_argument("--model", default=None, help="model whose full-block size to use")
+    sto.add_argument("--dir", default=None, help="store folder (default: cache/bench-storage)")
+    sto.add_argument("--blocks", type=int, default=256)
+    sto.add_argument("--rounds", type=int, default=4)
+    sto.add_argument("--chunk-blocks", type=int, default=32, help="blocks per interleaved chunk")
+    sto.add_argument("--workers", type=int, default=4)
+    sto.add_argument("--keep", action="store_true", help="keep the files afterwards")
+    sto.set_defaults(func=_cmd_bench_storage)
     return parser
 
 

@@ -24,3 +24,17 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Where full KV blocks persist and how this node's storage NIC is emulated."""
+
+    backend: str = "fs"  # fs | memory
+    root: str = ".cache/kv-store"  # a local disk or a shared POSIX mount
+    capacity_gb: float | None = None  # LRU-evict whole suffixes beyond this
+    fsync: bool = False  # fsync each block (and its directory) before it counts as written
+    o_direct: bool = False  # read with O_DIRECT into aligned buffers (bypass the page cache)
+    workers: int = 4  # parallel reads/writes per client
+    read_cap_mb_s: float | None = None  # storage-NIC read cap (MB/s); None = uncapped
+    write_cap_mb_s: float | None = None  # storage-NIC write cap (MB/s); None = uncapped

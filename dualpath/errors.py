@@ -19,3 +19,15 @@ class OutOfBlocksError(DualPathError):
 
 class RequestError(DualPathError):
     """A request is malformed (bad sampling parameters, prompt too long, ...)."""
+
+
+class StorageError(DualPathError):
+    """A KV storage backend failed in a way the caller must hear about."""
+
+
+class InvalidKeyError(StorageError):
+    """A block key is malformed or would name a path outside the store."""
+
+
+class HostPoolExhaustedError(DualPathError):
+    """The host DRAM buffer has no free slot for a request."""

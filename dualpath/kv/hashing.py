@@ -1,16 +1,20 @@
-"""Chained, stable hashes of full token blocks (pure: no torch, no clock).
+"""Chained, stable hashes of full token blocks and the keys that name them (pure).
 
 Block k's hash covers the parent hash and the block's token ids, so equal hashes mean equal
-prefixes. Hashes are blake2b digests seeded with a caller-given identity (model and layout),
-never Python's salted ``hash()``.
+prefixes. Hashes are blake2b digests seeded with the model identity and KV layout, never
+Python's salted ``hash()``. A ``BlockKey`` carries model id, layout id, block size and hash.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dualpath.errors import InvalidKeyError
 
 DIGEST_BYTES = 16
 
@@ -38,3 +42,77 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
         parent = block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_id(value: str, what: str) -> str:
+    """``value`` if it is a safe identifier (letters, digits, ``._-``), else ``InvalidKeyError``."""
+    if not isinstance(value, str) or not _SAFE_ID.fullmatch(value) or ".." in value:
+        raise InvalidKeyError(f"{what} {value!r} must match {_SAFE_ID.pattern} without '..'")
+    return value
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    """Names one stored full block: model, KV layout, block size and the chained hash.
+
+    ``parent`` (the previous block's hash, ``None`` for the first block) rides along so stores
+    can keep their contents prefix-closed; it takes no part in equality.
+    """
+
+    model_id: str
+    layout_id: str
+    block_size: int
+    block_hash: bytes
+    parent: bytes | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        check_id(self.model_id, "model id")
+        check_id(self.layout_id, "layout id")
+        if not isinstance(self.block_size, int) or not 0 < self.block_size <= 1 << 20:
+            raise InvalidKeyError(f"block size {self.block_size!r} out of range")
+        if not isinstance(self.block_hash, bytes) or len(self.block_hash) != DIGEST_BYTES:
+            raise InvalidKeyError(f"block hash must be {DIGEST_BYTES} bytes")
+
+    @property
+    def hex(self) -> str:
+        """The block hash as 32 hex digits."""
+        return self.block_hash.hex()
+
+    @property
+    def name(self) -> str:
+        """A printable, path-safe name of the key."""
+        return f"{self.model_id}/{self.layout_id}/bs{self.block_size}/{self.hex}"
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """All keys of one model and KV layout; seeds the hash chain with both."""
+
+    model_id: str
+    layout_id: str
+    block_size: int
+
+    def __post_init__(self) -> None:
+        check_id(self.model_id, "model id")
+        check_id(self.layout_id, "layout id")
+
+    @property
+    def seed(self) -> str:
+        """The seed of every chain in this key space."""
+        return f"{self.model_id}|{self.layout_id}|{self.block_size}"
+
+    def key(self, block_hash: bytes, parent: bytes | None) -> BlockKey:
+        """The key of one block given its hash and its parent's hash."""
+        return BlockKey(self.model_id, self.layout_id, self.block_size, block_hash, parent)
+
+    def keys_for_hashes(self, hashes: Sequence[bytes]) -> list[BlockKey]:
+        """Keys of a chain of block hashes (block 0 first)."""
+        parents: list[bytes | None] = [None, *hashes[:-1]]
+        return [self.key(h, p) for h, p in zip(hashes, parents, strict=True)]
+
+    def keys(self, token_ids: Sequence[int]) -> list[BlockKey]:
+        """Keys of every full block of ``token_ids``."""
+        return self.keys_for_hashes(extend_block_hashes([], token_ids, self.block_size, self.seed))

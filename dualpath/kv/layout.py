@@ -1,0 +1,82 @@
+"""KV block layouts (pure): full blocks for storage, layer blocks for streaming.
+
+A *layer block* is one layer's K and V for ``block_size`` tokens, shape
+``[1, tokens, bytes_per_token_per_layer]``; per token the bytes are K (all KV heads) then V.
+A *full block* is all layers, ``[layers, tokens, bytes_per_token_per_layer]``, and is exactly
+its layer blocks concatenated in layer order — so a full block read from storage is streamed
+layer by layer with no conversion, and layer i sits at ``i × layer_block_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.model.spec import DTYPE_BYTES, ModelSpec
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Sizes and offsets of the KV blocks of one model, dtype and block size."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}")
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) <= 0:
+            raise ValueError("layout sizes must be positive")
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, kv_dtype: str, block_size: int) -> KVLayout:
+        """The layout of ``spec``'s KV cache."""
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype, block_size)
+
+    @property
+    def layout_id(self) -> str:
+        """Names the byte layout (part of every storage key)."""
+        return (f"kv-{self.dtype}-L{self.num_layers}-kvh{self.num_kv_heads}-hd{self.head_dim}"
+                f"-bs{self.block_size}")
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """One layer of one block."""
+        return self.block_size * self.bytes_per_token_per_layer
+
+    @property
+    def full_block_bytes(self) -> int:
+        """All layers of one block."""
+        return self.num_layers * self.layer_block_bytes
+
+    @property
+    def full_block_shape(self) -> tuple[int, int, int]:
+        """``[layers, tokens, bytes]``."""
+        return (self.num_layers, self.block_size, self.bytes_per_token_per_layer)
+
+    @property
+    def layer_block_shape(self) -> tuple[int, int, int]:
+        """``[1, tokens, bytes]``."""
+        return (1, self.block_size, self.bytes_per_token_per_layer)
+
+    def layer_offset(self, layer_idx: int) -> int:
+        """Byte offset of layer ``layer_idx`` inside a full block."""
+        if not 0 <= layer_idx < self.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range [0, {self.num_layers})")
+        return layer_idx * self.layer_block_bytes
+
+    def layer_view(self, full_block: memoryview, layer_idx: int) -> memoryview:
+        """Layer ``layer_idx`` of a full-block buffer, without a copy."""
+        view = memoryview(full_block).cast("B")
+        if view.nbytes != self.full_block_bytes:
+            raise ValueError(f"buffer holds {view.nbytes} bytes, a full block "
+                             f"{self.full_block_bytes}")
+        start = self.layer_offset(layer_idx)
+        return view[start : start + self.layer_block_bytes]

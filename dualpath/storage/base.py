@@ -1,0 +1,95 @@
+"""The storage backend interface: batch-first, whole full blocks only.
+
+A backend stores one object per full block under its ``BlockKey``. Reads that fail for any
+cache reason (missing, truncated, corrupt, wrong header) are *misses*, reported per block and
+counted, never raised: the caller recomputes those tokens. ``StorageError`` is for misuse
+(bad keys, wrong buffer sizes) and for a store that cannot work at all.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from dualpath.errors import StorageError
+from dualpath.kv.hashing import BlockKey
+
+
+def as_buffer(obj: Any) -> memoryview:
+    """A flat byte memoryview over ``obj`` (bytearray, mmap, numpy array or CPU tensor)."""
+    if hasattr(obj, "numpy") and not isinstance(obj, memoryview):
+        obj = obj.numpy()  # a torch tensor: share its memory
+    view = memoryview(obj)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class StorageStats:
+    """Thread-safe counters of one store (what metrics export)."""
+
+    FIELDS = ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "blocks_written",
+              "writes_skipped", "write_errors", "blocks_evicted", "blocks_deleted")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **deltas: int) -> None:
+        """Add to named counters."""
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def __getitem__(self, name: str) -> int:
+        return self._values[name]
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of every counter."""
+        with self._lock:
+            return dict(self._values)
+
+
+class StorageBackend(ABC):
+    """Where full blocks live between turns."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.stats = StorageStats()
+
+    @abstractmethod
+    def exists_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` are stored (stops at the first absent one)."""
+
+    @abstractmethod
+    def get_into(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
+        """Read each block into its buffer; per block True if read and verified, else a miss."""
+
+    @abstractmethod
+    def put_from(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
+        """Store each buffer under its key; per block True if stored (or already there)."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Remove the blocks; returns how many existed."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
+        """Release worker threads and files (idempotent)."""
+
+    def _check_batch(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[memoryview]:
+        if len(keys) != len(buffers):
+            raise StorageError(f"{len(keys)} keys but {len(buffers)} buffers")
+        views = [as_buffer(b) for b in buffers]
+        for view in views:
+            if view.nbytes != self.block_bytes:
+                raise StorageError(f"buffer of {view.nbytes} bytes, a block is {self.block_bytes}")
+        for key in keys:
+            if not isinstance(key, BlockKey):
+                raise StorageError(f"expected a BlockKey, got {type(key).__name__}")
+        return views
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
