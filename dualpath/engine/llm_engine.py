@@ -18,8 +18,10 @@ from dualpath.engine.runner import ModelRunner
 from dualpath.engine.sampler import Sampler
 from dualpath.kv.block_pool import BlockPool
 from dualpath.kv.cache import TORCH_DTYPES, PagedKVCache, blocks_for_budget
+from dualpath.kv.hashing import KeySpace
+from dualpath.kv.layout import KVLayout
 from dualpath.model.loader import load_model
-from dualpath.model.spec import ModelSpec, load_spec
+from dualpath.model.spec import ModelSpec, load_spec, model_id
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.request import SamplingParams, Sequence
 
@@ -60,8 +62,9 @@ class LLMEngine:
         cache = PagedKVCache(spec, num_blocks, config.block_size, self.kv_dtype, config.device)
         self.runner = ModelRunner(model, cache)
         self.pool = BlockPool(num_blocks)
-        seed = f"{spec.identity}/{self.kv_dtype}/bs{config.block_size}"
-        self.batcher = Batcher(config, self.pool, seed)
+        self.layout = KVLayout.from_spec(spec, self.kv_dtype, config.block_size)
+        self.key_space = KeySpace(model_id(model_dir), self.layout.layout_id, config.block_size)
+        self.batcher = Batcher(config, self.pool, self.key_space.seed)
         self.sampler = Sampler(config.seed)
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer else None

@@ -6,7 +6,9 @@ No torch here: the storage layout, the scheduler and the simulator size things f
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from dualpath.errors import ModelSpecError
 SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "mistral"}
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_FINGERPRINT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -59,14 +62,6 @@ class ModelSpec:
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         """Bytes of K and V of all layers for one token."""
         return self.num_layers * self.kv_bytes_per_token_per_layer(kv_dtype)
-
-    @property
-    def identity(self) -> str:
-        """A short string naming the architecture's shape (used to seed KV hashes)."""
-        return (
-            f"{self.model_type}-L{self.num_layers}-H{self.hidden_size}-kv{self.num_kv_heads}"
-            f"x{self.head_dim}-V{self.vocab_size}"
-        )
 
 
 def _rope_from_config(cfg: dict[str, Any]) -> RopeSpec:
@@ -154,3 +149,24 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     if not path.is_file():
         raise ModelSpecError(f"{path} does not exist")
     return spec_from_config(json.loads(path.read_text()))
+
+
+def model_id(model_dir: str | Path) -> str:
+    """A storage-safe id of a checkpoint: folder name plus a fingerprint of config and weights.
+
+    The fingerprint covers ``config.json`` and, per safetensors file, its name, size and first
+    and last MiB, so two checkpoints of one architecture (say, a base model and its fine-tune)
+    never share KV-cache keys.
+    """
+    folder = Path(model_dir)
+    digest = hashlib.blake2b(digest_size=6)
+    digest.update((folder / "config.json").read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(_FINGERPRINT_BYTES))
+            f.seek(max(0, size - _FINGERPRINT_BYTES))
+            digest.update(f.read(_FINGERPRINT_BYTES))
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", folder.name).strip("-.")[:48] or "model"
+    return f"{name}-{digest.hexdigest()}"

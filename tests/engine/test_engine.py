@@ -131,3 +131,16 @@ def test_bf16_engine_answers(smollm2_dir):
     out = engine.generate([_chat(engine, "What is the capital of France?")],
                           SamplingParams(max_tokens=30))[0]
     assert "Paris" in out.text
+
+
+def test_prefix_hashes_are_storage_keys(smollm2_dir, smol_fp32):
+    ids = _chat(smol_fp32, "Tell me a long story about a lighthouse keeper and the sea.")
+    out = smol_fp32.generate([ids], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    tokens = out.prompt_ids + out.output_ids
+    keys = smol_fp32.key_space.keys(tokens)
+    assert len(keys) == len(tokens) // 64
+    hits = smol_fp32.pool.match_prefix([k.block_hash for k in keys])
+    assert len(hits) == len(keys)  # every full block the engine cached is named by its key
+    smol_fp32.pool.free(hits)
+    assert keys[0].model_id.startswith("SmolLM2-135M-Instruct-")
+    assert keys[0].layout_id == "kv-float32-L30-kvh3-hd64-bs64"

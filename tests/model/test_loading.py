@@ -81,3 +81,19 @@ def test_resolve_model(smollm2_dir, tmp_path):
     assert resolve_model(str(smollm2_dir)) == smollm2_dir
     with pytest.raises(ModelLoadError):
         resolve_model(str(tmp_path))
+
+
+def test_model_id_fingerprints_config_and_weights(tiny_llama_dir, tmp_path):
+    from dualpath.model.spec import model_id
+
+    first = model_id(tiny_llama_dir)
+    assert first == model_id(tiny_llama_dir)
+    assert first.startswith(tiny_llama_dir.name[:20])
+    copy = tmp_path / "same name"
+    shutil.copytree(tiny_llama_dir, copy)
+    path = next(copy.glob("*.safetensors"))
+    tensors = load_file(str(path))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1  # a "fine-tune"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    other = model_id(copy)
+    assert other.startswith("same-name-") and other[-12:] != first[-12:]

@@ -312,7 +312,7 @@ def test_model_spec_error_is_a_dualpath_error():
         spec_from_config({"model_type": "bert"})
 
 
-# --- KV sizing and identity ------------------------------------------------------------------
+# --- KV sizing ------------------------------------------------------------------
 
 
 def test_kv_bytes_per_token_smollm2_bfloat16():
@@ -325,18 +325,6 @@ def test_kv_bytes_per_token_smollm2_bfloat16():
                          [("float32", 46_080), ("float16", 23_040), ("bfloat16", 23_040)])
 def test_kv_bytes_per_token_per_dtype(dtype, expected):
     assert spec_from_config(_smollm2_config()).kv_bytes_per_token(dtype) == expected
-
-
-def test_identity_names_the_shape():
-    assert spec_from_config(_smollm2_config()).identity == "llama-L30-H576-kv3x64-V49152"
-
-
-def test_identity_differs_between_models():
-    assert (spec_from_config(_smollm2_config()).identity
-            != spec_from_config(_qwen2_config()).identity)
-
-
-# --- load_spec -------------------------------------------------------------------------------
 
 
 def test_load_spec_missing_folder(tmp_path):
