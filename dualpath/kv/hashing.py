@@ -54,6 +54,11 @@ def check_id(value: str, what: str) -> str:
     return value
 
 
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or not 0 < block_size <= 1 << 20:
+        raise InvalidKeyError(f"block size {block_size!r} out of range")
+
+
 @dataclass(frozen=True)
 class BlockKey:
     """Names one stored full block: model, KV layout, block size and the chained hash.
@@ -71,8 +76,7 @@ class BlockKey:
     def __post_init__(self) -> None:
         check_id(self.model_id, "model id")
         check_id(self.layout_id, "layout id")
-        if not isinstance(self.block_size, int) or not 0 < self.block_size <= 1 << 20:
-            raise InvalidKeyError(f"block size {self.block_size!r} out of range")
+        _check_block_size(self.block_size)
         if not isinstance(self.block_hash, bytes) or len(self.block_hash) != DIGEST_BYTES:
             raise InvalidKeyError(f"block hash must be {DIGEST_BYTES} bytes")
 
@@ -98,6 +102,7 @@ class KeySpace:
     def __post_init__(self) -> None:
         check_id(self.model_id, "model id")
         check_id(self.layout_id, "layout id")
+        _check_block_size(self.block_size)
 
     @property
     def seed(self) -> str:
@@ -110,7 +115,7 @@ class KeySpace:
 
     def keys_for_hashes(self, hashes: Sequence[bytes]) -> list[BlockKey]:
         """Keys of a chain of block hashes (block 0 first)."""
-        parents: list[bytes | None] = [None, *hashes[:-1]]
+        parents: list[bytes | None] = [None, *hashes][: len(hashes)]
         return [self.key(h, p) for h, p in zip(hashes, parents, strict=True)]
 
     def keys(self, token_ids: Sequence[int]) -> list[BlockKey]:

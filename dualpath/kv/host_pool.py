@@ -83,6 +83,8 @@ class HostPool:
 
     def tensor(self, slot: int) -> torch.Tensor:
         """The slot's payload as a uint8 tensor view (no copy)."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
         start = slot * self.slot_bytes
         return self.slab[start : start + self.payload_bytes]
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def open_store(config: StorageConfig, layout: KVLayout) -> StorageBackend:
     """The backend ``config.backend`` names, set up for ``layout``'s full blocks."""
-    capacity = None if config.capacity_gb is None else int(config.capacity_gb * 1e9)
+    capacity = None if config.capacity_gb is None else round(config.capacity_gb * 1e9)
     if config.backend == "fs":
         from dualpath.storage.fs import FsStore
 

@@ -71,8 +71,12 @@ class StorageClient:
         return self._submit(self._read, self.backend.get_into, keys, buffers)
 
     def submit_write(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> Future[list[bool]]:
-        """Start storing blocks; the future gives per-block success."""
-        return self._submit(self._write, self.backend.put_from, keys, buffers)
+        """Start storing blocks, in order (a chain's parent lands before its child)."""
+        with self._lock:
+            self._write.pending_tokens += len(keys) * self.block_size
+        pairs = list(zip(keys, buffers, strict=True))
+        return self._pool.submit(
+            lambda: [self._one(self._write, self.backend.put_from, k, b) for k, b in pairs])
 
     def read(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
         """Read blocks and wait for them."""
@@ -102,6 +106,7 @@ class StorageClient:
 
     def _submit(self, direction: _Direction, op: Callable[..., list[bool]],
                 keys: Sequence[BlockKey], buffers: Sequence[Any]) -> Future[list[bool]]:
+        """One task per block, in parallel (reads)."""
         with self._lock:
             direction.pending_tokens += len(keys) * self.block_size
         block_futures = [self._pool.submit(self._one, direction, op, k, b)

@@ -11,6 +11,7 @@ pool, optionally with O_DIRECT into 4 KiB-aligned buffers.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dualpath.errors import InvalidKeyError, StorageError
+from dualpath.errors import InvalidKeyError
 from dualpath.kv.hashing import BlockKey, check_id
 from dualpath.kv.layout import KVLayout
 from dualpath.storage.base import StorageBackend
@@ -76,8 +77,10 @@ class FsStore(StorageBackend):
         # re-checked here: a frozen dataclass can still be mutated through object.__setattr__
         model_id = check_id(key.model_id, "model id")
         layout_id = check_id(key.layout_id, "layout id")
+        if not isinstance(key.block_size, int) or not isinstance(key.block_hash, bytes):
+            raise InvalidKeyError(f"key {key!r} has a malformed block size or hash")
         h = key.block_hash.hex()
-        return (f"{self._root_str}/{model_id}/{layout_id}/bs{int(key.block_size)}/{h[:2]}/"
+        return (f"{self._root_str}/{model_id}/{layout_id}/bs{key.block_size}/{h[:2]}/"
                 f"{h[2:4]}/{h}{SUFFIX}")
 
     # -- interface ---------------------------------------------------------------------------
@@ -99,8 +102,11 @@ class FsStore(StorageBackend):
     def put_from(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
         views = self._check_batch(keys, buffers)
         if len(keys) == 1:
-            return [self._write_one(keys[0], views[0])]
-        return list(self._pool.map(self._write_one, keys, views))
+            written = [self._write_one(keys[0], views[0])]
+        else:
+            written = list(self._pool.map(self._write_one, keys, views))
+        self._record(keys, written)  # in chain order, whatever order the writes finished in
+        return written
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         removed = sum(self._unlink(self.path_for(k), k) for k in keys)
@@ -130,11 +136,13 @@ class FsStore(StorageBackend):
     def _read_verified(self, path: str, key: BlockKey, view: memoryview) -> None:
         header_buf = self._header_buffer()
         direct = self.o_direct and view.nbytes % ALIGN == 0 and _address(view) % ALIGN == 0
-        fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
         try:
-            got = os.preadv(fd, [header_buf, view], 0)  # a truncated file reads short
-        finally:
-            os.close(fd)
+            got = _preadv_file(path, [header_buf, view], O_DIRECT if direct else 0)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            self.o_direct = False  # this filesystem refuses O_DIRECT: read through the cache
+            got = _preadv_file(path, [header_buf, view], 0)
         if got != HEADER_BYTES + view.nbytes:
             raise BadBlockFile("short read")
         header = unpack_header(header_buf)
@@ -167,7 +175,6 @@ class FsStore(StorageBackend):
             self.stats.add(write_errors=1)
             return False
         self.stats.add(blocks_written=1, bytes_written=view.nbytes)
-        self._added(key, view.nbytes)
         return True
 
     def _write_file(self, tmp: Path, header: bytes, payload: memoryview) -> None:
@@ -193,12 +200,15 @@ class FsStore(StorageBackend):
                 self._index.remove(key.block_hash)
                 self._paths.pop(key.block_hash, None)
 
-    def _added(self, key: BlockKey, nbytes: int) -> None:
+    def _record(self, keys: Sequence[BlockKey], written: list[bool]) -> None:
+        """Account newly stored blocks and evict beyond the capacity."""
         if self._index is None:
             return
         with self._lock:
-            self._index.add(key.block_hash, key.parent, nbytes + HEADER_BYTES)
-            self._paths[key.block_hash] = self.path_for(key)
+            for key, ok in zip(keys, written, strict=True):
+                if ok:
+                    self._index.add(key.block_hash, key.parent, self.block_bytes + HEADER_BYTES)
+                    self._paths[key.block_hash] = self.path_for(key)
             victims = [self._paths.pop(h) for h in self._index.victims()]
         for path in victims:
             path.unlink(missing_ok=True)
@@ -208,10 +218,8 @@ class FsStore(StorageBackend):
         self._forget(key)
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except OSError:  # already gone, or not a file we can remove: nothing to count
             return False
-        except OSError as exc:
-            raise StorageError(f"cannot remove {path}: {exc}") from exc
         return True
 
     def _scan(self) -> None:
@@ -226,6 +234,15 @@ class FsStore(StorageBackend):
                 continue
             self._index.add(block_hash, header.parent, header.payload_bytes + HEADER_BYTES)
             self._paths[block_hash] = path
+
+
+def _preadv_file(path: str, buffers: list[Any], extra_flags: int) -> int:
+    """Read a whole file from offset 0 into ``buffers``; returns the bytes read."""
+    fd = os.open(path, os.O_RDONLY | extra_flags)
+    try:
+        return os.preadv(fd, buffers, 0)  # a truncated file reads short
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(folder: Path) -> None:

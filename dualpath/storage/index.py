@@ -1,14 +1,17 @@
 """Capacity accounting with least-recently-used eviction that keeps a store prefix-closed.
 
 Pure (no clock: recency is a logical counter). Only *leaves* — blocks no stored block extends
-— are evicted, least recently used first, so whole suffixes go before their prefixes and every
-block that stays still has its prefix stored.
+— are evicted, least recently used first, so whole suffixes go before their prefixes; blocks
+whose prefix is gone (*orphans*, which no lookup can reach) are evicted before anything else.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+
+LOW_WATERMARK = 0.95  # large stores evict down to this fraction of the capacity
+WATERMARK_MIN_ENTRIES = 1000
 
 
 @dataclass
@@ -70,25 +73,56 @@ class PrefixLRUIndex:
         """True when no stored block has this one as its parent."""
         return not self._children.get(block_hash)
 
-    def victims(self, target_bytes: int | None = None) -> list[bytes]:
-        """Remove and return blocks, leaves LRU-first, until ``total_bytes <= target``.
+    def is_orphan(self, block_hash: bytes) -> bool:
+        """True when the block's parent is not stored: lookups can never reach it."""
+        parent = self._entries[block_hash].parent
+        return parent is not None and parent not in self._entries
 
-        ``target`` defaults to the capacity; nothing is evicted without a capacity.
+    def victims(self, target_bytes: int | None = None) -> list[bytes]:
+        """Remove and return blocks until ``total_bytes <= target`` (default: once over capacity).
+
+        Orphans go first (a chain may arrive out of order, so they are kept until space is
+        needed), then leaves, least recently used first. Large stores evict down to a low
+        watermark (95% of capacity) so the scan here stays rare.
         """
-        target = self.capacity_bytes if target_bytes is None else target_bytes
-        if target is None or self.total_bytes <= target:
+        if target_bytes is not None:
+            target = target_bytes
+        elif self.capacity_bytes is None or self.total_bytes <= self.capacity_bytes:
             return []
-        heap = [(e.last_used, h) for h, e in self._entries.items() if self.is_leaf(h)]
+        else:
+            target = self._default_target()
+        heap = [(not self.is_orphan(h), e.last_used, h) for h, e in self._entries.items()
+                if self.is_leaf(h) or self.is_orphan(h)]
         heapq.heapify(heap)
         evicted = []
         while heap and self.total_bytes > target:
-            last_used, block_hash = heapq.heappop(heap)
+            _, last_used, block_hash = heapq.heappop(heap)
             entry = self._entries.get(block_hash)
-            if entry is None or entry.last_used != last_used or not self.is_leaf(block_hash):
+            if entry is None or entry.last_used != last_used:
+                continue
+            if not (self.is_leaf(block_hash) or self.is_orphan(block_hash)):
                 continue
             self.remove(block_hash)
             evicted.append(block_hash)
+            evicted.extend(self._evict_descendants(block_hash))
             parent = entry.parent
             if parent in self._entries and self.is_leaf(parent):
-                heapq.heappush(heap, (self._entries[parent].last_used, parent))
+                heapq.heappush(heap, (True, self._entries[parent].last_used, parent))
+        return evicted
+
+    def _default_target(self) -> int:
+        """Large stores evict to the low watermark so the scan is rare; small ones exactly."""
+        assert self.capacity_bytes is not None
+        if len(self._entries) < WATERMARK_MIN_ENTRIES:
+            return self.capacity_bytes
+        return int(self.capacity_bytes * LOW_WATERMARK)
+
+    def _evict_descendants(self, block_hash: bytes) -> list[bytes]:
+        """An evicted orphan's descendants are orphans too: drop them with it."""
+        evicted, stack = [], list(self._children.get(block_hash, ()))
+        while stack:
+            child = stack.pop()
+            stack.extend(self._children.get(child, ()))
+            if self.remove(child):
+                evicted.append(child)
         return evicted

@@ -1,0 +1,117 @@
+"""The block file format: a 4 KiB header naming key, layout and payload, then the payload."""
+
+import os
+
+import pytest
+
+from dualpath.kv.hashing import KeySpace
+from dualpath.kv.layout import KVLayout
+from dualpath.storage.block_file import (
+    HEADER_BYTES,
+    MAGIC,
+    BadBlockFile,
+    BlockHeader,
+    check_header,
+    checksum,
+    pack_header,
+    unpack_header,
+)
+
+LAYOUT = KVLayout(4, 2, 8, "float16", 16)
+KEYS = KeySpace("model-a", LAYOUT.layout_id, 16).keys(list(range(16 * 3)))
+PAYLOAD = memoryview(os.urandom(LAYOUT.full_block_bytes))
+
+
+def _header(key=KEYS[1], layout=LAYOUT, payload=PAYLOAD) -> bytes:
+    return pack_header(key.name, key.parent, layout, payload)
+
+
+def test_header_is_exactly_4k():
+    assert HEADER_BYTES == 4096
+    assert len(_header()) == 4096
+    assert len(_header(KEYS[0])) == 4096
+    assert _header().startswith(MAGIC)
+
+
+def test_round_trip():
+    header = unpack_header(_header())
+    assert header == BlockHeader(
+        key_name=KEYS[1].name, parent=KEYS[0].block_hash, num_layers=4, tokens=16,
+        bytes_per_token_per_layer=LAYOUT.bytes_per_token_per_layer, dtype="float16",
+        payload_bytes=LAYOUT.full_block_bytes, checksum=checksum(PAYLOAD))
+    check_header(header, KEYS[1].name, LAYOUT)  # no exception
+
+
+def test_first_block_has_no_parent():
+    assert unpack_header(_header(KEYS[0])).parent is None
+
+
+def test_unpack_accepts_a_memoryview_of_a_whole_file():
+    raw = memoryview(_header() + bytes(PAYLOAD))
+    assert unpack_header(raw).key_name == KEYS[1].name
+
+
+def test_check_header_rejects_another_key():
+    header = unpack_header(_header(KEYS[1]))
+    with pytest.raises(BadBlockFile):
+        check_header(header, KEYS[2].name, LAYOUT)
+
+
+def test_check_header_rejects_same_hash_of_another_model():
+    other = KeySpace("model-b", LAYOUT.layout_id, 16).key(KEYS[1].block_hash, None)
+    with pytest.raises(BadBlockFile):
+        check_header(unpack_header(_header()), other.name, LAYOUT)
+
+
+@pytest.mark.parametrize("other", [
+    KVLayout(2, 2, 8, "float32", 16),  # same block bytes, other layer count and dtype
+    KVLayout(4, 1, 8, "float32", 16),  # same bytes per token per layer, other dtype
+    KVLayout(4, 2, 8, "bfloat16", 16),  # same sizes, other dtype
+    KVLayout(4, 2, 8, "float16", 32),
+    KVLayout(8, 2, 8, "float16", 16),
+])
+def test_check_header_rejects_another_layout(other):
+    header = unpack_header(_header())
+    with pytest.raises(BadBlockFile):
+        check_header(header, KEYS[1].name, other)
+
+
+def test_check_header_rejects_another_payload_size():
+    short = memoryview(bytes(LAYOUT.full_block_bytes - 1))
+    header = unpack_header(_header(payload=short))
+    assert header.payload_bytes == LAYOUT.full_block_bytes - 1
+    with pytest.raises(BadBlockFile):
+        check_header(header, KEYS[1].name, LAYOUT)
+
+
+def test_unpack_rejects_short_header():
+    with pytest.raises(BadBlockFile):
+        unpack_header(_header()[:HEADER_BYTES - 1])
+
+
+def test_unpack_rejects_bad_magic():
+    raw = bytearray(_header())
+    raw[:4] = b"XXXX"
+    with pytest.raises(BadBlockFile):
+        unpack_header(raw)
+
+
+@pytest.mark.parametrize(("offset", "value"), [(4, b"\x02\x00"), (6, b"\x00\x08")])
+def test_unpack_rejects_other_version_or_header_size(offset, value):
+    raw = bytearray(_header())
+    raw[offset : offset + 2] = value
+    with pytest.raises(BadBlockFile):
+        unpack_header(raw)
+
+
+def test_unpack_rejects_a_zeroed_header():
+    with pytest.raises(BadBlockFile):
+        unpack_header(bytes(HEADER_BYTES))
+
+
+@pytest.mark.parametrize("index", [0, 1, 2047, LAYOUT.full_block_bytes - 1])
+def test_checksum_changes_when_one_byte_flips(index):
+    flipped = bytearray(PAYLOAD)
+    flipped[index] ^= 0x01
+    assert checksum(memoryview(flipped)) != checksum(PAYLOAD)
+    assert checksum(memoryview(bytearray(PAYLOAD))) == checksum(PAYLOAD)
