@@ -84,6 +84,20 @@ def _cmd_bench_storage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_engine(args: argparse.Namespace) -> int:
+    import logging
+
+    from dualpath.config import cluster_config_from_json
+    from dualpath.engine.loop import EngineIdentity, EngineProcess
+    from dualpath.model.default_model import resolve_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = cluster_config_from_json(args.config)
+    identity = EngineIdentity(args.name or f"{args.role}-{args.node_id}", args.role, args.node_id)
+    EngineProcess(identity, resolve_model(args.model), config, args.router).serve()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dualpath`` command."""
     parser = argparse.ArgumentParser(prog="dualpath", description=__doc__)
@@ -103,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     prep = sub.add_parser("prepare-model", help="convert the default model once and print its path")
     prep.set_defaults(func=_cmd_prepare_model)
+
+    eng_proc = sub.add_parser("engine", help="run one prefill or decode engine process")
+    eng_proc.add_argument("--role", choices=("prefill", "decode"), required=True)
+    eng_proc.add_argument("--node-id", type=int, required=True)
+    eng_proc.add_argument("--name", default=None)
+    eng_proc.add_argument("--router", required=True, help="router address, tcp://host:port")
+    eng_proc.add_argument("--model", default=None)
+    eng_proc.add_argument("--config", required=True, help="ClusterConfig as JSON")
+    eng_proc.set_defaults(func=_cmd_engine)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

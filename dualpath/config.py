@@ -38,3 +38,55 @@ class StorageConfig:
     workers: int = 4  # parallel reads/writes per client
     read_cap_mb_s: float | None = None  # storage-NIC read cap (MB/s); None = uncapped
     write_cap_mb_s: float | None = None  # storage-NIC write cap (MB/s); None = uncapped
+
+
+@dataclass(frozen=True)
+class TrafficConfig:
+    """An engine's traffic manager: compute-NIC caps, chunk size and lane weights."""
+
+    compute_send_cap_mb_s: float | None = None  # compute-NIC send cap (MB/s); None = uncapped
+    compute_recv_cap_mb_s: float | None = None  # compute-NIC receive cap (MB/s); None = uncapped
+    chunk_bytes: int = 256 * 1024  # arbitration unit: lanes take turns chunk by chunk
+    lane_weights: tuple[tuple[str, int], ...] = (
+        ("high", 99), ("kv_load", 1), ("kv_forward", 1), ("kv_save", 1))
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be > 0")
+        for cap in (self.compute_send_cap_mb_s, self.compute_recv_cap_mb_s):
+            if cap is not None and cap <= 0:
+                raise ValueError("compute-NIC caps must be > 0 MB/s (or None for uncapped)")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A local PD cluster: engines, their storage and traffic, and how requests flow."""
+
+    engine: EngineConfig = EngineConfig()
+    storage: StorageConfig = StorageConfig()
+    traffic: TrafficConfig = TrafficConfig()
+    mode: str = "dualpath"  # basic | layerwise | dualpath | oracle | recompute
+    read_path: str = "auto"  # auto (the shorter node read queue) | pe | de
+    host_pool_blocks: int = 512  # full-block slots of each engine's DRAM buffer
+    num_prefill: int = 1
+    num_decode: int = 2
+
+
+def cluster_config_to_json(config: ClusterConfig) -> str:
+    """Serialize a cluster config (engines receive theirs this way)."""
+    import json
+    from dataclasses import asdict
+
+    return json.dumps(asdict(config))
+
+
+def cluster_config_from_json(text: str) -> ClusterConfig:
+    """Parse what ``cluster_config_to_json`` wrote."""
+    import json
+
+    data = json.loads(text)
+    traffic = dict(data.pop("traffic"))
+    traffic["lane_weights"] = tuple(tuple(w) for w in traffic["lane_weights"])
+    return ClusterConfig(engine=EngineConfig(**data.pop("engine")),
+                         storage=StorageConfig(**data.pop("storage")),
+                         traffic=TrafficConfig(**traffic), **data)

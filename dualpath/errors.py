@@ -31,3 +31,7 @@ class InvalidKeyError(StorageError):
 
 class HostPoolExhaustedError(DualPathError):
     """The host DRAM buffer has no free slot for a request."""
+
+
+class TransferError(DualPathError):
+    """A transfer backend could not start, register memory or move bytes to or from a peer."""

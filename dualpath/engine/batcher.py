@@ -80,12 +80,15 @@ class Batcher:
         return step
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark ``seq`` finished and release its blocks (they stay in the prefix cache)."""
+        """Mark ``seq`` finished and release its blocks (they stay in the prefix cache).
+
+        The block table is kept: until the next ``schedule()`` hands the blocks out again their
+        KV can still be read (the decode engine saves the last full blocks from there).
+        """
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
         self.pool.free(seq.block_table)
-        seq.block_table = []
 
     def publish_blocks(self, seq: Sequence) -> None:
         """Make newly completed full blocks of ``seq`` findable by later prompts."""

@@ -6,6 +6,7 @@ requests with continuous batching, chunked prefill and prefix reuse.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +22,9 @@ from dualpath.kv.cache import TORCH_DTYPES, PagedKVCache, blocks_for_budget
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
 from dualpath.model.loader import load_model
-from dualpath.model.spec import ModelSpec, load_spec, model_id
+from dualpath.model.spec import load_spec, model_id, resolve_dtype, resolve_kv_dtype
 from dualpath.model.tokenizer import Tokenizer
-from dualpath.request import SamplingParams, Sequence
+from dualpath.request import SamplingParams, SeqStatus, Sequence
 
 
 @dataclass
@@ -38,15 +39,6 @@ class RequestOutput:
     num_cached_tokens: int
 
 
-def resolve_dtype(requested: str, spec: ModelSpec) -> str:
-    """``auto`` means the checkpoint's dtype when it is a half type, else float32."""
-    if requested != "auto":
-        if requested not in TORCH_DTYPES:
-            raise ValueError(f"unsupported dtype {requested!r}")
-        return requested
-    return spec.torch_dtype if spec.torch_dtype in ("bfloat16", "float16") else "float32"
-
-
 class LLMEngine:
     """One model on one device, serving many sequences at once."""
 
@@ -55,7 +47,7 @@ class LLMEngine:
         torch.set_num_threads(config.threads)
         self.spec = spec = load_spec(model_dir)
         self.dtype = resolve_dtype(config.dtype, spec)
-        self.kv_dtype = self.dtype if config.kv_dtype == "auto" else config.kv_dtype
+        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, self.dtype)
         model = load_model(model_dir, TORCH_DTYPES[self.dtype], spec, config.device)
         num_blocks = config.num_kv_blocks or blocks_for_budget(
             spec, config.block_size, self.kv_dtype, config.kv_cache_mb)
@@ -78,6 +70,25 @@ class LLMEngine:
         """Queue a tokenized prompt; returns its sequence (watch ``is_finished``)."""
         seq = Sequence(list(prompt_ids), params or SamplingParams())
         self.batcher.add(seq)
+        return seq
+
+    def add_prefilled(self, prompt_ids: list[int], first_token: int, params: SamplingParams,
+                      fill_kv: Callable[[list[int]], None]) -> Sequence:
+        """Start decoding a prompt whose KV was computed elsewhere (the decode engine's entry).
+
+        Allocates cache blocks for the prompt, lets ``fill_kv(block_table)`` copy the prompt KV
+        in, then runs the sequence from ``first_token`` (which may already finish it).
+        """
+        seq = Sequence(list(prompt_ids), params)
+        self.batcher.add(seq)  # size check; taken straight back out below
+        self.batcher.waiting.remove(seq)
+        seq.block_table = self.pool.allocate(-(-(len(prompt_ids) + 1) // self.config.block_size))
+        fill_kv(seq.block_table)
+        seq.num_computed_tokens = len(prompt_ids)
+        seq.status = SeqStatus.RUNNING
+        self.batcher.running.append(seq)
+        self.batcher.publish_blocks(seq)
+        self._append(seq, first_token)
         return seq
 
     @property

@@ -170,3 +170,21 @@ def model_id(model_dir: str | Path) -> str:
             digest.update(f.read(_FINGERPRINT_BYTES))
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", folder.name).strip("-.")[:48] or "model"
     return f"{name}-{digest.hexdigest()}"
+
+
+def resolve_dtype(requested: str, spec: ModelSpec) -> str:
+    """Compute dtype: ``auto`` is the checkpoint's when it is a half type, else float32."""
+    if requested != "auto":
+        if requested not in DTYPE_BYTES:
+            raise ValueError(f"unsupported dtype {requested!r} (auto, {', '.join(DTYPE_BYTES)})")
+        return requested
+    return spec.torch_dtype if spec.torch_dtype in ("bfloat16", "float16") else "float32"
+
+
+def resolve_kv_dtype(requested: str, compute_dtype: str) -> str:
+    """KV-cache dtype: ``auto`` follows the compute dtype."""
+    if requested == "auto":
+        return compute_dtype
+    if requested not in DTYPE_BYTES:
+        raise ValueError(f"unsupported kv dtype {requested!r}")
+    return requested

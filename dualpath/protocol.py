@@ -1,0 +1,190 @@
+"""Control-plane messages between the router and the engines (msgpack over ZeroMQ).
+
+Messages carry ids, token ids, counts and buffer addresses — never KV bytes (those move through
+the storage and transfer backends). Each message is a frozen dataclass; on the wire it is a
+msgpack map with a ``type`` field. No pickle crosses a socket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from dualpath.errors import DualPathError
+
+
+class ProtocolError(DualPathError):
+    """A control message is malformed or of an unknown type."""
+
+
+_TYPES: dict[str, type[Message]] = {}
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every control message."""
+
+    type: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _TYPES[cls.type] = cls
+
+
+def encode(message: Message) -> bytes:
+    """Serialize a message with msgpack."""
+    return msgpack.packb({"type": message.type, **asdict(message)}, use_bin_type=True)
+
+
+def decode(raw: bytes) -> Message:
+    """Parse bytes into the message class their ``type`` names."""
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        cls = _TYPES[data.pop("type")]
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: _tuples(v) for k, v in data.items() if k in names})
+    except (KeyError, TypeError, ValueError, msgpack.ExtraData) as exc:
+        raise ProtocolError(f"bad control message: {exc}") from exc
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+# -- engine -> router --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello(Message):
+    """An engine is up: who it is and how peers reach its registered host buffer."""
+
+    type: ClassVar[str] = "hello"
+    name: str
+    role: str  # "prefill" | "decode"
+    node_id: int
+    endpoint: str  # transfer-backend address of this engine
+
+
+@dataclass(frozen=True)
+class BufferReady(Message):
+    """DE: host slots are allocated for a request and its hit blocks (if asked) are loaded."""
+
+    type: ClassVar[str] = "buffer_ready"
+    req_id: int
+    slot_addrs: tuple[int, ...]
+    num_loaded_blocks: int  # leading hit blocks read and verified
+
+
+@dataclass(frozen=True)
+class ReadDone(Message):
+    """PE: the storage read of a request finished (the node's read queue shrank)."""
+
+    type: ClassVar[str] = "read_done"
+    req_id: int
+    num_loaded_blocks: int
+
+
+@dataclass(frozen=True)
+class Prefilled(Message):
+    """PE: prompt KV is complete in the DE buffer; the first token is sampled."""
+
+    type: ClassVar[str] = "prefilled"
+    req_id: int
+    first_token: int
+    num_hit_blocks: int  # hit blocks actually used (after any read failure)
+
+
+@dataclass(frozen=True)
+class Finished(Message):
+    """DE: a request ended."""
+
+    type: ClassVar[str] = "finished"
+    req_id: int
+    output_ids: tuple[int, ...]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class Failed(Message):
+    """Any engine: a request could not be served."""
+
+    type: ClassVar[str] = "failed"
+    req_id: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Metrics(Message):
+    """An engine's counters (traffic, storage, engine)."""
+
+    type: ClassVar[str] = "metrics"
+    name: str
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+# -- router -> engine --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AllocBuffer(Message):
+    """DE: allocate host slots for ``num_blocks`` and read the first ``num_read_blocks``."""
+
+    type: ClassVar[str] = "alloc_buffer"
+    req_id: int
+    prompt_ids: tuple[int, ...]
+    num_blocks: int
+    num_read_blocks: int
+
+
+@dataclass(frozen=True)
+class Prefill(Message):
+    """PE: prefill a prompt layer by layer and assemble its KV in the DE buffer."""
+
+    type: ClassVar[str] = "prefill"
+    req_id: int
+    prompt_ids: tuple[int, ...]
+    num_hit_blocks: int
+    read_path: str  # "pe" (PE reads the hit KV) | "de" (pull it from the DE buffer)
+    de_endpoint: str
+    de_slot_addrs: tuple[int, ...]
+    mode: str = "layerwise"  # basic | layerwise | oracle (see engine/layerwise.py)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Decode(Message):
+    """DE: the prompt KV sits in the buffer; decode from ``first_token``."""
+
+    type: ClassVar[str] = "decode"
+    req_id: int
+    prompt_ids: tuple[int, ...]
+    first_token: int
+    num_stored_blocks: int  # leading blocks already in storage (not re-saved)
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class Release(Message):
+    """DE: free a request's host slots (its prefill failed)."""
+
+    type: ClassVar[str] = "release"
+    req_id: int
+
+
+@dataclass(frozen=True)
+class GetMetrics(Message):
+    """Ask an engine for its counters."""
+
+    type: ClassVar[str] = "get_metrics"
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    """Stop the engine process."""
+
+    type: ClassVar[str] = "shutdown"

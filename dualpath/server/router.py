@@ -1,0 +1,298 @@
+"""The router: owns the request flow across prefill and decode engines.
+
+Per request: look up how many leading full blocks storage holds (the hit, block aligned and
+leaving at least one token to compute), pick a PE and a DE, pick the read path, then drive the
+engines: DE allocates its buffer (and reads the hit on the DE path) → PE prefills layer by
+layer into that buffer → DE decodes and persists. It keeps each node's pending read tokens
+(the read queue the path choice balances). One thread owns the socket; ``submit`` is
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from dualpath.config import ClusterConfig
+from dualpath.errors import DualPathError
+from dualpath.kv.hashing import KeySpace
+from dualpath.kv.layout import KVLayout
+from dualpath.model.spec import load_spec, model_id, resolve_dtype, resolve_kv_dtype
+from dualpath.protocol import (
+    AllocBuffer,
+    BufferReady,
+    Decode,
+    Failed,
+    Finished,
+    GetMetrics,
+    Hello,
+    Message,
+    Metrics,
+    Prefill,
+    Prefilled,
+    ReadDone,
+    Release,
+    Shutdown,
+    decode,
+    encode,
+)
+from dualpath.request import SamplingParams
+from dualpath.storage import open_store
+
+MODES = ("basic", "layerwise", "dualpath", "oracle", "recompute")
+
+
+class RequestFailed(DualPathError):
+    """An engine could not serve a request."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """A registered engine."""
+
+    name: str
+    role: str
+    node_id: int
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class ClusterOutput:
+    """A finished request and how it was served."""
+
+    req_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+    num_hit_tokens: int
+    read_path: str
+    prefill_engine: str
+    decode_engine: str
+
+
+@dataclass
+class _Request:
+    req_id: int
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    future: Future[ClusterOutput]
+    pe: EngineInfo | None = None
+    de: EngineInfo | None = None
+    read_path: str = "pe"
+    num_hit_blocks: int = 0
+    slot_addrs: tuple[int, ...] = field(default_factory=tuple)
+
+
+class Router:
+    """Routes requests through the engines of a local cluster."""
+
+    def __init__(self, model_dir: str | Path, config: ClusterConfig) -> None:
+        if config.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {config.mode!r}")
+        if config.read_path not in ("auto", "pe", "de"):
+            raise ValueError("read_path must be auto, pe or de")
+        self.config = config
+        spec = load_spec(model_dir)
+        kv_dtype = resolve_kv_dtype(config.engine.kv_dtype,
+                                    resolve_dtype(config.engine.dtype, spec))
+        layout = KVLayout.from_spec(spec, kv_dtype, config.engine.block_size)
+        self.block_size = layout.block_size
+        self.key_space = KeySpace(model_id(model_dir), layout.layout_id, layout.block_size)
+        self.store = open_store(config.storage, layout)
+        self.engines: dict[str, EngineInfo] = {}
+        self.pending_read_tokens: dict[int, int] = {}  # node -> tokens being read
+        self.decisions: list[tuple[int, str, str, str, int]] = []  # req, pe, de, path, hit
+        self._load: dict[str, int] = {}  # engine -> requests in flight
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count(1)
+        self._inbox: queue.Queue[_Request | Message | tuple[str, object]] = queue.Queue()
+        self._metrics: dict[str, Future[dict]] = {}
+        self._hello = threading.Condition()
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="router", daemon=True)
+        self._thread.start()
+
+    # -- public ---------------------------------------------------------------------------------
+    def wait_for_engines(self, count: int, timeout_s: float) -> None:
+        """Block until ``count`` engines said hello."""
+        with self._hello:
+            if not self._hello.wait_for(lambda: len(self.engines) >= count, timeout_s):
+                raise DualPathError(f"only {len(self.engines)} of {count} engines came up")
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Future[ClusterOutput]:
+        """Start a request; the future resolves when it finished."""
+        req = _Request(next(self._ids), tuple(prompt_ids), params, Future())
+        self._inbox.put(req)
+        return req.future
+
+    def collect_metrics(self, timeout_s: float = 30.0) -> dict[str, dict]:
+        """Every engine's counters, by engine name."""
+        futures = {name: Future() for name in self.engines}
+        self._inbox.put(("metrics", futures))
+        return {name: f.result(timeout_s) for name, f in futures.items()}
+
+    def shutdown(self) -> None:
+        """Tell every engine to stop and end the router thread."""
+        self._inbox.put(("shutdown", None))
+        self._thread.join(timeout=10)
+        self.store.close()
+
+    # -- loop -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while self._running:
+            if self.socket.poll(5):
+                name, raw = self.socket.recv_multipart()
+                self._on_message(name.decode(), decode(raw))
+            self._drain_inbox()
+        self.socket.close(0)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Request):
+                self._start(item)
+            elif item[0] == "metrics":
+                self._metrics.update(item[1])  # type: ignore[arg-type]
+                for name in item[1]:  # type: ignore[union-attr]
+                    self._send(name, GetMetrics())
+            elif item[0] == "shutdown":
+                for name in self.engines:
+                    self._send(name, Shutdown())
+                self._running = False
+
+    def _send(self, engine: str, msg: Message) -> None:
+        self.socket.send_multipart([engine.encode(), encode(msg)])
+
+    # -- request flow ----------------------------------------------------------------------------
+    def _start(self, req: _Request) -> None:
+        try:
+            req.pe = self._least_loaded("prefill")
+            req.de = self._least_loaded("decode")
+        except DualPathError as exc:
+            req.future.set_exception(exc)
+            return
+        self._requests[req.req_id] = req
+        req.num_hit_blocks = self._hit_blocks(req.prompt_ids)
+        req.read_path = self._read_path(req.pe, req.de)
+        self.decisions.append((req.req_id, req.pe.name, req.de.name, req.read_path,
+                               req.num_hit_blocks))
+        reader = req.pe if req.read_path == "pe" else req.de
+        self._add_pending(reader.node_id, self._read_tokens(req))
+        num_blocks = -(-len(req.prompt_ids) // self.block_size)
+        de_reads = req.num_hit_blocks if req.read_path == "de" and self._reads() else 0
+        self._send(req.de.name, AllocBuffer(req.req_id, req.prompt_ids, num_blocks, de_reads))
+
+    def _on_message(self, engine: str, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            self._register(msg)
+        elif isinstance(msg, Metrics):
+            future = self._metrics.pop(msg.name, None)
+            if future is not None:
+                future.set_result(msg.values)
+        elif isinstance(msg, BufferReady):
+            self._buffer_ready(self._requests[msg.req_id], msg)
+        elif isinstance(msg, ReadDone):
+            req = self._requests[msg.req_id]
+            self._add_pending(req.pe.node_id, -self._read_tokens(req))
+        elif isinstance(msg, Prefilled):
+            self._prefilled(self._requests[msg.req_id], msg)
+        elif isinstance(msg, Finished):
+            self._finished(self._requests.pop(msg.req_id), msg)
+        elif isinstance(msg, Failed):
+            self._failed(msg)
+
+    def _buffer_ready(self, req: _Request, msg: BufferReady) -> None:
+        assert req.pe is not None and req.de is not None
+        req.slot_addrs = msg.slot_addrs
+        if req.read_path == "de":
+            self._add_pending(req.de.node_id, -self._read_tokens(req))
+            if self._reads():
+                req.num_hit_blocks = msg.num_loaded_blocks
+        p = req.params
+        self._send(req.pe.name, Prefill(req.req_id, req.prompt_ids, req.num_hit_blocks,
+                                        req.read_path, req.de.endpoint, msg.slot_addrs,
+                                        self._pe_mode(), p.temperature, p.top_p, p.seed))
+
+    def _prefilled(self, req: _Request, msg: Prefilled) -> None:
+        assert req.de is not None
+        req.num_hit_blocks = msg.num_hit_blocks
+        p = req.params
+        self._send(req.de.name, Decode(req.req_id, req.prompt_ids, msg.first_token,
+                                       msg.num_hit_blocks, p.max_tokens, p.temperature, p.top_p,
+                                       p.seed, (), p.ignore_eos))
+
+    def _finished(self, req: _Request, msg: Finished) -> None:
+        assert req.pe is not None and req.de is not None
+        for engine in (req.pe.name, req.de.name):
+            self._load[engine] -= 1
+        req.future.set_result(ClusterOutput(
+            req.req_id, list(req.prompt_ids), list(msg.output_ids), msg.finish_reason,
+            req.num_hit_blocks * self.block_size, req.read_path, req.pe.name, req.de.name))
+
+    def _failed(self, msg: Failed) -> None:
+        req = self._requests.pop(msg.req_id, None)
+        if req is None:
+            return
+        if req.de is not None:
+            self._send(req.de.name, Release(req.req_id))
+        for engine in (req.pe, req.de):
+            if engine is not None:
+                self._load[engine.name] -= 1
+        req.future.set_exception(RequestFailed(msg.error))
+
+    # -- decisions ------------------------------------------------------------------------------
+    def _register(self, msg: Hello) -> None:
+        with self._hello:
+            self.engines[msg.name] = EngineInfo(msg.name, msg.role, msg.node_id, msg.endpoint)
+            self._load.setdefault(msg.name, 0)
+            self.pending_read_tokens.setdefault(msg.node_id, 0)
+            self._hello.notify_all()
+
+    def _least_loaded(self, role: str) -> EngineInfo:
+        candidates = [e for e in self.engines.values() if e.role == role]
+        if not candidates:
+            raise DualPathError(f"no {role} engine is up")
+        best = min(candidates, key=lambda e: (self._load[e.name], e.name))
+        self._load[best.name] += 1
+        return best
+
+    def _hit_blocks(self, prompt_ids: tuple[int, ...]) -> int:
+        if self.config.mode == "recompute":
+            return 0
+        max_hit = (len(prompt_ids) - 1) // self.block_size  # compute at least one token
+        keys = self.key_space.keys(prompt_ids[: max_hit * self.block_size])
+        return self.store.exists_prefix(keys)
+
+    def _read_path(self, pe: EngineInfo, de: EngineInfo) -> str:
+        if self.config.mode in ("basic", "layerwise"):
+            return "pe"
+        if self.config.read_path != "auto":
+            return self.config.read_path
+        pe_queue = self.pending_read_tokens[pe.node_id]
+        de_queue = self.pending_read_tokens[de.node_id]
+        return "de" if de_queue < pe_queue else "pe"
+
+    def _pe_mode(self) -> str:
+        return {"basic": "basic", "oracle": "oracle"}.get(self.config.mode, "layerwise")
+
+    def _reads(self) -> bool:
+        return self.config.mode != "oracle"
+
+    def _read_tokens(self, req: _Request) -> int:
+        return req.num_hit_blocks * self.block_size if self._reads() else 0
+
+    def _add_pending(self, node: int, tokens: int) -> None:
+        self.pending_read_tokens[node] = self.pending_read_tokens.get(node, 0) + tokens
