@@ -84,3 +84,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_chaotic_dir(tmp_path_factory) -> Path:
+    """A tiny Llama with large weights, so greedy text varies (a KV mistake shows)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**TINY, rope_theta=10000.0, initializer_range=0.3)
+    return _save_tiny(tmp_path_factory.mktemp("tiny-chaotic"), cfg, seed=6)

@@ -62,15 +62,17 @@ class LocalCluster:
         log = (self.log_dir / f"{name}.log").open("w")
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Future[ClusterOutput]:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, mode: str | None = None,
+               read_path: str | None = None) -> Future[ClusterOutput]:
         """Start one request."""
         assert self.router is not None, "start() the cluster first"
-        return self.router.submit(prompt_ids, params)
+        return self.router.submit(prompt_ids, params, mode, read_path)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 mode: str | None = None, read_path: str | None = None,
                  timeout_s: float = 600.0) -> list[ClusterOutput]:
         """Run prompts concurrently; outputs in prompt order."""
-        futures = [self.submit(p, params) for p in prompts]
+        futures = [self.submit(p, params, mode, read_path) for p in prompts]
         return [f.result(timeout_s) for f in futures]
 
     def metrics(self) -> dict[str, dict]:

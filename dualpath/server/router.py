@@ -46,6 +46,7 @@ from dualpath.request import SamplingParams
 from dualpath.storage import open_store
 
 MODES = ("basic", "layerwise", "dualpath", "oracle", "recompute")
+READ_PATHS = ("auto", "pe", "de")
 
 
 class RequestFailed(DualPathError):
@@ -84,7 +85,8 @@ class _Request:
     future: Future[ClusterOutput]
     pe: EngineInfo | None = None
     de: EngineInfo | None = None
-    read_path: str = "pe"
+    mode: str = "dualpath"
+    read_path: str = "auto"  # requested ("auto", "pe", "de"), then the chosen path
     num_hit_blocks: int = 0
     slot_addrs: tuple[int, ...] = field(default_factory=tuple)
 
@@ -93,10 +95,8 @@ class Router:
     """Routes requests through the engines of a local cluster."""
 
     def __init__(self, model_dir: str | Path, config: ClusterConfig) -> None:
-        if config.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {config.mode!r}")
-        if config.read_path not in ("auto", "pe", "de"):
-            raise ValueError("read_path must be auto, pe or de")
+        if config.mode not in MODES or config.read_path not in READ_PATHS:
+            raise ValueError(f"mode must be one of {MODES} and read_path one of {READ_PATHS}")
         self.config = config
         spec = load_spec(model_dir)
         kv_dtype = resolve_kv_dtype(config.engine.kv_dtype,
@@ -129,9 +129,15 @@ class Router:
             if not self._hello.wait_for(lambda: len(self.engines) >= count, timeout_s):
                 raise DualPathError(f"only {len(self.engines)} of {count} engines came up")
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Future[ClusterOutput]:
-        """Start a request; the future resolves when it finished."""
-        req = _Request(next(self._ids), tuple(prompt_ids), params, Future())
+    def submit(self, prompt_ids: list[int], params: SamplingParams, mode: str | None = None,
+               read_path: str | None = None) -> Future[ClusterOutput]:
+        """Start a request (mode and read path default to the config's); resolves when done."""
+        mode = mode or self.config.mode
+        read_path = read_path or self.config.read_path
+        if mode not in MODES or read_path not in READ_PATHS:
+            raise ValueError(f"mode must be one of {MODES} and read_path one of {READ_PATHS}")
+        req = _Request(next(self._ids), tuple(prompt_ids), params, Future(), mode=mode,
+                       read_path=read_path)
         self._inbox.put(req)
         return req.future
 
@@ -185,14 +191,14 @@ class Router:
             req.future.set_exception(exc)
             return
         self._requests[req.req_id] = req
-        req.num_hit_blocks = self._hit_blocks(req.prompt_ids)
-        req.read_path = self._read_path(req.pe, req.de)
+        req.num_hit_blocks = self._hit_blocks(req)
+        req.read_path = self._read_path(req)
         self.decisions.append((req.req_id, req.pe.name, req.de.name, req.read_path,
                                req.num_hit_blocks))
         reader = req.pe if req.read_path == "pe" else req.de
         self._add_pending(reader.node_id, self._read_tokens(req))
         num_blocks = -(-len(req.prompt_ids) // self.block_size)
-        de_reads = req.num_hit_blocks if req.read_path == "de" and self._reads() else 0
+        de_reads = req.num_hit_blocks if req.read_path == "de" and _reads(req) else 0
         self._send(req.de.name, AllocBuffer(req.req_id, req.prompt_ids, num_blocks, de_reads))
 
     def _on_message(self, engine: str, msg: Message) -> None:
@@ -219,12 +225,12 @@ class Router:
         req.slot_addrs = msg.slot_addrs
         if req.read_path == "de":
             self._add_pending(req.de.node_id, -self._read_tokens(req))
-            if self._reads():
+            if _reads(req):
                 req.num_hit_blocks = msg.num_loaded_blocks
         p = req.params
         self._send(req.pe.name, Prefill(req.req_id, req.prompt_ids, req.num_hit_blocks,
                                         req.read_path, req.de.endpoint, msg.slot_addrs,
-                                        self._pe_mode(), p.temperature, p.top_p, p.seed))
+                                        _pe_mode(req), p.temperature, p.top_p, p.seed))
 
     def _prefilled(self, req: _Request, msg: Prefilled) -> None:
         assert req.de is not None
@@ -269,30 +275,35 @@ class Router:
         self._load[best.name] += 1
         return best
 
-    def _hit_blocks(self, prompt_ids: tuple[int, ...]) -> int:
-        if self.config.mode == "recompute":
+    def _hit_blocks(self, req: _Request) -> int:
+        if req.mode == "recompute":
             return 0
-        max_hit = (len(prompt_ids) - 1) // self.block_size  # compute at least one token
-        keys = self.key_space.keys(prompt_ids[: max_hit * self.block_size])
+        max_hit = (len(req.prompt_ids) - 1) // self.block_size  # compute at least one token
+        keys = self.key_space.keys(req.prompt_ids[: max_hit * self.block_size])
         return self.store.exists_prefix(keys)
 
-    def _read_path(self, pe: EngineInfo, de: EngineInfo) -> str:
-        if self.config.mode in ("basic", "layerwise"):
+    def _read_path(self, req: _Request) -> str:
+        """basic/layerwise read on the PE; otherwise the forced path or the shorter queue."""
+        assert req.pe is not None and req.de is not None
+        if req.mode in ("basic", "layerwise"):
             return "pe"
-        if self.config.read_path != "auto":
-            return self.config.read_path
-        pe_queue = self.pending_read_tokens[pe.node_id]
-        de_queue = self.pending_read_tokens[de.node_id]
+        if req.read_path != "auto":
+            return req.read_path
+        pe_queue = self.pending_read_tokens[req.pe.node_id]
+        de_queue = self.pending_read_tokens[req.de.node_id]
         return "de" if de_queue < pe_queue else "pe"
 
-    def _pe_mode(self) -> str:
-        return {"basic": "basic", "oracle": "oracle"}.get(self.config.mode, "layerwise")
-
-    def _reads(self) -> bool:
-        return self.config.mode != "oracle"
-
     def _read_tokens(self, req: _Request) -> int:
-        return req.num_hit_blocks * self.block_size if self._reads() else 0
+        return req.num_hit_blocks * self.block_size if _reads(req) else 0
 
     def _add_pending(self, node: int, tokens: int) -> None:
         self.pending_read_tokens[node] = self.pending_read_tokens.get(node, 0) + tokens
+
+
+def _pe_mode(req: _Request) -> str:
+    """What the PE does with the KV: all at once (basic), per layer, or nothing (oracle)."""
+    return {"basic": "basic", "oracle": "oracle"}.get(req.mode, "layerwise")
+
+
+def _reads(req: _Request) -> bool:
+    return req.mode != "oracle"
