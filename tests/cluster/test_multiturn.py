@@ -7,11 +7,11 @@ Mooncake, hit KV really comes back from the ``fs`` store from turn 2 on.
 from __future__ import annotations
 
 import pytest
+from multiturn import cluster_outputs, make_conversations, node_sum, reference_outputs, wipe
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
-from multiturn import cluster_outputs, make_conversations, node_sum, reference_outputs, wipe
 
 RUNS = [("basic", "auto"), ("layerwise", "auto"), ("dualpath", "pe"), ("dualpath", "de"),
         ("dualpath", "auto"), ("recompute", "auto")]
