@@ -221,8 +221,10 @@ class TrafficManager:
     # --- internals ----------------------------------------------------------------------
 
     def _bucket(self, cap_mb_s: float | None) -> TokenBucket | None:
-        """The cap as a token bucket whose burst is one chunk; None when uncapped."""
-        return None if cap_mb_s is None else TokenBucket(cap_mb_s * 1e6, self.config.chunk_bytes)
+        """The cap as a token bucket (burst: ``burst_chunks`` chunks); None when uncapped."""
+        if cap_mb_s is None:
+            return None
+        return TokenBucket(cap_mb_s * 1e6, self.config.burst_chunks * self.config.chunk_bytes)
 
     def _need_backend(self) -> TransferBackend:
         if self.backend is None:

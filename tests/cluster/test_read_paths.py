@@ -1,0 +1,38 @@
+"""With equal storage-NIC caps on every engine, dualpath reads through PE and DE nodes alike,
+while basic reads only on the prefill node."""
+
+from __future__ import annotations
+
+from multiturn import cluster_outputs, make_conversations, node_sum, wipe
+
+from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
+from dualpath.request import SamplingParams
+from dualpath.server.launch import LocalCluster
+
+
+def test_dualpath_uses_every_storage_nic(tiny_chaotic_dir, tmp_path):
+    store = tmp_path / "kv"
+    config = ClusterConfig(
+        engine=EngineConfig(dtype="float32", block_size=16, num_kv_blocks=512),
+        storage=StorageConfig(root=str(store), read_cap_mb_s=1.0),  # same cap on every node
+        host_pool_blocks=256,
+    )
+    convs = make_conversations(300, first_lengths=[90, 120, 100, 140, 80, 110],
+                               append_lengths=[21, 17], seed=11)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    read_bytes = {}
+    with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp_path / "logs") as cluster:
+        for mode in ("basic", "dualpath"):
+            wipe(store)
+            before = cluster.metrics()
+            outputs, _ = cluster_outputs(cluster, convs, params, mode, "auto")
+            after = cluster.metrics()
+            read_bytes[mode] = {
+                role: node_sum(after, role, "storage_snic_read_bytes")
+                - node_sum(before, role, "storage_snic_read_bytes")
+                for role in ("prefill", "decode")}
+            assert outputs  # every turn of every conversation finished
+        paths = {d[3] for d in cluster.router.decisions[-len(convs) * 2:]}
+    assert read_bytes["basic"]["prefill"] > 0 and read_bytes["basic"]["decode"] == 0
+    assert read_bytes["dualpath"]["prefill"] > 0 and read_bytes["dualpath"]["decode"] > 0
+    assert paths == {"pe", "de"}
