@@ -98,6 +98,13 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from dualpath.bench.transfer import run_transfer_bench
+
+    run_transfer_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dualpath`` command."""
     parser = argparse.ArgumentParser(prog="dualpath", description=__doc__)
@@ -149,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     sto.add_argument("--workers", type=int, default=4)
     sto.add_argument("--keep", action="store_true", help="keep the files afterwards")
     sto.set_defaults(func=_cmd_bench_storage)
+
+    tra = bench_sub.add_parser("transfer", help="Mooncake: layer blocks vs one large transfer")
+    tra.add_argument("--json", required=True, help="where to write the results")
+    tra.add_argument("--model", default=None, help="model whose layer-block size to use")
+    tra.add_argument("--blocks", type=int, default=32, help="full blocks (x layers = segments)")
+    tra.add_argument("--repeats", type=int, default=10, help="timed rounds")
+    tra.set_defaults(func=_cmd_bench_transfer)
     return parser
 
 

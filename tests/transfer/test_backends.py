@@ -11,6 +11,8 @@ import json
 import mmap
 import multiprocessing as mp
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -205,3 +207,22 @@ def _drive_peer(a: Side, conn) -> None:
     conn.send_bytes(b"done")
     assert conn.poll(30)
     assert conn.recv_bytes() == bytes(b.buf)
+
+
+# --- imports ----------------------------------------------------------------------------------
+
+
+def test_importing_the_transfer_package_loads_no_mooncake_or_torch():
+    code = ("import sys, dualpath.transfer, dualpath.transfer.base, dualpath.transfer.lanes, "
+            "dualpath.transfer.local, dualpath.transfer.mooncake; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'mooncake'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_missing_mooncake_is_a_clear_transfer_error(monkeypatch):
+    from dualpath.transfer.mooncake import MooncakeBackend
+
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # import raises ImportError
+    with pytest.raises(TransferError, match="mooncake-transfer-engine"):
+        MooncakeBackend()
