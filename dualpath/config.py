@@ -46,7 +46,7 @@ class TrafficConfig:
 
     compute_send_cap_mb_s: float | None = None  # compute-NIC send cap (MB/s); None = uncapped
     compute_recv_cap_mb_s: float | None = None  # compute-NIC receive cap (MB/s); None = uncapped
-    chunk_bytes: int = 256 * 1024  # arbitration unit: lanes take turns chunk by chunk
+    chunk_bytes: int = 1 << 20  # arbitration unit: lanes take turns chunk by chunk
     # A capped NIC may run this many chunks ahead of its average rate. One chunk would lose
     # bandwidth every time the dispatcher thread is scheduled late (measured: a busy CPU cut a
     # 200 MB/s link to 72-95%); four (5 ms at 200 MB/s) kept it at 100%.

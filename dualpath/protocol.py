@@ -67,11 +67,16 @@ class Hello(Message):
 
 @dataclass(frozen=True)
 class BufferReady(Message):
-    """DE: host slots are allocated for a request and its hit blocks (if asked) are loaded."""
+    """DE: a request's buffer is allocated and its hit blocks (if asked) are loaded.
+
+    The buffer is one contiguous region holding the prompt's KV layer-major: layer i of block
+    b at ``buffer_addr + (i × num_blocks + b) × layer_block_bytes``.
+    """
 
     type: ClassVar[str] = "buffer_ready"
     req_id: int
-    slot_addrs: tuple[int, ...]
+    buffer_addr: int
+    num_blocks: int
     num_loaded_blocks: int  # leading hit blocks read and verified
 
 
@@ -125,7 +130,7 @@ class Metrics(Message):
 # -- router -> engine --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AllocBuffer(Message):
-    """DE: allocate host slots for ``num_blocks`` and read the first ``num_read_blocks``."""
+    """DE: allocate a buffer for ``num_blocks`` and read the first ``num_read_blocks``."""
 
     type: ClassVar[str] = "alloc_buffer"
     req_id: int
@@ -144,7 +149,7 @@ class Prefill(Message):
     num_hit_blocks: int
     read_path: str  # "pe" (PE reads the hit KV) | "de" (pull it from the DE buffer)
     de_endpoint: str
-    de_slot_addrs: tuple[int, ...]
+    de_buffer_addr: int  # the DE's layer-major buffer (see BufferReady)
     mode: str = "layerwise"  # basic | layerwise | oracle (see engine/layerwise.py)
     temperature: float = 0.0
     top_p: float = 1.0

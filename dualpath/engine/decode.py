@@ -14,6 +14,8 @@ import queue
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.hashing import extend_block_hashes
@@ -50,14 +52,19 @@ class DecodeWorker:
 
     # -- buffer ---------------------------------------------------------------------------------
     def alloc_buffer(self, msg: AllocBuffer) -> list[Message]:
-        """Take slots; start the DE-path read if asked (reply when it completes)."""
-        slots = self.host_pool.alloc(msg.num_blocks)
+        """Take a contiguous region; start the DE-path read if asked (reply when done).
+
+        Storage holds full blocks, the buffer is layer-major: each block's file is scattered
+        straight into its 30-odd layer slices by one vectored read.
+        """
+        slots = self.host_pool.alloc_run(msg.num_blocks)
         self._buffers[msg.req_id] = slots
         if msg.num_read_blocks == 0:
             return [self._ready(msg.req_id, 0)]
         keys = self.engine.key_space.keys(msg.prompt_ids)[: msg.num_read_blocks]
-        future = self.storage.submit_read(keys, [self.host_pool.buffer(s) for s in
-                                                 slots[: msg.num_read_blocks]])
+        layers = self._layer_major(slots)  # [layers, n, layer_block_bytes]
+        parts = [list(layers[:, b].unbind(0)) for b in range(msg.num_read_blocks)]
+        future = self.storage.submit_read(keys, parts)
         future.add_done_callback(lambda f, r=msg.req_id: self._events.put(("read", (r, f))))
         return []
 
@@ -66,8 +73,14 @@ class DecodeWorker:
         self.host_pool.free(self._buffers.pop(req_id, []))
 
     def _ready(self, req_id: int, num_loaded: int) -> BufferReady:
-        addrs = tuple(self.host_pool.address(s) for s in self._buffers[req_id])
-        return BufferReady(req_id, addrs, num_loaded)
+        slots = self._buffers[req_id]
+        return BufferReady(req_id, self.host_pool.address(slots[0]), len(slots), num_loaded)
+
+    def _layer_major(self, slots: list[int]) -> torch.Tensor:
+        """A request's buffer region as ``[layers, n, layer_block_bytes]`` bytes (no copy)."""
+        n, layout = len(slots), self.layout
+        region = self.host_pool.region(slots[0], n)[: n * layout.full_block_bytes]
+        return region.view(layout.num_layers, n, layout.layer_block_bytes)
 
     # -- decode ---------------------------------------------------------------------------------
     def start_decode(self, msg: Decode) -> list[Message]:
@@ -85,10 +98,10 @@ class DecodeWorker:
 
     def _copy_in(self, slots: list[int], table: list[int]) -> None:
         data = self.engine.runner.cache.data
-        layers = data.shape[0]
-        for slot, block in zip(slots, table, strict=False):  # the table has room to grow
-            src = self.host_pool.tensor(slot).view(data.dtype).view(layers, *data.shape[2:])
-            self.traffic.copy(data[:, block], src, Lane.KV_LOAD)  # host buffer -> device
+        layer_major = self._layer_major(slots).view(data.dtype)
+        layer_major = layer_major.view(data.shape[0], len(slots), *data.shape[2:])
+        for b, block in enumerate(table[: len(slots)]):  # the table has room to grow
+            self.traffic.copy(data[:, block], layer_major[:, b], Lane.KV_LOAD)  # host -> device
 
     @property
     def has_work(self) -> bool:

@@ -8,8 +8,11 @@ blocks on the DE path. Modes: ``basic`` loads all layers before the forward and 
 after it; ``oracle`` moves nothing (an upper bound for timing; its tokens are meaningless).
 
 Addresses: the paged cache ``[layers, blocks, tokens, 2, kv_heads, head_dim]`` holds layer i of
-block b contiguously at ``base + (i × num_blocks + b) × layer_block_bytes``; a host slot holds a
-full block ``[layers, tokens, bytes]`` with layer i at ``slot + i × layer_block_bytes``.
+block b at ``base + (i × num_blocks + b) × layer_block_bytes``, and the DE buffer of a request
+holds layer i of prompt block b at ``buffer + (i × n + b) × layer_block_bytes``. The PE uses
+cache blocks 0..n-1 for a request, so on both sides a layer of a request is contiguous and the
+traffic manager coalesces its layer blocks into one segment on the wire. A PE host slot holds a
+full block ``[layers, tokens, bytes]`` (the storage layout).
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ class LayerPlan:
     read_path: str  # "pe" | "de"
     mode: str  # basic | layerwise | oracle
     de_endpoint: str
-    de_slot_addrs: list[int]  # DE host slot of each prompt block
+    de_buffer_addr: int  # the DE's layer-major buffer of this request
     pe_slots: list[int]  # PE host-pool slots holding the hit blocks (PE read path)
+
+    def de_layer_block(self, layer_idx: int, block: int, layer_block_bytes: int) -> int:
+        """Address of layer ``layer_idx`` of prompt block ``block`` in the DE buffer."""
+        return self.de_buffer_addr + (layer_idx * len(self.pe_blocks) + block) * layer_block_bytes
 
 
 class CacheAddresses:
@@ -101,7 +108,7 @@ class PrefillHooks(LayerHooks):
         hit = range(plan.num_hit_blocks)
         if plan.read_path == "de":
             segments = [(self.addrs.layer_block(layer_idx, plan.pe_blocks[j]),
-                         plan.de_slot_addrs[j] + layer_idx * self.lb, self.lb) for j in hit]
+                         plan.de_layer_block(layer_idx, j, self.lb), self.lb) for j in hit]
             return self.traffic.submit("read", plan.de_endpoint, segments, Lane.KV_LOAD)
         for j in hit:  # PE read path: host buffer -> device cache (H2D)
             self.traffic.copy(self._cache_view(layer_idx, plan.pe_blocks[j]),
@@ -112,7 +119,7 @@ class PrefillHooks(LayerHooks):
         plan = self.plan
         blocks = range(self._forward_from, len(plan.pe_blocks))
         segments = [(self.addrs.layer_block(layer_idx, plan.pe_blocks[j]),
-                     plan.de_slot_addrs[j] + layer_idx * self.lb, self.lb) for j in blocks]
+                     plan.de_layer_block(layer_idx, j, self.lb), self.lb) for j in blocks]
         return self.traffic.submit("write", plan.de_endpoint, segments, Lane.KV_FORWARD)
 
     def _cache_view(self, layer_idx: int, block: int) -> torch.Tensor:

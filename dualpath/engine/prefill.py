@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from dualpath.engine.layerwise import LayerPlan, PrefillHooks
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.traffic import TrafficManager
+from dualpath.errors import RequestError
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import Message, Prefill, Prefilled, ReadDone
 from dualpath.request import SamplingParams, Sequence
@@ -85,19 +86,23 @@ class PrefillWorker:
                                 seed=msg.seed, ignore_eos=True)
         seq = Sequence(list(msg.prompt_ids), params)
         num_blocks = -(-len(seq.prompt_ids) // self.block_size)
-        seq.block_table = engine.pool.allocate(num_blocks)
+        if num_blocks > engine.runner.cache.num_blocks:
+            raise RequestError(f"the prompt needs {num_blocks} KV blocks, the PE cache has "
+                               f"{engine.runner.cache.num_blocks}")
+        # The PE holds one request's KV at a time, in blocks 0..n-1: each layer of the request
+        # is then one contiguous region, and one segment on the wire.
+        seq.block_table = list(range(num_blocks))
         try:
             seq.num_computed_tokens = job.num_hit_blocks * self.block_size
             num_new = seq.num_tokens - seq.num_computed_tokens
             plan = LayerPlan(seq.block_table, job.num_hit_blocks, msg.read_path, msg.mode,
-                             msg.de_endpoint, list(msg.de_slot_addrs), job.slots)
+                             msg.de_endpoint, msg.de_buffer_addr, job.slots)
             hooks = PrefillHooks(plan, engine.runner.cache, self.traffic, self.host_pool)
             inputs = engine.runner.prepare([(seq, num_new)])
             hidden = engine.runner.run(inputs, hooks)
             logits = engine.runner.logits(hidden[inputs.last_rows])
             token = engine.sampler.sample(logits, [params], [seq.seq_id])[0]
         finally:
-            engine.pool.free(seq.block_table)
             engine.sampler.release(seq.seq_id)
         self.num_prefilled += 1
         self.num_hit_tokens += seq.num_computed_tokens

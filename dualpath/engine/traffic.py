@@ -71,6 +71,23 @@ class _Direction:
         return sum(self.lane_bytes.values())
 
 
+def coalesce(segments: Sequence[Segment]) -> list[Segment]:
+    """Merge each segment into the previous one when both sides continue contiguously.
+
+    Layer-major placement (layer i of a request's blocks side by side in the PE cache and the DE
+    buffer) turns a layer's many layer blocks into one segment on the wire.
+    """
+    merged: list[Segment] = []
+    for local, remote, nbytes in segments:
+        if merged:
+            p_local, p_remote, p_bytes = merged[-1]
+            if p_local + p_bytes == local and p_remote + p_bytes == remote:
+                merged[-1] = (p_local, p_remote, p_bytes + nbytes)
+                continue
+        merged.append((local, remote, nbytes))
+    return merged
+
+
 def split_chunks(segments: Sequence[Segment], chunk_bytes: int) -> list[list[Segment]]:
     """Pack segments, in order, into chunks of at most ``chunk_bytes``.
 
@@ -151,7 +168,7 @@ class TrafficManager:
         lane = Lane(lane)
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()  # queued work cannot be cancelled
-        chunks = split_chunks(_validated(segments), self.config.chunk_bytes)
+        chunks = split_chunks(coalesce(_validated(segments)), self.config.chunk_bytes)
         if not chunks:
             future.set_result(None)
             return future

@@ -8,7 +8,6 @@ CUDA is present. The slab is one contiguous region, so a transfer engine registe
 from __future__ import annotations
 
 import mmap
-from collections import deque
 
 import torch
 
@@ -43,8 +42,8 @@ class HostPool:
         self._map = mmap.mmap(-1, self.slot_bytes * num_slots)
         self.slab = torch.frombuffer(self._map, dtype=torch.uint8)
         self.pinned = pin and _pin(self.slab)
-        self._free: deque[int] = deque(range(num_slots))
-        self._in_use: set[int] = set()
+        self._is_free = [True] * num_slots
+        self._num_free = num_slots
 
     @property
     def base_address(self) -> int:
@@ -59,27 +58,53 @@ class HostPool:
     @property
     def num_free(self) -> int:
         """Slots not handed out."""
-        return len(self._free)
+        return self._num_free
 
     def alloc(self, count: int) -> list[int]:
-        """Take ``count`` slots, all or none."""
-        if count > len(self._free):
-            raise HostPoolExhaustedError(
-                f"host buffer exhausted: need {count} slots of {self.payload_bytes} bytes, "
-                f"{len(self._free)} of {self.num_slots} free "
-                f"({self.nbytes / 2**20:.0f} MiB slab); enlarge the host pool or wait"
-            )
-        slots = [self._free.popleft() for _ in range(count)]
-        self._in_use.update(slots)
+        """Take ``count`` slots, all or none (from the top, keeping low runs whole)."""
+        if count > self._num_free:
+            raise self._exhausted(count, "")
+        slots = [i for i in range(self.num_slots - 1, -1, -1) if self._is_free[i]][:count]
+        self._take(slots)
         return slots
+
+    def alloc_run(self, count: int) -> list[int]:
+        """Take ``count`` consecutive slots (one contiguous region), first fit."""
+        run = 0
+        for i, free in enumerate(self._is_free):
+            run = run + 1 if free else 0
+            if run == count:
+                slots = list(range(i - count + 1, i + 1))
+                self._take(slots)
+                return slots
+        raise self._exhausted(count, " consecutive")
 
     def free(self, slots: list[int]) -> None:
         """Return slots to the pool."""
         for slot in slots:
-            if slot not in self._in_use:
+            if not 0 <= slot < self.num_slots or self._is_free[slot]:
                 raise ValueError(f"slot {slot} is not allocated")
-            self._in_use.remove(slot)
-            self._free.append(slot)
+            self._is_free[slot] = True
+            self._num_free += 1
+
+    def _take(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._is_free[slot] = False
+        self._num_free -= len(slots)
+
+    def _exhausted(self, count: int, kind: str) -> HostPoolExhaustedError:
+        return HostPoolExhaustedError(
+            f"host buffer exhausted: need {count}{kind} slots of {self.payload_bytes} bytes, "
+            f"{self._num_free} of {self.num_slots} free "
+            f"({self.nbytes / 2**20:.0f} MiB slab); enlarge the host pool or wait"
+        )
+
+    def region(self, first_slot: int, count: int) -> torch.Tensor:
+        """``count`` consecutive slots from ``first_slot`` as one uint8 tensor (no copy)."""
+        if first_slot < 0 or first_slot + count > self.num_slots:
+            raise IndexError(f"slots [{first_slot}, {first_slot + count}) out of range")
+        start = first_slot * self.slot_bytes
+        return self.slab[start : start + count * self.slot_bytes]
 
     def tensor(self, slot: int) -> torch.Tensor:
         """The slot's payload as a uint8 tensor view (no copy)."""

@@ -14,7 +14,7 @@ import itertools
 import queue
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -88,7 +88,6 @@ class _Request:
     mode: str = "dualpath"
     read_path: str = "auto"  # requested ("auto", "pe", "de"), then the chosen path
     num_hit_blocks: int = 0
-    slot_addrs: tuple[int, ...] = field(default_factory=tuple)
 
 
 class Router:
@@ -222,14 +221,13 @@ class Router:
 
     def _buffer_ready(self, req: _Request, msg: BufferReady) -> None:
         assert req.pe is not None and req.de is not None
-        req.slot_addrs = msg.slot_addrs
         if req.read_path == "de":
             self._add_pending(req.de.node_id, -self._read_tokens(req))
             if _reads(req):
                 req.num_hit_blocks = msg.num_loaded_blocks
         p = req.params
         self._send(req.pe.name, Prefill(req.req_id, req.prompt_ids, req.num_hit_blocks,
-                                        req.read_path, req.de.endpoint, msg.slot_addrs,
+                                        req.read_path, req.de.endpoint, msg.buffer_addr,
                                         _pe_mode(req), p.temperature, p.top_p, p.seed))
 
     def _prefilled(self, req: _Request, msg: Prefilled) -> None:

@@ -16,6 +16,15 @@ from typing import Any
 from dualpath.errors import StorageError
 from dualpath.kv.hashing import BlockKey
 
+Parts = list[memoryview]  # one block's bytes, possibly scattered over several buffers
+
+
+def as_parts(obj: Any) -> Parts:
+    """A block buffer as its parts: a list/tuple of buffers is a scatter-gather list."""
+    if isinstance(obj, list | tuple):
+        return [as_buffer(part) for part in obj]
+    return [as_buffer(obj)]
+
 
 def as_buffer(obj: Any) -> memoryview:
     """A flat byte memoryview over ``obj`` (bytearray, mmap, numpy array or CPU tensor)."""
@@ -63,7 +72,11 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def get_into(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
-        """Read each block into its buffer; per block True if read and verified, else a miss."""
+        """Read each block into its buffer; per block True if read and verified, else a miss.
+
+        A buffer may be a list of buffers: the block's bytes are scattered over them in order
+        (how a layer-major host buffer receives full blocks without a copy).
+        """
 
     @abstractmethod
     def put_from(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
@@ -76,13 +89,15 @@ class StorageBackend(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release worker threads and files (idempotent)."""
 
-    def _check_batch(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[memoryview]:
+    def _check_batch(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[Parts]:
+        """Each block's buffer as parts (a buffer, or a scatter list of them) of a block's size."""
         if len(keys) != len(buffers):
             raise StorageError(f"{len(keys)} keys but {len(buffers)} buffers")
-        views = [as_buffer(b) for b in buffers]
-        for view in views:
-            if view.nbytes != self.block_bytes:
-                raise StorageError(f"buffer of {view.nbytes} bytes, a block is {self.block_bytes}")
+        views = [as_parts(b) for b in buffers]
+        for parts in views:
+            nbytes = sum(p.nbytes for p in parts)
+            if nbytes != self.block_bytes:
+                raise StorageError(f"buffer of {nbytes} bytes, a block is {self.block_bytes}")
         for key in keys:
             if not isinstance(key, BlockKey):
                 raise StorageError(f"expected a BlockKey, got {type(key).__name__}")

@@ -8,6 +8,7 @@ header is padded to 4 KiB so the payload starts aligned (O_DIRECT reads land in 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -38,17 +39,23 @@ class BlockHeader:
     checksum: int
 
 
-def checksum(payload: memoryview) -> int:
-    """xxh3-64 of the payload (tens of GB/s: never the bottleneck of a read)."""
-    return xxhash.xxh3_64_intdigest(payload)
+def checksum(payload: memoryview | Sequence[memoryview]) -> int:
+    """xxh3-64 of the payload, whole or in parts (tens of GB/s: never a read's bottleneck)."""
+    if isinstance(payload, memoryview):
+        return xxhash.xxh3_64_intdigest(payload)
+    digest = xxhash.xxh3_64()
+    for part in payload:
+        digest.update(part)
+    return digest.intdigest()
 
 
 def pack_header(key_name: str, parent: bytes | None, layout: KVLayout,
-                payload: memoryview) -> bytes:
-    """The 4 KiB header for ``payload`` stored under ``key_name``."""
+                payload: memoryview | Sequence[memoryview]) -> bytes:
+    """The 4 KiB header for ``payload`` (whole or in parts) stored under ``key_name``."""
     name = key_name.encode()
+    nbytes = payload.nbytes if isinstance(payload, memoryview) else sum(p.nbytes for p in payload)
     fixed = _FIXED.pack(MAGIC, VERSION, HEADER_BYTES, layout.num_layers, layout.block_size,
-                        layout.bytes_per_token_per_layer, layout.dtype.encode(), payload.nbytes,
+                        layout.bytes_per_token_per_layer, layout.dtype.encode(), nbytes,
                         checksum(payload), parent or bytes(16), len(name))
     header = fixed + name
     if len(header) > HEADER_BYTES:

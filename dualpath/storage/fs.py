@@ -24,7 +24,7 @@ from typing import Any
 from dualpath.errors import InvalidKeyError
 from dualpath.kv.hashing import BlockKey, check_id
 from dualpath.kv.layout import KVLayout
-from dualpath.storage.base import StorageBackend
+from dualpath.storage.base import Parts, StorageBackend
 from dualpath.storage.block_file import (
     HEADER_BYTES,
     BadBlockFile,
@@ -117,10 +117,10 @@ class FsStore(StorageBackend):
         self._pool.shutdown(wait=True)
 
     # -- reads -------------------------------------------------------------------------------
-    def _read_one(self, key: BlockKey, view: memoryview) -> bool:
+    def _read_one(self, key: BlockKey, parts: Parts) -> bool:
         path = self._path_str(key)
         try:
-            self._read_verified(path, key, view)
+            self._read_verified(path, key, parts)
         except FileNotFoundError:
             self.stats.add(misses=1)
             self._forget(key)
@@ -129,25 +129,26 @@ class FsStore(StorageBackend):
             self.stats.add(misses=1, corrupt=1)
             self._unlink(path, key)
             return False
-        self.stats.add(hits=1, bytes_read=view.nbytes)
+        self.stats.add(hits=1, bytes_read=self.block_bytes)
         self._touch(key)
         return True
 
-    def _read_verified(self, path: str, key: BlockKey, view: memoryview) -> None:
+    def _read_verified(self, path: str, key: BlockKey, parts: Parts) -> None:
         header_buf = self._header_buffer()
-        direct = self.o_direct and view.nbytes % ALIGN == 0 and _address(view) % ALIGN == 0
+        direct = self.o_direct and all(p.nbytes % ALIGN == 0 and _address(p) % ALIGN == 0
+                                       for p in parts)
         try:
-            got = _preadv_file(path, [header_buf, view], O_DIRECT if direct else 0)
+            got = _preadv_file(path, [header_buf, *parts], O_DIRECT if direct else 0)
         except OSError as exc:
             if not direct or exc.errno != errno.EINVAL:
                 raise
             self.o_direct = False  # this filesystem refuses O_DIRECT: read through the cache
-            got = _preadv_file(path, [header_buf, view], 0)
-        if got != HEADER_BYTES + view.nbytes:
+            got = _preadv_file(path, [header_buf, *parts], 0)
+        if got != HEADER_BYTES + self.block_bytes:
             raise BadBlockFile("short read")
         header = unpack_header(header_buf)
         check_header(header, key.name, self.layout)
-        if checksum(view) != header.checksum:
+        if checksum(parts[0] if len(parts) == 1 else parts) != header.checksum:
             raise BadBlockFile("checksum mismatch")
 
     def _header_buffer(self) -> mmap.mmap:
@@ -157,7 +158,7 @@ class FsStore(StorageBackend):
         return buf
 
     # -- writes ------------------------------------------------------------------------------
-    def _write_one(self, key: BlockKey, view: memoryview) -> bool:
+    def _write_one(self, key: BlockKey, parts: Parts) -> bool:
         path = self.path_for(key)
         if path.is_file():
             self.stats.add(writes_skipped=1)
@@ -166,7 +167,9 @@ class FsStore(StorageBackend):
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_file(tmp, pack_header(key.name, key.parent, self.layout, view), view)
+            header = pack_header(key.name, key.parent, self.layout,
+                                 parts[0] if len(parts) == 1 else parts)
+            self._write_file(tmp, header, parts)
             os.replace(tmp, path)
             if self.fsync:
                 _fsync_dir(path.parent)
@@ -174,13 +177,13 @@ class FsStore(StorageBackend):
             tmp.unlink(missing_ok=True)
             self.stats.add(write_errors=1)
             return False
-        self.stats.add(blocks_written=1, bytes_written=view.nbytes)
+        self.stats.add(blocks_written=1, bytes_written=self.block_bytes)
         return True
 
-    def _write_file(self, tmp: Path, header: bytes, payload: memoryview) -> None:
+    def _write_file(self, tmp: Path, header: bytes, parts: Parts) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            for chunk in (memoryview(header), payload):
+            for chunk in (memoryview(header), *parts):
                 while chunk.nbytes:
                     chunk = chunk[os.write(fd, chunk):]
             if self.fsync:

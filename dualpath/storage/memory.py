@@ -33,7 +33,7 @@ class MemoryStore(StorageBackend):
     def get_into(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
         views = self._check_batch(keys, buffers)
         found = []
-        for key, view in zip(keys, views, strict=True):
+        for key, parts in zip(keys, views, strict=True):
             with self._lock:
                 data = self._blocks.get(key.block_hash)
                 self._index.touch(key.block_hash)
@@ -41,23 +41,26 @@ class MemoryStore(StorageBackend):
                 self.stats.add(misses=1)
                 found.append(False)
                 continue
-            view[:] = data
+            offset = 0
+            for part in parts:
+                part[:] = data[offset : offset + part.nbytes]
+                offset += part.nbytes
             self.stats.add(hits=1, bytes_read=len(data))
             found.append(True)
         return found
 
     def put_from(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
         views = self._check_batch(keys, buffers)
-        for key, view in zip(keys, views, strict=True):
+        for key, parts in zip(keys, views, strict=True):
             with self._lock:
                 if key.block_hash in self._blocks:
                     self._index.touch(key.block_hash)
                     self.stats.add(writes_skipped=1)
                     continue
-                self._blocks[key.block_hash] = bytes(view)
-                self._index.add(key.block_hash, key.parent, view.nbytes)
+                self._blocks[key.block_hash] = b"".join(parts)
+                self._index.add(key.block_hash, key.parent, self.block_bytes)
                 self._evict()
-            self.stats.add(blocks_written=1, bytes_written=view.nbytes)
+            self.stats.add(blocks_written=1, bytes_written=self.block_bytes)
         return [True] * len(keys)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
