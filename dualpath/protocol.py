@@ -171,6 +171,7 @@ class Decode(Message):
     seed: int | None
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    oracle: bool = False  # timing upper bound: no buffer copy-in, nothing persisted
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ class _Active:
     req_id: int
     seq: Sequence
     num_saved_blocks: int  # leading blocks known to be in storage
+    persist: bool = True  # oracle requests hold meaningless KV: never store it
 
 
 class DecodeWorker:
@@ -88,12 +89,13 @@ class DecodeWorker:
         slots = self._buffers.pop(msg.req_id)
         params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature,
                                 top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
+        fill = (lambda table: None) if msg.oracle else (lambda table: self._copy_in(slots, table))
         try:
-            seq = self.engine.add_prefilled(list(msg.prompt_ids), msg.first_token, params,
-                                            lambda table: self._copy_in(slots, table))
+            seq = self.engine.add_prefilled(list(msg.prompt_ids), msg.first_token, params, fill)
         finally:
             self.host_pool.free(slots)
-        self._active[seq.seq_id] = _Active(msg.req_id, seq, msg.num_stored_blocks)
+        self._active[seq.seq_id] = _Active(msg.req_id, seq, msg.num_stored_blocks,
+                                           persist=not msg.oracle)
         return self._after_step([seq] if seq.is_finished else [])
 
     def _copy_in(self, slots: list[int], table: list[int]) -> None:
@@ -115,7 +117,8 @@ class DecodeWorker:
     def _after_step(self, finished: list[Sequence]) -> list[Message]:
         if self.persist:
             for active in list(self._active.values()):
-                self._save_new_blocks(active)
+                if active.persist:
+                    self._save_new_blocks(active)
         out: list[Message] = []
         for seq in finished:
             active = self._active.pop(seq.seq_id)

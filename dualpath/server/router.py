@@ -236,7 +236,7 @@ class Router:
         p = req.params
         self._send(req.de.name, Decode(req.req_id, req.prompt_ids, msg.first_token,
                                        msg.num_hit_blocks, p.max_tokens, p.temperature, p.top_p,
-                                       p.seed, (), p.ignore_eos))
+                                       p.seed, (), p.ignore_eos, oracle=req.mode == "oracle"))
 
     def _finished(self, req: _Request, msg: Finished) -> None:
         assert req.pe is not None and req.de is not None

@@ -36,3 +36,25 @@ def test_dualpath_uses_every_storage_nic(tiny_chaotic_dir, tmp_path):
     assert read_bytes["basic"]["prefill"] > 0 and read_bytes["basic"]["decode"] == 0
     assert read_bytes["dualpath"]["prefill"] > 0 and read_bytes["dualpath"]["decode"] > 0
     assert paths == {"pe", "de"}
+
+
+def test_oracle_moves_no_kv_and_stores_nothing(tiny_chaotic_dir, tmp_path):
+    store = tmp_path / "kv"
+    config = ClusterConfig(engine=EngineConfig(dtype="float32", block_size=16, num_kv_blocks=256),
+                           storage=StorageConfig(root=str(store)), host_pool_blocks=64,
+                           num_decode=1)
+    convs = make_conversations(300, first_lengths=[70, 90], append_lengths=[21], seed=3)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp_path / "logs") as cluster:
+        cluster_outputs(cluster, convs, params, "dualpath", "auto")  # fills the store
+        stored_files = sum(1 for _ in store.rglob("*.kvb"))
+        before = cluster.metrics()
+        outputs, hits = cluster_outputs(cluster, convs, params, "oracle", "auto")
+        after = cluster.metrics()
+    assert all(len(turn) == 5 for conv in outputs for turn in conv)
+    assert sum(hits[0]) > 0  # the hit is known, but nothing is read or moved for it
+    for key in ("storage_snic_read_bytes", "cnic_send_bytes", "cnic_recv_bytes", "h2d_bytes",
+                "storage_bytes_written"):
+        for role in ("prefill", "decode"):
+            assert node_sum(after, role, key) == node_sum(before, role, key), (role, key)
+    assert sum(1 for _ in store.rglob("*.kvb")) == stored_files
