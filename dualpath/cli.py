@@ -84,6 +84,13 @@ def _cmd_bench_storage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_scheduler(args: argparse.Namespace) -> int:
+    from dualpath.bench.scheduler import run_scheduler_bench
+
+    run_scheduler_bench(args)
+    return 0
+
+
 def _cmd_engine(args: argparse.Namespace) -> int:
     import logging
 
@@ -163,6 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
     tra.add_argument("--blocks", type=int, default=32, help="full blocks (x layers = segments)")
     tra.add_argument("--repeats", type=int, default=10, help="timed rounds")
     tra.set_defaults(func=_cmd_bench_transfer)
+
+    sch = bench_sub.add_parser("scheduler", help="global scheduler decisions/s at 48P96D scale")
+    sch.add_argument("--json", required=True, help="where to write the results")
+    sch.add_argument("--prefill-nodes", type=int, default=48)
+    sch.add_argument("--decode-nodes", type=int, default=96)
+    sch.add_argument("--engines-per-node", type=int, default=8)
+    sch.add_argument("--requests", type=int, default=20_000)
+    sch.add_argument("--policies", default="dualpath,round_robin",
+                     help="comma-separated; the first one's rate is summary.decisions_per_s")
+    sch.add_argument("--split-read", action="store_true", help="split reads across both sides")
+    sch.add_argument("--seed", type=int, default=0)
+    sch.add_argument("--no-png", dest="png", action="store_false", help="skip the bar chart")
+    sch.set_defaults(func=_cmd_bench_scheduler)
     return parser
 
 

@@ -71,6 +71,9 @@ class ClusterConfig:
     traffic: TrafficConfig = TrafficConfig()
     mode: str = "dualpath"  # basic | layerwise | dualpath | oracle | recompute
     read_path: str = "auto"  # auto (the shorter node read queue) | pe | de
+    policy: str = "dualpath"  # global scheduler: dualpath (PAPER §5) | round_robin
+    alpha_tokens: int | None = None  # short read queue; default: tokens a node reads in 3 s
+    beta_tokens: int | None = None  # PE overload; default: unlimited until profiled
     host_pool_blocks: int = 512  # full-block slots of each engine's DRAM buffer
     num_prefill: int = 1
     num_decode: int = 2

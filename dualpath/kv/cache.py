@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dualpath.kv.layout import KVLayout
 from dualpath.model.spec import DTYPE_BYTES, ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -16,8 +17,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 def blocks_for_budget(spec: ModelSpec, block_size: int, kv_dtype: str, budget_mb: int) -> int:
     """How many blocks fit in ``budget_mb`` MiB."""
-    per_block = spec.kv_bytes_per_token(kv_dtype) * block_size
-    return max(1, budget_mb * 2**20 // per_block)
+    return KVLayout.from_spec(spec, kv_dtype, block_size).blocks_in(budget_mb)
 
 
 class PagedKVCache:

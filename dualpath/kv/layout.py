@@ -66,6 +66,10 @@ class KVLayout:
         """``[1, tokens, bytes]``."""
         return (1, self.block_size, self.bytes_per_token_per_layer)
 
+    def blocks_in(self, budget_mb: int) -> int:
+        """How many full blocks fit in ``budget_mb`` MiB (at least one)."""
+        return max(1, budget_mb * 2**20 // self.full_block_bytes)
+
     def layer_offset(self, layer_idx: int) -> int:
         """Byte offset of layer ``layer_idx`` inside a full block."""
         if not 0 <= layer_idx < self.num_layers:

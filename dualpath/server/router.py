@@ -1,11 +1,14 @@
 """The router: owns the request flow across prefill and decode engines.
 
 Per request: look up how many leading full blocks storage holds (the hit, block aligned and
-leaving at least one token to compute), pick a PE and a DE, pick the read path, then drive the
-engines: DE allocates its buffer (and reads the hit on the DE path) → PE prefills layer by
-layer into that buffer → DE decodes and persists. It keeps each node's pending read tokens
-(the read queue the path choice balances). One thread owns the socket; ``submit`` is
-thread-safe.
+leaving at least one token to compute) and queue it in the global scheduler (``scheduler/``,
+the same pure code the simulator runs). Whenever something changes — a request arrives, a
+prefill or a decode ends — the router builds a ``ClusterView`` from what it tracks (per engine
+``seq``, ``tok`` and free KV; per node the tokens being read) and lets the scheduler place the
+queued requests: PE by Algorithm 1, DE by the two-phase rule, the read path by the shorter node
+read queue. Then it drives the engines: DE allocates its buffer (and reads the hit on the DE
+path) → PE prefills layer by layer into that buffer → DE decodes and persists. A request no DE
+has room for waits in the queue. One thread owns the socket; ``submit`` is thread-safe.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from dualpath.protocol import (
     encode,
 )
 from dualpath.request import SamplingParams
+from dualpath.scheduler.global_scheduler import GlobalScheduler, SchedulerParams
+from dualpath.scheduler.view import Assignment, ClusterView, EngineView, NodeView, PendingRequest
 from dualpath.storage import open_store
 
 MODES = ("basic", "layerwise", "dualpath", "oracle", "recompute")
@@ -78,6 +83,16 @@ class ClusterOutput:
 
 
 @dataclass
+class _Load:
+    """What the router has placed on one engine and not yet seen finish."""
+
+    seq: int = 0
+    tok: int = 0
+    kv_tokens: int = 0  # DE: device KV reserved (prompt + max_tokens)
+    buffer_tokens: int = 0  # DE: host-buffer tokens reserved until decode starts
+
+
+@dataclass
 class _Request:
     req_id: int
     prompt_ids: tuple[int, ...]
@@ -88,6 +103,7 @@ class _Request:
     mode: str = "dualpath"
     read_path: str = "auto"  # requested ("auto", "pe", "de"), then the chosen path
     num_hit_blocks: int = 0
+    prefilled: bool = False
 
 
 class Router:
@@ -104,11 +120,16 @@ class Router:
         self.block_size = layout.block_size
         self.key_space = KeySpace(model_id(model_dir), layout.layout_id, layout.block_size)
         self.store = open_store(config.storage, layout)
+        self.scheduler = GlobalScheduler(scheduler_params(config, layout.full_block_bytes))
+        blocks = config.engine.num_kv_blocks or layout.blocks_in(config.engine.kv_cache_mb)
+        self._kv_capacity_tokens = blocks * self.block_size
+        self._buffer_capacity_tokens = config.host_pool_blocks * self.block_size
         self.engines: dict[str, EngineInfo] = {}
         self.pending_read_tokens: dict[int, int] = {}  # node -> tokens being read
         self.decisions: list[tuple[int, str, str, str, int]] = []  # req, pe, de, path, hit
-        self._load: dict[str, int] = {}  # engine -> requests in flight
-        self._requests: dict[int, _Request] = {}
+        self._load: dict[str, _Load] = {}
+        self._queued: dict[int, _Request] = {}  # waiting for the scheduler
+        self._requests: dict[int, _Request] = {}  # placed on engines
         self._ids = itertools.count(1)
         self._inbox: queue.Queue[_Request | Message | tuple[str, object]] = queue.Queue()
         self._metrics: dict[str, Future[dict]] = {}
@@ -183,15 +204,25 @@ class Router:
 
     # -- request flow ----------------------------------------------------------------------------
     def _start(self, req: _Request) -> None:
-        try:
-            req.pe = self._least_loaded("prefill")
-            req.de = self._least_loaded("decode")
-        except DualPathError as exc:
-            req.future.set_exception(exc)
-            return
-        self._requests[req.req_id] = req
         req.num_hit_blocks = self._hit_blocks(req)
-        req.read_path = self._read_path(req)
+        self._queued[req.req_id] = req
+        self.scheduler.submit(PendingRequest(req.req_id, len(req.prompt_ids),
+                                             self._read_tokens(req)))
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Let the scheduler place what it can on the current view."""
+        if not self._queued or not self.engines:
+            return
+        for assignment in self.scheduler.schedule(self._view()):
+            self._dispatch(self._queued.pop(assignment.req_id), assignment)
+
+    def _dispatch(self, req: _Request, assignment: Assignment) -> None:
+        req.pe = self.engines[assignment.prefill]
+        req.de = self.engines[assignment.decode]
+        req.read_path = self._read_path(req, assignment.read_path)
+        self._requests[req.req_id] = req
+        self._reserve(req, +1)
         self.decisions.append((req.req_id, req.pe.name, req.de.name, req.read_path,
                                req.num_hit_blocks))
         reader = req.pe if req.read_path == "pe" else req.de
@@ -199,6 +230,29 @@ class Router:
         num_blocks = -(-len(req.prompt_ids) // self.block_size)
         de_reads = req.num_hit_blocks if req.read_path == "de" and _reads(req) else 0
         self._send(req.de.name, AllocBuffer(req.req_id, req.prompt_ids, num_blocks, de_reads))
+
+    def _reserve(self, req: _Request, sign: int) -> None:
+        """Count (+1) or release (-1) a request on its engines."""
+        assert req.pe is not None and req.de is not None
+        tokens = len(req.prompt_ids)
+        pe, de = self._load[req.pe.name], self._load[req.de.name]
+        pe.seq += sign
+        pe.tok += sign * tokens
+        de.seq += sign
+        de.tok += sign * tokens
+        de.kv_tokens += sign * (tokens + req.params.max_tokens)
+        de.buffer_tokens += sign * tokens
+
+    def _view(self) -> ClusterView:
+        engines = []
+        for e in self.engines.values():
+            load = self._load[e.name]
+            free = max(0, min(self._kv_capacity_tokens - load.kv_tokens,
+                              self._buffer_capacity_tokens - load.buffer_tokens))
+            engines.append(EngineView(e.name, e.role, e.node_id, f"{e.role}-node{e.node_id}",
+                                      load.seq, load.tok, free))
+        nodes = tuple(NodeView(n, max(0, q)) for n, q in sorted(self.pending_read_tokens.items()))
+        return ClusterView(tuple(engines), nodes)
 
     def _on_message(self, engine: str, msg: Message) -> None:
         if isinstance(msg, Hello):
@@ -231,17 +285,26 @@ class Router:
                                         _pe_mode(req), p.temperature, p.top_p, p.seed))
 
     def _prefilled(self, req: _Request, msg: Prefilled) -> None:
-        assert req.de is not None
+        assert req.pe is not None and req.de is not None
         req.num_hit_blocks = msg.num_hit_blocks
+        req.prefilled = True
+        tokens = len(req.prompt_ids)
+        pe, de = self._load[req.pe.name], self._load[req.de.name]
+        pe.seq, pe.tok = pe.seq - 1, pe.tok - tokens
+        de.buffer_tokens -= tokens  # the DE frees the buffer as decoding starts
         p = req.params
         self._send(req.de.name, Decode(req.req_id, req.prompt_ids, msg.first_token,
                                        msg.num_hit_blocks, p.max_tokens, p.temperature, p.top_p,
                                        p.seed, (), p.ignore_eos, oracle=req.mode == "oracle"))
+        self._schedule()
 
     def _finished(self, req: _Request, msg: Finished) -> None:
         assert req.pe is not None and req.de is not None
-        for engine in (req.pe.name, req.de.name):
-            self._load[engine] -= 1
+        tokens = len(req.prompt_ids)
+        de = self._load[req.de.name]
+        de.seq, de.tok = de.seq - 1, de.tok - tokens
+        de.kv_tokens -= tokens + req.params.max_tokens
+        self._schedule()
         req.future.set_result(ClusterOutput(
             req.req_id, list(req.prompt_ids), list(msg.output_ids), msg.finish_reason,
             req.num_hit_blocks * self.block_size, req.read_path, req.pe.name, req.de.name))
@@ -252,26 +315,30 @@ class Router:
             return
         if req.de is not None:
             self._send(req.de.name, Release(req.req_id))
-        for engine in (req.pe, req.de):
-            if engine is not None:
-                self._load[engine.name] -= 1
+        self._release_all(req)
         req.future.set_exception(RequestFailed(msg.error))
+        self._schedule()
+
+    def _release_all(self, req: _Request) -> None:
+        """Forget whatever of a failed request is still counted on its engines."""
+        if req.pe is None or req.de is None:
+            return
+        tokens = len(req.prompt_ids)
+        pe, de = self._load[req.pe.name], self._load[req.de.name]
+        if not req.prefilled:
+            pe.seq, pe.tok = pe.seq - 1, pe.tok - tokens
+            de.buffer_tokens -= tokens
+        de.seq, de.tok = de.seq - 1, de.tok - tokens
+        de.kv_tokens -= tokens + req.params.max_tokens
 
     # -- decisions ------------------------------------------------------------------------------
     def _register(self, msg: Hello) -> None:
         with self._hello:
             self.engines[msg.name] = EngineInfo(msg.name, msg.role, msg.node_id, msg.endpoint)
-            self._load.setdefault(msg.name, 0)
+            self._load.setdefault(msg.name, _Load())
             self.pending_read_tokens.setdefault(msg.node_id, 0)
             self._hello.notify_all()
-
-    def _least_loaded(self, role: str) -> EngineInfo:
-        candidates = [e for e in self.engines.values() if e.role == role]
-        if not candidates:
-            raise DualPathError(f"no {role} engine is up")
-        best = min(candidates, key=lambda e: (self._load[e.name], e.name))
-        self._load[best.name] += 1
-        return best
+        self._schedule()
 
     def _hit_blocks(self, req: _Request) -> int:
         if req.mode == "recompute":
@@ -280,16 +347,16 @@ class Router:
         keys = self.key_space.keys(req.prompt_ids[: max_hit * self.block_size])
         return self.store.exists_prefix(keys)
 
-    def _read_path(self, req: _Request) -> str:
-        """basic/layerwise read on the PE; otherwise the forced path or the shorter queue."""
-        assert req.pe is not None and req.de is not None
+    @staticmethod
+    def _read_path(req: _Request, scheduled: str) -> str:
+        """basic/layerwise read on the PE; a forced path wins; else the scheduler's choice."""
         if req.mode in ("basic", "layerwise"):
             return "pe"
         if req.read_path != "auto":
             return req.read_path
-        pe_queue = self.pending_read_tokens[req.pe.node_id]
-        de_queue = self.pending_read_tokens[req.de.node_id]
-        return "de" if de_queue < pe_queue else "pe"
+        if scheduled not in ("pe", "de"):
+            raise DualPathError(f"read path {scheduled!r} is not supported by the engines")
+        return scheduled
 
     def _read_tokens(self, req: _Request) -> int:
         return req.num_hit_blocks * self.block_size if _reads(req) else 0
@@ -305,3 +372,19 @@ def _pe_mode(req: _Request) -> str:
 
 def _reads(req: _Request) -> bool:
     return req.mode != "oracle"
+
+
+def scheduler_params(config: ClusterConfig, full_block_bytes: int) -> SchedulerParams:
+    """α from the storage read cap (tokens a node reads in 3 s), β as configured.
+
+    Without a read cap or a profile α and β are unbounded: every node counts as short-queued
+    and no PE as overloaded, so PE choice is least-tokens and the path the shorter queue.
+    """
+    unbounded = 1 << 40
+    alpha = config.alpha_tokens
+    if alpha is None and config.storage.read_cap_mb_s:
+        tokens_per_s = config.storage.read_cap_mb_s * 1e6 / full_block_bytes
+        alpha = int(3.0 * tokens_per_s * config.engine.block_size)
+    return SchedulerParams(alpha_tokens=unbounded if alpha is None else alpha,
+                           beta_tokens=config.beta_tokens or unbounded, policy=config.policy,
+                           block_size=config.engine.block_size)

@@ -1,0 +1,226 @@
+"""The selection rules of the global scheduler (pure; PAPER §5.2–5.4 and Algorithm 1).
+
+Each rule works on :class:`EngineLoad` working copies and changes the chosen engine's counters
+in place, so a caller can run several rules over one decision. See
+:mod:`dualpath.scheduler.global_scheduler` for how they are combined and for the decisions
+where the paper is silent.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dualpath.scheduler.view import EngineLoad, PendingRequest
+
+POLICIES = ("dualpath", "round_robin")
+FORCED_PATHS = ("auto", "pe", "de")
+
+
+@dataclass(frozen=True)
+class SchedulerParams:
+    """Thresholds (tokens) and policy switches of the global scheduler."""
+
+    alpha_tokens: int  # a node's read queue at or below this is "short" (class C2)
+    beta_tokens: int  # a PE with more unfinished tokens than this is overloaded (class C1)
+    z_factor: float = 1.05  # high-token DE threshold Z = z_factor × average
+    policy: str = "dualpath"  # dualpath | round_robin
+    split_read: bool = False  # read one request's hit partly on each side
+    read_path: str = "auto"  # auto (shorter queue) | pe | de (e.g. the Basic baseline: pe)
+    block_size: int = 64  # split-read granularity in tokens
+
+    def __post_init__(self) -> None:
+        if self.alpha_tokens < 0 or self.beta_tokens < 0:
+            raise ValueError("alpha_tokens and beta_tokens must be >= 0")
+        if self.z_factor <= 0 or self.block_size <= 0:
+            raise ValueError("z_factor and block_size must be > 0")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.read_path not in FORCED_PATHS:
+            raise ValueError(f"read_path must be one of {FORCED_PATHS}, got {self.read_path!r}")
+
+    @classmethod
+    def from_rates(cls, read_tokens_per_s: float, prefill_tokens_per_s: float,
+                   alpha_s: float = 3.0, beta_s: float = 5.0, **overrides: Any) -> SchedulerParams:
+        """α = tokens a node reads in ``alpha_s``, β = tokens a PE prefills in ``beta_s`` (A.4)."""
+        if read_tokens_per_s <= 0 or prefill_tokens_per_s <= 0:
+            raise ValueError("profiled rates must be > 0")
+        return cls(alpha_tokens=int(read_tokens_per_s * alpha_s),
+                   beta_tokens=int(prefill_tokens_per_s * beta_s), **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe fields."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SchedulerParams:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**data)
+
+
+# --- the rules -------------------------------------------------------------------------------
+
+
+def pe_fetch(waiting: Iterable[PendingRequest], group_engines: Sequence[EngineLoad],
+             read_q: Mapping[int, int], params: SchedulerParams,
+             ) -> list[tuple[PendingRequest, str]]:
+    """Algorithm 1: one PE group's fetch from the head of ``waiting``; (request, PE) pairs.
+
+    Engines with ``tok > β`` (C1) get nothing; the head request goes to the least-``tok``
+    engine on a node whose read queue is ``<= α`` (C2), else to the least-``tok`` one of the
+    rest (C3); the chosen engine's ``tok`` (and ``seq``) grow in place. The fetch ends when C2
+    and C3 are both empty or ``waiting`` is. ``waiting`` itself is not consumed.
+    """
+    short: list[tuple[int, str, EngineLoad]] = []
+    long: list[tuple[int, str, EngineLoad]] = []
+    for e in group_engines:
+        if e.tok <= params.beta_tokens:
+            cls = short if read_q.get(e.node_id, 0) <= params.alpha_tokens else long
+            cls.append((e.tok, e.name, e))
+    heapq.heapify(short)
+    heapq.heapify(long)
+    out: list[tuple[PendingRequest, str]] = []
+    for req in waiting:
+        heap = short or long
+        if not heap:
+            break
+        _, name, e = heap[0]
+        e.tok += req.num_tokens
+        e.seq += 1
+        if e.tok <= params.beta_tokens:
+            heapq.heapreplace(heap, (e.tok, name, e))
+        else:
+            heapq.heappop(heap)
+        out.append((req, name))
+    return out
+
+
+def de_phase1(requests: Iterable[PendingRequest], group_tok: MutableMapping[str, int],
+              ) -> list[tuple[PendingRequest, str]]:
+    """Phase 1: each request to the DE group with the least total ``tok`` (ties: name).
+
+    ``group_tok`` (group -> Σ tok of its DEs) grows in place by each placed request's tokens.
+    """
+    heap = [(tok, group) for group, tok in group_tok.items()]
+    heapq.heapify(heap)
+    out: list[tuple[PendingRequest, str]] = []
+    if not heap:
+        return out
+    for req in requests:
+        tok, group = heap[0]
+        tok += req.num_tokens
+        heapq.heapreplace(heap, (tok, group))
+        group_tok[group] = tok
+        out.append((req, group))
+    return out
+
+
+def high_token_threshold(private_queue: Iterable[PendingRequest],
+                         group_engines: Sequence[EngineLoad], z_factor: float = 1.05) -> float:
+    """Z = z_factor × (Σ_{r∈R} len_r + Σ_e tok_e) / |E|.
+
+    R is the longest head of the private queue whose tokens fit in the group's summed free KV
+    (as if memory did not fragment).
+    """
+    free = sum(e.free_kv_tokens for e in group_engines)
+    fitting = 0
+    for req in private_queue:
+        if fitting + req.num_tokens > free:
+            break
+        fitting += req.num_tokens
+    return z_factor * (fitting + sum(e.tok for e in group_engines)) / len(group_engines)
+
+
+def _pick_de(req: PendingRequest, engines: Sequence[EngineLoad], z: float) -> EngineLoad | None:
+    need = req.num_tokens
+    best_low: tuple[int, int, str, EngineLoad] | None = None
+    best_high: tuple[int, int, str, EngineLoad] | None = None
+    for e in engines:
+        if e.free_kv_tokens < need:
+            continue
+        if e.tok + need > z:
+            key = (e.tok, e.seq, e.name, e)
+            if best_high is None or key[:3] < best_high[:3]:
+                best_high = key
+        else:
+            key = (e.seq, e.tok, e.name, e)
+            if best_low is None or key[:3] < best_low[:3]:
+                best_low = key
+    best = best_low or best_high
+    return None if best is None else best[3]
+
+
+def de_phase2(private_queue: Sequence[PendingRequest], group_engines: Sequence[EngineLoad],
+              params: SchedulerParams) -> list[tuple[PendingRequest, str]]:
+    """Phase 2: place the head of a DE group's private queue, request by request.
+
+    Z is computed once (:func:`high_token_threshold`). Among DEs with free KV for the head
+    request, those staying at or below Z are preferred, least ``seq`` first; else the least
+    ``tok`` one above Z. The chosen DE's ``seq``, ``tok`` and free KV change in place. The
+    fetch ends at the first request no DE has memory for. Returns a head of the queue.
+    """
+    if not group_engines:
+        return []
+    z = high_token_threshold(private_queue, group_engines, params.z_factor)
+    out: list[tuple[PendingRequest, str]] = []
+    for req in private_queue:
+        de = _pick_de(req, group_engines, z)
+        if de is None:
+            break
+        de.seq += 1
+        de.tok += req.num_tokens
+        de.free_kv_tokens -= req.num_tokens
+        out.append((req, de.name))
+    return out
+
+
+def choose_read_path(pe_queue_tokens: int, de_queue_tokens: int) -> str:
+    """The side whose node has the shorter read queue: ``"pe"`` or ``"de"`` (tie: ``"pe"``)."""
+    return "pe" if pe_queue_tokens <= de_queue_tokens else "de"
+
+
+def split_read(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
+               block_size: int) -> tuple[int, int]:
+    """Tokens of one hit read on the PE side and on the DE side: (pe, de).
+
+    The PE part x levels the two queues, ``pe_q + x = de_q + (hit - x)``, i.e.
+    ``x = (hit + de_q - pe_q) / 2``, so both parts finish together when the two storage NICs
+    read equally fast; x is rounded to whole blocks (half a block rounds towards the PE) and
+    clamped to ``[0, hit]``. When the queues differ by more than the hit the whole hit goes to
+    the shorter side, as without splitting. A trailing partial block stays on the DE side.
+    """
+    if hit_tokens < 0 or block_size <= 0:
+        raise ValueError("need hit_tokens >= 0 and block_size > 0")
+    twice = hit_tokens + de_queue_tokens - pe_queue_tokens
+    pe = (twice + block_size) // (2 * block_size) * block_size
+    pe = min(max(pe, 0), hit_tokens)
+    return pe, hit_tokens - pe
+
+
+def read_plan(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
+              params: SchedulerParams) -> tuple[str, int, int]:
+    """(read_path, pe_read_tokens, de_read_tokens) under ``params`` (forced, split or auto)."""
+    if params.read_path != "auto":
+        path = params.read_path
+    elif params.split_read and hit_tokens:
+        pe, de = split_read(hit_tokens, pe_queue_tokens, de_queue_tokens, params.block_size)
+        if pe and de:
+            return "split", pe, de
+        path = "pe" if pe else "de"
+    else:
+        path = choose_read_path(pe_queue_tokens, de_queue_tokens)
+    return (path, hit_tokens, 0) if path == "pe" else (path, 0, hit_tokens)
+
+
+def next_in_rotation(names: Sequence[str], last: str | None,
+                     eligible: Callable[[str], bool]) -> str | None:
+    """The first eligible name after ``last`` in sorted ``names``, wrapping; None if none is."""
+    start = 0 if last is None else bisect_right(names, last)
+    for i in range(len(names)):
+        name = names[(start + i) % len(names)]
+        if eligible(name):
+            return name
+    return None
