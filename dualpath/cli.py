@@ -112,6 +112,13 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from dualpath.bench.profile import run_profile
+
+    run_profile(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dualpath`` command."""
     parser = argparse.ArgumentParser(prog="dualpath", description=__doc__)
@@ -140,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     eng_proc.add_argument("--model", default=None)
     eng_proc.add_argument("--config", required=True, help="ClusterConfig as JSON")
     eng_proc.set_defaults(func=_cmd_engine)
+
+    prof = sub.add_parser("profile", help="measure prefill cost and storage read rate (α, β)")
+    prof.add_argument("--json", required=True, help="where to write the profile")
+    prof.add_argument("--storage-root", default=".cache/kv-store", help="the store to time")
+    prof.add_argument("--read-blocks", type=int, default=64)
+    prof.add_argument("--read-cap-mb-s", type=float, default=None,
+                      help="the storage NIC cap the cluster will run with")
+    _add_engine_args(prof)
+    prof.set_defaults(func=_cmd_profile)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -74,6 +74,7 @@ class ClusterConfig:
     policy: str = "dualpath"  # global scheduler: dualpath (PAPER §5) | round_robin
     alpha_tokens: int | None = None  # short read queue; default: tokens a node reads in 3 s
     beta_tokens: int | None = None  # PE overload; default: unlimited until profiled
+    profile_path: str | None = None  # `dualpath profile` output: α and β when not set above
     host_pool_blocks: int = 512  # full-block slots of each engine's DRAM buffer
     num_prefill: int = 1
     num_decode: int = 2

@@ -14,6 +14,7 @@ has room for waits in the queue. One thread owns the socket; ``submit`` is threa
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import threading
 from concurrent.futures import Future
@@ -375,16 +376,20 @@ def _reads(req: _Request) -> bool:
 
 
 def scheduler_params(config: ClusterConfig, full_block_bytes: int) -> SchedulerParams:
-    """α from the storage read cap (tokens a node reads in 3 s), β as configured.
+    """α and β: as configured, else from the profile, else α from the storage read cap.
 
-    Without a read cap or a profile α and β are unbounded: every node counts as short-queued
-    and no PE as overloaded, so PE choice is least-tokens and the path the shorter queue.
+    Without any of these α and β are unbounded: every node counts as short-queued and no PE as
+    overloaded, so PE choice is least-tokens and the path the shorter queue.
     """
     unbounded = 1 << 40
-    alpha = config.alpha_tokens
+    alpha, beta = config.alpha_tokens, config.beta_tokens
+    if config.profile_path:
+        profiled = json.loads(Path(config.profile_path).read_text())["summary"]
+        alpha = alpha if alpha is not None else int(profiled["alpha_tokens"])
+        beta = beta if beta is not None else int(profiled["beta_tokens"])
     if alpha is None and config.storage.read_cap_mb_s:
         tokens_per_s = config.storage.read_cap_mb_s * 1e6 / full_block_bytes
         alpha = int(3.0 * tokens_per_s * config.engine.block_size)
     return SchedulerParams(alpha_tokens=unbounded if alpha is None else alpha,
-                           beta_tokens=config.beta_tokens or unbounded, policy=config.policy,
+                           beta_tokens=unbounded if beta is None else beta, policy=config.policy,
                            block_size=config.engine.block_size)

@@ -1,0 +1,120 @@
+"""``dualpath profile``: measure the rates the scheduler's thresholds and cost model need.
+
+On the actual engine (model, dtype, threads of the config) it times prefills of ``bsz`` new
+tokens on top of ``cached`` ones already in the cache, fits the compute-quota cost model
+(``scheduler/batch.py``) to them, and times full-block reads from the configured store. From
+those: α = tokens a node reads in 3 s, β = prompt tokens one engine prefills in 5 s at an
+agentic hit rate (PAPER §5.2, A.4). ``ClusterConfig.profile_path`` points the router at the
+JSON it writes.
+
+On a CPU the whole prefill forward is timed (attention cannot be isolated there), so the cost
+model predicts forward time; the quota is applied to that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import track
+
+from dualpath.bench.report import machine_profile, write_json
+from dualpath.config import EngineConfig, StorageConfig
+from dualpath.engine.llm_engine import LLMEngine
+from dualpath.kv.host_pool import HostPool
+from dualpath.request import SamplingParams
+from dualpath.scheduler.batch import AttentionCostModel
+from dualpath.scheduler.rules import SchedulerParams
+from dualpath.storage import open_store
+
+GRID_CACHED = (0, 256, 1024)
+GRID_BSZ = (64, 256, 512)
+
+
+def _time_prefill(engine: LLMEngine, cached: int, bsz: int, seed: int) -> float:
+    """Milliseconds to prefill ``bsz`` new tokens after ``cached`` cached ones."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(100, engine.spec.vocab_size - 1, (cached + bsz,), generator=g).tolist()
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    if cached:
+        engine.generate([[*tokens[:cached], 1]], one)  # puts the prefix in the prefix cache
+    start = time.perf_counter()
+    out = engine.generate([tokens], one)[0]
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    if out.num_cached_tokens != cached:
+        raise RuntimeError(f"expected {cached} cached tokens, got {out.num_cached_tokens}")
+    return elapsed_ms
+
+
+def _read_rate(engine: LLMEngine, storage: StorageConfig, blocks: int) -> float:
+    """Tokens per second read from the store as full blocks (uncapped)."""
+    layout = engine.layout
+    root = Path(storage.root) / "profile-probe"
+    shutil.rmtree(root, ignore_errors=True)
+    store = open_store(StorageConfig(**{**asdict(storage), "root": str(root)}), layout)
+    pool = HostPool(layout.full_block_bytes, blocks, pin=False)
+    pool.slab.random_(0, 256)
+    buffers = [pool.buffer(s) for s in pool.alloc(blocks)]
+    keys = engine.key_space.keys(list(range(blocks * layout.block_size)))
+    try:
+        store.put_from(keys, buffers)
+        os.sync()
+        start = time.perf_counter()
+        if not all(store.get_into(keys, buffers)):
+            raise RuntimeError("profile blocks did not read back")
+        seconds = time.perf_counter() - start
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return blocks * layout.block_size / seconds
+
+
+def run_profile(args: argparse.Namespace) -> dict:
+    """Profile, fit, derive α and β, write the JSON profile."""
+    from dualpath.cli import engine_config
+    from dualpath.model.default_model import resolve_model
+
+    config: EngineConfig = engine_config(args)
+    config = EngineConfig(**{**asdict(config), "max_num_batched_tokens": max(GRID_BSZ) + 64,
+                             "num_kv_blocks": config.num_kv_blocks or 256})
+    model_dir = resolve_model(args.model)
+    engine = LLMEngine(model_dir, config)
+    grid = [(c, b) for c in GRID_CACHED for b in GRID_BSZ]
+    _time_prefill(engine, 0, 64, seed=0)  # warm-up
+    samples = [((c, b), _time_prefill(engine, c, b, seed=i + 1))
+               for i, (c, b) in enumerate(track(grid, description="prefill timings"))]
+    model = AttentionCostModel.fit([([pair], ms) for pair, ms in samples])
+    prefill_tok_s = max(b / (ms / 1e3) for (c, b), ms in samples if c == 0)
+    # tok (the scheduler's load) counts prompt tokens, hits included: β is in prompt tokens a
+    # PE gets through at an agentic hit rate (the most-cached sample: 1024 + 64 tokens here)
+    prompt_tok_s = max((c + b) / (ms / 1e3) for (c, b), ms in samples if c >= 8 * b)
+    storage = StorageConfig(root=args.storage_root, o_direct=True)
+    read_tok_s = _read_rate(engine, storage, args.read_blocks)
+    if args.read_cap_mb_s:
+        read_tok_s = min(read_tok_s, args.read_cap_mb_s * 1e6 / engine.layout.full_block_bytes
+                         * engine.layout.block_size)
+    params = SchedulerParams.from_rates(read_tok_s, prompt_tok_s)
+    result = {
+        "benchmark": "profile", "model": model_dir.name, "dtype": engine.dtype,
+        "machine": machine_profile(), "engine_config": asdict(config),
+        "samples": [{"cached": c, "bsz": b, "ms": ms} for (c, b), ms in samples],
+        "cost_model": model.to_dict(),
+        "summary": {"prefill_tokens_per_s": prefill_tok_s,
+                    "prompt_tokens_per_s_at_hit": prompt_tok_s, "read_tokens_per_s": read_tok_s,
+                    "alpha_tokens": params.alpha_tokens, "beta_tokens": params.beta_tokens},
+    }
+    write_json(args.json, result)
+    Console().print_json(json.dumps(result["summary"]))
+    return result
+
+
+def load_profile(path: str | Path) -> dict:
+    """A profile written by ``dualpath profile``."""
+    return json.loads(Path(path).read_text())
