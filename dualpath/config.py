@@ -74,7 +74,8 @@ class ClusterConfig:
     policy: str = "dualpath"  # global scheduler: dualpath (PAPER §5) | round_robin
     alpha_tokens: int | None = None  # short read queue; default: tokens a node reads in 3 s
     beta_tokens: int | None = None  # PE overload; default: unlimited until profiled
-    profile_path: str | None = None  # `dualpath profile` output: α and β when not set above
+    profile_path: str | None = None  # `dualpath profile` output: α, β and the PE cost model
+    prefill_quota_ms: float = 300.0  # predicted time per PE forward batch (PAPER §5.5)
     host_pool_blocks: int = 512  # full-block slots of each engine's DRAM buffer
     num_prefill: int = 1
     num_decode: int = 2

@@ -40,6 +40,20 @@ class LayerPlan:
     de_endpoint: str
     de_buffer_addr: int  # the DE's layer-major buffer of this request
     pe_slots: list[int]  # PE host-pool slots holding the hit blocks (PE read path)
+    load_hit: bool = True  # this forward loads the hit KV (the request's first chunk)
+    forward_from: int | None = None  # first prompt block sent after each layer (None: default)
+    forward_to: int | None = None  # one past the last (None: every prompt block)
+
+    def forward_range(self) -> range:
+        """Prompt blocks whose KV this forward sends to the DE buffer.
+
+        By default: every block on the PE path (hit + miss), only the miss blocks on the DE
+        path (the DE already holds the hit blocks it read).
+        """
+        default_from = self.num_hit_blocks if self.read_path == "de" else 0
+        start = default_from if self.forward_from is None else self.forward_from
+        stop = len(self.pe_blocks) if self.forward_to is None else self.forward_to
+        return range(start, stop)
 
     def de_layer_block(self, layer_idx: int, block: int, layer_block_bytes: int) -> int:
         """Address of layer ``layer_idx`` of prompt block ``block`` in the DE buffer."""
@@ -73,12 +87,11 @@ class PrefillHooks(LayerHooks):
         self.host_pool = host_pool
         self._loads: dict[int, Future[None] | None] = {}
         self._sends: list[Future[None]] = []
-        # the DE already holds the hit blocks it read; the PE path sends every block
-        self._forward_from = plan.num_hit_blocks if plan.read_path == "de" else 0
 
     # -- hooks --------------------------------------------------------------------------------
     def before_layer(self, layer_idx: int) -> None:
-        if self.plan.mode == "oracle" or self.plan.num_hit_blocks == 0:
+        plan = self.plan
+        if plan.mode == "oracle" or plan.num_hit_blocks == 0 or not plan.load_hit:
             return
         if self.plan.mode == "basic":
             if layer_idx == 0:
@@ -92,11 +105,11 @@ class PrefillHooks(LayerHooks):
         self._wait(self._loads.pop(layer_idx))
 
     def after_layer(self, layer_idx: int) -> None:
-        if self.plan.mode == "layerwise":
+        if self.plan.mode == "layerwise" and self.plan.forward_range():
             self._sends.append(self._start_forward(layer_idx))
 
     def finish(self) -> None:
-        if self.plan.mode == "basic":
+        if self.plan.mode == "basic" and self.plan.forward_range():
             self._sends.extend(self._start_forward(i) for i in range(self.num_layers))
         for future in self._sends:
             future.result()
@@ -117,7 +130,7 @@ class PrefillHooks(LayerHooks):
 
     def _start_forward(self, layer_idx: int) -> Future[None]:
         plan = self.plan
-        blocks = range(self._forward_from, len(plan.pe_blocks))
+        blocks = plan.forward_range()
         segments = [(self.addrs.layer_block(layer_idx, plan.pe_blocks[j]),
                      plan.de_layer_block(layer_idx, j, self.lb), self.lb) for j in blocks]
         return self.traffic.submit("write", plan.de_endpoint, segments, Lane.KV_FORWARD)

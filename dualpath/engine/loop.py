@@ -8,6 +8,7 @@ reads and writes and runs one decode step of its running batch.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from dualpath.protocol import (
     decode,
     encode,
 )
+from dualpath.scheduler.batch import AttentionCostModel
 from dualpath.storage import open_store
 from dualpath.storage.client import StorageClient
 
@@ -72,7 +74,11 @@ class EngineProcess:
         self.traffic.register(cache.data_ptr(), cache.numel() * cache.element_size())
         args = (self.engine, self.host_pool, self.traffic, self.storage)
         self.worker: PrefillWorker | DecodeWorker
-        self.worker = PrefillWorker(*args) if identity.role == "prefill" else DecodeWorker(*args)
+        if identity.role == "prefill":
+            self.worker = PrefillWorker(*args, cost_model=_cost_model(config),
+                                        quota_ms=config.prefill_quota_ms)
+        else:
+            self.worker = DecodeWorker(*args)
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, identity.name.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -142,7 +148,8 @@ class EngineProcess:
         values: dict[str, object] = {"role": self.identity.role, "node_id": self.identity.node_id}
         values.update(self.traffic.metrics())
         values.update({f"storage_{k}": v for k, v in self.storage.metrics().items()})
-        for name in ("num_prefilled", "num_hit_tokens", "num_computed_tokens", "num_saved_blocks"):
+        for name in ("num_prefilled", "num_forwards", "num_chunks", "num_hit_tokens",
+                     "num_computed_tokens", "num_saved_blocks"):
             if hasattr(self.worker, name):
                 values[name] = getattr(self.worker, name)
         return values
@@ -152,3 +159,11 @@ class EngineProcess:
         self.storage.close()
         self.traffic.close()
         self.socket.close(0)
+
+
+def _cost_model(config: ClusterConfig) -> AttentionCostModel | None:
+    """The PE's compute-quota cost model, from the profile when there is one."""
+    if not config.profile_path:
+        return None
+    profile = json.loads(Path(config.profile_path).read_text())
+    return AttentionCostModel.from_dict(profile["cost_model"])

@@ -2,9 +2,12 @@
 
 Requests arrive as ``Prefill`` messages. On the PE read path the hit full blocks are read from
 storage into this engine's host buffer as soon as the request arrives (the node's read queue),
-so reads overlap the compute of earlier requests; requests are computed in arrival order once
-their reads are done. The forward computes only the miss tokens; ``PrefillHooks`` load the
-hit KV and forward every layer to the DE buffer.
+so reads overlap the compute of earlier requests. Requests whose reads are done are batched
+in arrival order under the compute quota (``scheduler/batch.py``, PAPER §5.5): whole requests
+while the predicted time fits, then the largest chunk of the next one; the rest of a chunked
+request goes into later batches. Without a cost model (no profile) each forward takes one whole
+request. The forward computes only the miss tokens; per request, ``PrefillHooks`` load its hit
+KV (first chunk) and forward each layer's new blocks to its DE buffer.
 """
 
 from __future__ import annotations
@@ -18,36 +21,77 @@ from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.traffic import TrafficManager
 from dualpath.errors import RequestError
 from dualpath.kv.host_pool import HostPool
+from dualpath.model.hooks import ComposedHooks
 from dualpath.protocol import Message, Prefill, Prefilled, ReadDone
 from dualpath.request import SamplingParams, Sequence
+from dualpath.scheduler.batch import AttentionCostModel, build_prefill_batch
 from dualpath.storage.client import StorageClient
 
 
 @dataclass
 class _Job:
     msg: Prefill
-    slots: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # PE host slots of the hit blocks
     read: Future[list[bool]] | None = None
     num_hit_blocks: int = 0
+    read_reported: bool = False
+    seq: Sequence | None = None  # set when first scheduled; KV in PE cache blocks
+    loaded: bool = False  # its hit KV is in the PE cache (first chunk done)
+
+    @property
+    def ready(self) -> bool:
+        return self.read is None or self.read.done()
+
+
+class _BlockRuns:
+    """Contiguous runs of PE cache blocks: a request's layer stays one region on the wire."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = [True] * num_blocks
+
+    def take(self, count: int) -> list[int] | None:
+        run = 0
+        for i, free in enumerate(self.free):
+            run = run + 1 if free else 0
+            if run == count:
+                blocks = list(range(i - count + 1, i + 1))
+                for b in blocks:
+                    self.free[b] = False
+                return blocks
+        return None
+
+    def give_back(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.free[b] = True
 
 
 class PrefillWorker:
     """Turns ``Prefill`` requests into prompt KV in DE buffers plus a first token."""
 
     def __init__(self, engine: LLMEngine, host_pool: HostPool, traffic: TrafficManager,
-                 storage: StorageClient) -> None:
+                 storage: StorageClient, cost_model: AttentionCostModel | None = None,
+                 quota_ms: float = 300.0) -> None:
         self.engine = engine
         self.host_pool = host_pool
         self.traffic = traffic
         self.storage = storage
+        self.cost_model = cost_model
+        self.quota_ms = quota_ms
         self.block_size = engine.config.block_size
+        self._runs = _BlockRuns(engine.runner.cache.num_blocks)
         self._jobs: deque[_Job] = deque()
         self.num_prefilled = 0
+        self.num_forwards = 0
+        self.num_chunks = 0  # request chunks computed (> requests when chunking happened)
         self.num_hit_tokens = 0
         self.num_computed_tokens = 0
 
     def accept(self, msg: Prefill) -> None:
         """Queue a request and start its storage read (PE read path)."""
+        num_blocks = -(-len(msg.prompt_ids) // self.block_size)
+        if num_blocks > len(self._runs.free):
+            raise RequestError(f"the prompt needs {num_blocks} KV blocks, the PE cache has "
+                               f"{len(self._runs.free)}")
         job = _Job(msg, num_hit_blocks=msg.num_hit_blocks)
         if msg.read_path == "pe" and msg.num_hit_blocks and msg.mode != "oracle":
             job.slots = self.host_pool.alloc(msg.num_hit_blocks)
@@ -58,7 +102,7 @@ class PrefillWorker:
     @property
     def has_ready_job(self) -> bool:
         """True when the oldest request can be computed now."""
-        return bool(self._jobs) and (self._jobs[0].read is None or self._jobs[0].read.done())
+        return bool(self._jobs) and self._jobs[0].ready
 
     @property
     def num_pending(self) -> int:
@@ -66,45 +110,101 @@ class PrefillWorker:
         return len(self._jobs)
 
     def run_next(self) -> list[Message]:
-        """Prefill the oldest ready request; returns the messages to send."""
-        job = self._jobs.popleft()
+        """Run one forward batch of ready requests; returns the messages to send."""
         out: list[Message] = []
-        if job.read is not None:
-            ok = job.read.result()
-            job.num_hit_blocks = next((i for i, good in enumerate(ok) if not good), len(ok))
-            out.append(ReadDone(job.msg.req_id, job.num_hit_blocks))
-        try:
-            first_token = self._prefill(job)
-        finally:
-            self.host_pool.free(job.slots)
-        out.append(Prefilled(job.msg.req_id, first_token, job.num_hit_blocks))
+        ready = []
+        for job in self._jobs:  # FIFO: stop at the first request still reading
+            if not job.ready:
+                break
+            out.extend(self._report_read(job))
+            ready.append(job)
+        batch = self._pick(ready)
+        out.extend(self._forward(batch))
         return out
 
-    def _prefill(self, job: _Job) -> int:
-        msg, engine = job.msg, self.engine
+    def _report_read(self, job: _Job) -> list[Message]:
+        if job.read is None or job.read_reported:
+            return []
+        job.read_reported = True
+        ok = job.read.result()
+        job.num_hit_blocks = next((i for i, good in enumerate(ok) if not good), len(ok))
+        return [ReadDone(job.msg.req_id, job.num_hit_blocks)]
+
+    def _pick(self, ready: list[_Job]) -> list[tuple[_Job, int]]:
+        """(job, tokens to compute now) under the compute quota, FIFO."""
+        if self.cost_model is None:
+            return [(ready[0], self._remaining(ready[0]))]
+        fifo = [(i, self._cached(job), self._remaining(job)) for i, job in enumerate(ready)]
+        chosen = build_prefill_batch(fifo, self.quota_ms, self.cost_model)
+        batch = []
+        for i, _, bsz in chosen:
+            if ready[i].seq is None and not self._start(ready[i]):
+                break  # no contiguous cache room: wait for earlier requests to finish
+            batch.append((ready[i], bsz))
+        return batch or [(ready[0], self._remaining(ready[0]))]
+
+    def _cached(self, job: _Job) -> int:
+        return job.seq.num_computed_tokens if job.seq else job.num_hit_blocks * self.block_size
+
+    def _remaining(self, job: _Job) -> int:
+        return len(job.msg.prompt_ids) - self._cached(job)
+
+    def _start(self, job: _Job) -> bool:
+        msg = job.msg
+        blocks = self._runs.take(-(-len(msg.prompt_ids) // self.block_size))
+        if blocks is None:
+            return False
         params = SamplingParams(max_tokens=1, temperature=msg.temperature, top_p=msg.top_p,
                                 seed=msg.seed, ignore_eos=True)
-        seq = Sequence(list(msg.prompt_ids), params)
-        num_blocks = -(-len(seq.prompt_ids) // self.block_size)
-        if num_blocks > engine.runner.cache.num_blocks:
-            raise RequestError(f"the prompt needs {num_blocks} KV blocks, the PE cache has "
-                               f"{engine.runner.cache.num_blocks}")
-        # The PE holds one request's KV at a time, in blocks 0..n-1: each layer of the request
-        # is then one contiguous region, and one segment on the wire.
-        seq.block_table = list(range(num_blocks))
-        try:
-            seq.num_computed_tokens = job.num_hit_blocks * self.block_size
-            num_new = seq.num_tokens - seq.num_computed_tokens
-            plan = LayerPlan(seq.block_table, job.num_hit_blocks, msg.read_path, msg.mode,
-                             msg.de_endpoint, msg.de_buffer_addr, job.slots)
-            hooks = PrefillHooks(plan, engine.runner.cache, self.traffic, self.host_pool)
-            inputs = engine.runner.prepare([(seq, num_new)])
-            hidden = engine.runner.run(inputs, hooks)
-            logits = engine.runner.logits(hidden[inputs.last_rows])
-            token = engine.sampler.sample(logits, [params], [seq.seq_id])[0]
-        finally:
-            engine.sampler.release(seq.seq_id)
-        self.num_prefilled += 1
-        self.num_hit_tokens += seq.num_computed_tokens
-        self.num_computed_tokens += num_new
-        return token
+        job.seq = Sequence(list(msg.prompt_ids), params)
+        job.seq.block_table = blocks
+        job.seq.num_computed_tokens = job.num_hit_blocks * self.block_size
+        self.num_hit_tokens += job.seq.num_computed_tokens
+        return True
+
+    def _forward(self, batch: list[tuple[_Job, int]]) -> list[Message]:
+        engine = self.engine
+        for job, _ in batch:
+            if job.seq is None and not self._start(job):
+                raise RequestError("no contiguous PE cache room for the request")
+        items = [(job.seq, bsz) for job, bsz in batch]
+        hooks = ComposedHooks([self._hooks(job, bsz) for job, bsz in batch])
+        inputs = engine.runner.prepare(items)  # type: ignore[arg-type]
+        hidden = engine.runner.run(inputs, hooks)
+        self.num_forwards += 1
+        self.num_chunks += len(batch)
+        done = [(job, row) for (job, bsz), row in zip(batch, inputs.last_rows, strict=True)
+                if job.seq.num_computed_tokens + bsz == job.seq.num_tokens]  # type: ignore[union-attr]
+        for job, bsz in batch:
+            job.seq.num_computed_tokens += bsz  # type: ignore[union-attr]
+            job.loaded = True
+            self.num_computed_tokens += bsz
+        return self._complete(done, hidden) if done else []
+
+    def _hooks(self, job: _Job, bsz: int) -> PrefillHooks:
+        msg, seq = job.msg, job.seq
+        assert seq is not None
+        first_chunk = not job.loaded
+        cached = seq.num_computed_tokens
+        plan = LayerPlan(seq.block_table, job.num_hit_blocks, msg.read_path, msg.mode,
+                         msg.de_endpoint, msg.de_buffer_addr, job.slots, load_hit=first_chunk,
+                         forward_from=None if first_chunk else cached // self.block_size,
+                         forward_to=-(-(cached + bsz) // self.block_size))
+        return PrefillHooks(plan, self.engine.runner.cache, self.traffic, self.host_pool)
+
+    def _complete(self, done: list[tuple[_Job, int]], hidden) -> list[Message]:
+        engine = self.engine
+        seqs = [job.seq for job, _ in done]
+        logits = engine.runner.logits(hidden[[row for _, row in done]])
+        tokens = engine.sampler.sample(logits, [s.params for s in seqs],  # type: ignore[union-attr]
+                                       [s.seq_id for s in seqs])  # type: ignore[union-attr]
+        out: list[Message] = []
+        for (job, _), token in zip(done, tokens, strict=True):
+            assert job.seq is not None
+            engine.sampler.release(job.seq.seq_id)
+            self._runs.give_back(job.seq.block_table)
+            self.host_pool.free(job.slots)
+            self._jobs.remove(job)
+            self.num_prefilled += 1
+            out.append(Prefilled(job.msg.req_id, token, job.num_hit_blocks))
+        return out

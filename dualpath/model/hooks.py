@@ -20,4 +20,23 @@ class LayerHooks:
         """Called once after the last layer (wait for outstanding transfers)."""
 
 
+class ComposedHooks(LayerHooks):
+    """Several hook objects run in order (one per request of a batched forward)."""
+
+    def __init__(self, parts: list[LayerHooks]) -> None:
+        self.parts = parts
+
+    def before_layer(self, layer_idx: int) -> None:
+        for part in self.parts:
+            part.before_layer(layer_idx)
+
+    def after_layer(self, layer_idx: int) -> None:
+        for part in self.parts:
+            part.after_layer(layer_idx)
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+
 NO_HOOKS = LayerHooks()

@@ -67,3 +67,29 @@ def test_smollm2_all_paths_match_single_process(smollm2_dir, tmp_path):
                                append_lengths=[37, 70, 45, 29], seed=9)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     _check_all_runs(smollm2_dir, tmp_path, engine_cfg, convs, params)
+
+
+def test_quota_batching_and_chunking_keep_tokens(tiny_chaotic_dir, tmp_path):
+    """A cost model of 1 ms per new token and a 40 ms quota: long prompts are chunked over
+    several forwards and short ones share a forward; tokens stay the single-process ones."""
+    import json
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"cost_model": {"a": 0.0, "b": 1.0, "c": 0.0},
+                                   "summary": {"alpha_tokens": 1 << 40, "beta_tokens": 1 << 40}}))
+    engine_cfg = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=512)
+    convs = make_conversations(300, first_lengths=[45, 70, 101], append_lengths=[19, 13],
+                               seed=5)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = reference_outputs(tiny_chaotic_dir, engine_cfg, convs, params)
+    store = tmp_path / "kv"
+    config = ClusterConfig(engine=engine_cfg, storage=StorageConfig(root=str(store)),
+                           host_pool_blocks=256, profile_path=str(profile), prefill_quota_ms=40)
+    with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp_path / "logs") as cluster:
+        for mode, read_path in [("dualpath", "pe"), ("dualpath", "de"), ("basic", "auto")]:
+            wipe(store)
+            got, _ = cluster_outputs(cluster, convs, params, mode, read_path)
+            assert got == want, f"{mode}/{read_path} diverged under quota batching"
+        pe = next(m for m in cluster.metrics().values() if m["role"] == "prefill")
+    assert pe["num_chunks"] > pe["num_prefilled"]  # some prompts took several forwards
+    assert pe["num_forwards"] < pe["num_chunks"]  # some forwards carried several requests
