@@ -40,13 +40,17 @@ class Batcher:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; reject one that could never fit in the KV cache."""
+        self.check_fits(seq)
+        self.waiting.append(seq)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """``RequestError`` if prompt + max_tokens could never fit in the whole KV cache."""
         max_tokens = seq.num_tokens + seq.params.max_tokens
         if self._blocks_for(max_tokens) > self.pool.num_blocks:
             raise RequestError(
                 f"prompt + max_tokens = {max_tokens} tokens exceeds the KV cache "
                 f"({self.pool.num_blocks * self.block_size} tokens)"
             )
-        self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:

@@ -80,8 +80,7 @@ class LLMEngine:
         in, then runs the sequence from ``first_token`` (which may already finish it).
         """
         seq = Sequence(list(prompt_ids), params)
-        self.batcher.add(seq)  # size check; taken straight back out below
-        self.batcher.waiting.remove(seq)
+        self.batcher.check_fits(seq)
         seq.block_table = self.pool.allocate(-(-(len(prompt_ids) + 1) // self.config.block_size))
         fill_kv(seq.block_table)
         seq.num_computed_tokens = len(prompt_ids)
