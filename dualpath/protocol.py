@@ -169,9 +169,9 @@ class Decode(Message):
     temperature: float
     top_p: float
     seed: int | None
-    stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     oracle: bool = False  # timing upper bound: no buffer copy-in, nothing persisted
+    stop: tuple[str, ...] = ()  # stop strings
 
 
 @dataclass(frozen=True)

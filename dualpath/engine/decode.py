@@ -88,7 +88,8 @@ class DecodeWorker:
         """Move the assembled prompt KV into the cache and start decoding."""
         slots = self._buffers.pop(msg.req_id)
         params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature,
-                                top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos)
+                                top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos,
+                                stop=tuple(msg.stop))
         fill = (lambda table: None) if msg.oracle else (lambda table: self._copy_in(slots, table))
         try:
             seq = self.engine.add_prefilled(list(msg.prompt_ids), msg.first_token, params, fill)

@@ -99,7 +99,10 @@ class EngineProcess:
             while self.socket.poll(timeout):
                 self._handle(decode(self.socket.recv()))
                 timeout = 0
-            self._work()
+            try:
+                self._work()
+            except Exception:  # the engine keeps serving; the failure is in its log
+                log.exception("engine work failed")
         self.close()
 
     def _has_work(self) -> bool:

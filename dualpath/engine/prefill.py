@@ -22,7 +22,7 @@ from dualpath.engine.traffic import TrafficManager
 from dualpath.errors import RequestError
 from dualpath.kv.host_pool import HostPool
 from dualpath.model.hooks import ComposedHooks
-from dualpath.protocol import Message, Prefill, Prefilled, ReadDone
+from dualpath.protocol import Failed, Message, Prefill, Prefilled, ReadDone
 from dualpath.request import SamplingParams, Sequence
 from dualpath.scheduler.batch import AttentionCostModel, build_prefill_batch
 from dualpath.storage.client import StorageClient
@@ -119,7 +119,21 @@ class PrefillWorker:
             out.extend(self._report_read(job))
             ready.append(job)
         batch = self._pick(ready)
-        out.extend(self._forward(batch))
+        try:
+            out.extend(self._forward(batch))
+        except Exception as exc:  # e.g. its DE died mid-transfer: fail these, keep serving
+            out.extend(self._fail(batch, f"{type(exc).__name__}: {exc}"))
+        return out
+
+    def _fail(self, batch: list[tuple[_Job, int]], error: str) -> list[Message]:
+        out: list[Message] = []
+        for job, _ in batch:
+            if job.seq is not None:
+                self.engine.sampler.release(job.seq.seq_id)
+                self._runs.give_back(job.seq.block_table)
+            self.host_pool.free(job.slots)
+            self._jobs.remove(job)
+            out.append(Failed(job.msg.req_id, error))
         return out
 
     def _report_read(self, job: _Job) -> list[Message]:

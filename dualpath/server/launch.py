@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from dualpath.request import SamplingParams
 from dualpath.server.router import ClusterOutput, Router
 
 STARTUP_TIMEOUT_S = 180.0
+WATCH_INTERVAL_S = 0.2
 
 
 class LocalCluster:
@@ -32,6 +34,8 @@ class LocalCluster:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="dualpath-logs-"))
         self.router: Router | None = None
         self._procs: list[subprocess.Popen] = []
+        self._names: dict[str, subprocess.Popen] = {}  # engine name -> its process
+        self._stopping = threading.Event()
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -46,12 +50,26 @@ class LocalCluster:
         self.router = Router(self.model_dir, self.config)
         roles = ["prefill"] * self.config.num_prefill + ["decode"] * self.config.num_decode
         for node_id, role in enumerate(roles):
-            self._procs.append(self._spawn(f"{role[0]}e{node_id}", role, node_id))
+            name = f"{role[0]}e{node_id}"
+            self._names[name] = self._spawn(name, role, node_id)
+            self._procs.append(self._names[name])
         try:
             self.router.wait_for_engines(len(roles), STARTUP_TIMEOUT_S)
         except DualPathError as exc:
             self.stop()
             raise DualPathError(f"{exc}; see the logs in {self.log_dir}") from exc
+        self._watcher = threading.Thread(target=self._watch, name="engine-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """Tell the router when an engine process exits on its own."""
+        reported: set[str] = set()
+        while not self._stopping.wait(WATCH_INTERVAL_S):
+            for name, proc in self._names.items():
+                if name not in reported and proc.poll() is not None:
+                    reported.add(name)
+                    if self.router is not None:
+                        self.router.engine_lost(name)
 
     def _spawn(self, name: str, role: str, node_id: int) -> subprocess.Popen:
         assert self.router is not None
@@ -82,6 +100,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Shut engines down (killing stragglers) and stop the router."""
+        self._stopping.set()
         if self.router is not None:
             self.router.shutdown()
             self.router = None

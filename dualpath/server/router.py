@@ -168,6 +168,10 @@ class Router:
         self._inbox.put(("metrics", futures))
         return {name: f.result(timeout_s) for name, f in futures.items()}
 
+    def engine_lost(self, name: str) -> None:
+        """An engine process is gone: fail what it held, place new work elsewhere."""
+        self._inbox.put(("lost", name))
+
     def shutdown(self) -> None:
         """Tell every engine to stop and end the router thread."""
         self._inbox.put(("shutdown", None))
@@ -195,6 +199,8 @@ class Router:
                 self._metrics.update(item[1])  # type: ignore[arg-type]
                 for name in item[1]:  # type: ignore[union-attr]
                     self._send(name, GetMetrics())
+            elif item[0] == "lost":
+                self._lose(str(item[1]))
             elif item[0] == "shutdown":
                 for name in self.engines:
                     self._send(name, Shutdown())
@@ -296,7 +302,8 @@ class Router:
         p = req.params
         self._send(req.de.name, Decode(req.req_id, req.prompt_ids, msg.first_token,
                                        msg.num_hit_blocks, p.max_tokens, p.temperature, p.top_p,
-                                       p.seed, (), p.ignore_eos, oracle=req.mode == "oracle"))
+                                       p.seed, p.ignore_eos, oracle=req.mode == "oracle",
+                                       stop=p.stop))
         self._schedule()
 
     def _finished(self, req: _Request, msg: Finished) -> None:
@@ -318,6 +325,17 @@ class Router:
             self._send(req.de.name, Release(req.req_id))
         self._release_all(req)
         req.future.set_exception(RequestFailed(msg.error))
+        self._schedule()
+
+    def _lose(self, name: str) -> None:
+        info = self.engines.pop(name, None)
+        if info is None:
+            return
+        pending_metrics = self._metrics.pop(name, None)
+        if pending_metrics is not None:
+            pending_metrics.set_exception(RequestFailed(f"engine {name} exited"))
+        for req in [r for r in self._requests.values() if name in (r.pe.name, r.de.name)]:  # type: ignore[union-attr]
+            self._failed(Failed(req.req_id, f"engine {name} exited"))
         self._schedule()
 
     def _release_all(self, req: _Request) -> None:
