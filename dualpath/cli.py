@@ -119,6 +119,20 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from dualpath.sim.commands import run_sim
+
+    run_sim(args)
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dualpath.sim.commands import run_plan
+
+    run_plan(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dualpath`` command."""
     parser = argparse.ArgumentParser(prog="dualpath", description=__doc__)
@@ -156,6 +170,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the storage NIC cap the cluster will run with")
     _add_engine_args(prof)
     prof.set_defaults(func=_cmd_profile)
+
+    simp = sub.add_parser("sim", help="cluster simulator: reproduce the paper's experiments")
+    simp.add_argument("--preset", required=True,
+                      choices=("paper-fig7", "paper-ablation", "paper-scale"))
+    simp.add_argument("--json", default=None, help="where to write the results")
+    simp.add_argument("--agents", default=None, help="comma-separated agent counts (fig7, "
+                      "ablation)")
+    simp.set_defaults(func=_cmd_sim)
+
+    planp = sub.add_parser("plan", help="bottleneck-free P/D range (eq. 9) and simulated JCT")
+    planp.add_argument("--model", default="ds660b", help="ds660b, ds27b, qwen32b")
+    planp.add_argument("--hardware", default="hopper", help="hopper, h200, b200")
+    planp.add_argument("--workload", default=None, help="32k, 48k, 64k: also simulate")
+    planp.add_argument("--agents", type=int, default=64, help="agents when simulating")
+    planp.add_argument("--max-nodes", type=int, default=6, help="largest P + D to consider")
+    planp.add_argument("--json", default=None, help="where to write the plan")
+    planp.set_defaults(func=_cmd_plan)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -1,0 +1,68 @@
+"""``dualpath sim`` and ``dualpath plan``: run presets / plan P/D ratios, write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dualpath.sim.planner import plan
+from dualpath.sim.presets import DS660B, run_preset
+
+
+def _write(path: str | None, result: dict[str, Any]) -> None:
+    text = json.dumps(result, indent=2, default=str)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+
+
+def run_sim(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``args.preset`` with a rich progress bar; print and write the summary."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    kwargs: dict[str, Any] = {}
+    if args.agents:
+        kwargs["agents"] = tuple(int(a) for a in args.agents.split(","))
+    with Progress(transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done)
+
+        result = run_preset(args.preset, progress=progress, **kwargs)
+    _write(args.json, result)
+    Console().print_json(json.dumps(result["summary"], default=str))
+    return result
+
+
+def run_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Eq. (9) range for ``--hardware``; with ``--workload``, simulated JCT per candidate."""
+    from rich.console import Console
+
+    from dualpath.sim.cluster import simulate
+    from dualpath.sim.profiles import get_hardware, get_model
+    from dualpath.sim.workload import WorkloadConfig
+
+    hw = get_hardware(args.hardware)
+    get_model(args.model)
+    sim = None
+    if args.workload:
+        base = replace(DS660B, model=args.model, hardware=args.hardware,
+                       kv_bytes_per_token=DS660B.kv_bytes_per_token
+                       if args.model == "ds660b" else None)
+
+        def sim(p: int, d: int) -> float:
+            cfg = replace(base, prefill_nodes=p, decode_nodes=d, mode="dualpath",
+                          workload=WorkloadConfig(args.workload, agents=args.agents))
+            return float(simulate(cfg)["jct_s"])
+    result = plan(hw, args.max_nodes, sim)
+    result["model"] = args.model
+    _write(args.json, result)
+    Console().print_json(json.dumps(result["summary"]))
+    return result

@@ -1,0 +1,95 @@
+"""P/D planning: the bottleneck-free P/D range of PAPER §3 (eq. 9) and candidate ratios.
+
+``pd_ratio_range(g, s, B, M)`` returns ``s/(g−s) ≤ P/D ≤ min{(g−2s)/s, (g−s)/(2s),
+(M/(B·s) − 3)/2}`` as exact fractions where the inputs allow, with every term named, so a
+caller can see which constraint binds. ``plan`` adds candidate (P, D) node counts inside the
+range and, when a simulate function is given, their simulated JCT and a recommendation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+from dualpath.sim.profiles import HardwareProfile
+
+
+def _frac(x: float) -> Fraction:
+    return Fraction(x).limit_denominator(10_000)
+
+
+def pd_ratio_range(g: int = 8, s: float = 1.0, B: float = 50.0,
+                   M: float = 500.0) -> dict[str, Any]:
+    """Eq. (9): lower/upper P/D bounds (Fractions) and each constraint's value.
+
+    ``g`` GPUs (CNICs) per node, storage NIC = ``s`` × one CNIC of ``B`` GB/s, DRAM ``M`` GB/s.
+    """
+    if g <= 0 or s <= 0 or B <= 0 or M <= 0:
+        raise ValueError("g, s, B and M must be > 0")
+    fs, fg = _frac(s), Fraction(g)
+    terms = {
+        "pe_cnic_write_lower (3)": fs / (fg - fs) if g > s else Fraction(10**9),
+        "de_cnic_read_upper (5)": (fg - 2 * fs) / fs,
+        "de_cnic_write_upper (7)": (fg - fs) / (2 * fs),
+        "de_dram_upper (8)": (_frac(M) / (_frac(B) * fs) - 3) / 2,
+    }
+    lo = terms["pe_cnic_write_lower (3)"]
+    uppers = {k: v for k, v in terms.items() if "upper" in k}
+    hi = min(uppers.values())
+    return {"lower": lo, "upper": hi, "feasible": lo <= hi,
+            "binding_upper": sorted(k for k, v in uppers.items() if v == hi),
+            "pe_cnic_read_ok (1)": 2 * fs / fg <= 1, "terms": terms}
+
+
+def range_for(hw: HardwareProfile) -> dict[str, Any]:
+    """Eq. (9) for a hardware profile (B = one CNIC, s = SNIC / CNIC, M = DRAM)."""
+    return pd_ratio_range(hw.gpus_per_node, hw.storage_ratio, hw.cnic_bps / 1e9,
+                          hw.dram_bps / 1e9)
+
+
+def candidates(lo: Fraction, hi: Fraction, max_nodes: int = 6) -> list[tuple[int, int]]:
+    """(P, D) node pairs with P + D ≤ ``max_nodes`` whose ratio lies in [lo, hi], one per ratio."""
+    seen: dict[Fraction, tuple[int, int]] = {}
+    for total in range(2, max_nodes + 1):
+        for p in range(1, total):
+            d = total - p
+            r = Fraction(p, d)
+            if lo <= r <= hi and r not in seen:
+                seen[r] = (p, d)
+    return sorted(seen.values(), key=lambda pd: Fraction(*pd))
+
+
+def jsonable(obj: Any) -> Any:
+    """Fractions → {"value": float, "fraction": "a/b"}; recurse into dicts and lists."""
+    if isinstance(obj, Fraction):
+        return {"value": float(obj), "fraction": str(obj)}
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+def plan(hw: HardwareProfile, max_nodes: int = 6,
+         simulate: Callable[[int, int], float] | None = None) -> dict[str, Any]:
+    """The range, candidate (P, D) pairs and, with ``simulate(P, D) -> JCT``, a recommendation.
+
+    The recommendation is the candidate with the least JCT per node (JCT × (P + D)): the
+    cheapest way to finish the job for a fixed cluster budget.
+    """
+    rng = range_for(hw)
+    cands = candidates(rng["lower"], rng["upper"], max_nodes)
+    rows = []
+    for p, d in cands:
+        row: dict[str, Any] = {"P": p, "D": d, "ratio": str(Fraction(p, d))}
+        if simulate is not None:
+            jct = simulate(p, d)
+            row.update(jct_s=jct, node_seconds=jct * (p + d))
+        rows.append(row)
+    best = min(rows, key=lambda r: r["node_seconds"]) if simulate is not None and rows else None
+    summary = {"pd_min": float(rng["lower"]), "pd_max": float(rng["upper"]),
+               "pd_range": f"{rng['lower']} .. {rng['upper']}", "feasible": rng["feasible"],
+               "recommended": None if best is None else f"{best['P']}P{best['D']}D"}
+    return jsonable({"summary": summary, "range": rng, "candidates": rows,
+                     "hardware": hw.to_dict()})

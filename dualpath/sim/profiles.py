@@ -1,0 +1,164 @@
+"""Hardware and model profiles for the simulator, with the derivations written down.
+
+Hardware (per node): ``g`` GPUs, one compute NIC per GPU (``cnic_bps`` bytes/s), one storage
+NIC per node (``snic_bps``), DRAM bandwidth ``dram_bps``, dense peak FLOP/s per GPU at the
+compute dtype the paper serves with (FP8 for DeepSeek), and HBM per GPU. The paper's node
+(PAPER §1.3, §7.1) is 8 Hopper GPUs, 8 × 400 Gbps CNICs (50 GB/s each), 1 × 400 Gbps SNIC
+(50 GB/s) and ≈ 500 GB/s DRAM.
+
+Models: KV bytes per token and FLOPs per new token are derived from the architecture (see each
+profile's ``notes``). Prefill FLOPs of one new token at context ``ctx`` are
+``linear + attn_per_key · min(ctx, topk) + indexer_per_key · ctx`` (``topk`` = 0 means dense
+attention, every key). ``testbed_profile`` reads the JSON that ``dualpath profile`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One node type: GPUs per node, NIC and DRAM bandwidths (bytes/s), peak FLOP/s, HBM."""
+
+    name: str
+    gpus_per_node: int = 8
+    cnic_bps: float = 50 * GB  # one 400 Gbps compute NIC per GPU
+    snic_bps: float = 50 * GB  # one 400 Gbps storage NIC per node
+    dram_bps: float = 500 * GB
+    peak_flops: float = 1979e12  # dense FP8 Tensor-Core FLOP/s per GPU
+    hbm_bytes: float = 80 * GB
+    notes: str = ""
+
+    @property
+    def storage_ratio(self) -> float:
+        """``s``: storage NIC bandwidth in units of one compute NIC (PAPER §3 notation)."""
+        return self.snic_bps / self.cnic_bps
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe fields plus ``s``."""
+        return {**self.__dict__, "s": self.storage_ratio}
+
+
+HARDWARE: dict[str, HardwareProfile] = {
+    "hopper": HardwareProfile(
+        "hopper", notes="the paper's node: 8 Hopper (H800-class, 80 GB, 1,979 TFLOPS dense "
+        "FP8), 8 x 400 Gbps CNIC, 1 x 400 Gbps SNIC, DRAM ~500 GB/s (PAPER 1.3, 3.3)"),
+    "h200": HardwareProfile(
+        "h200", hbm_bytes=141 * GB, notes="H200: Hopper compute, 141 GB HBM3e; same NICs"),
+    "b200": HardwareProfile(
+        "b200", cnic_bps=100 * GB, snic_bps=50 * GB, dram_bps=800 * GB, peak_flops=4500e12,
+        hbm_bytes=192 * GB, notes="B200-class: 4.5 PFLOPS dense FP8, 192 GB, 8 x 800 Gbps "
+        "CNIC (ConnectX-8), 1 x 400 Gbps SNIC, ~800 GB/s DRAM"),
+}
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the simulator needs from a model: KV bytes/token, FLOPs/token terms, weights."""
+
+    name: str
+    layers: int
+    kv_bytes_per_token: float
+    linear_flops: float  # 2 × active parameters per new token
+    attn_flops_per_key: float  # FLOPs of one new token against one cached key, all layers
+    topk: int = 0  # sparse attention keys per token (0: dense)
+    indexer_flops_per_key: float = 0.0  # DSA lightning indexer, all layers
+    weight_bytes: float = 0.0
+    notes: str = ""
+
+    def flops_per_token(self, ctx: int) -> float:
+        """FLOPs to prefill one new token with ``ctx`` keys before it."""
+        keys = min(ctx, self.topk) if self.topk else ctx
+        return (self.linear_flops + self.attn_flops_per_key * keys
+                + self.indexer_flops_per_key * ctx)
+
+    def gb_per_pflop(self, ctx: int, append: int) -> float:
+        """Cache-compute ratio of PAPER §1.2 Table 1: GB of hit KV per PFLOP of prefill."""
+        flops = sum(self.flops_per_token(ctx + i) for i in range(0, append, max(1, append // 16)))
+        flops *= append / len(range(0, append, max(1, append // 16)))
+        return ctx * self.kv_bytes_per_token / GB / (flops / 1e15)
+
+    def with_kv_bytes(self, kv_bytes_per_token: float) -> ModelProfile:
+        """The same model with another KV bytes/token (e.g. BF16 latent)."""
+        return replace(self, kv_bytes_per_token=kv_bytes_per_token)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe fields."""
+        return dict(self.__dict__)
+
+
+# DeepSeek-V3.2 (MLA + DSA). KV: per layer the FP8 latent (512 B) + BF16 RoPE key (64 × 2 B)
+# + 16 B of scales = 656 B; × 61 layers = 40,016 B/token. Alternatives (PAPER §7.2): ~48 KB
+# with the indexer's FP8 keys (128 B + scale per layer), 70,272 B with a BF16 latent
+# (576 × 2 × 61). Linear: 37B active parameters → 74 GFLOP. Attention (absorbed MLA, 128
+# heads): QK over 576 dims + PV over 512 → 2·128·(576+512) = 278,528 FLOPs/key/layer × 61 =
+# 1.70e7, on at most top-k = 2,048 keys. Indexer: 64 heads × 128 dims × 2 × 61 = 1.0e6/key.
+# At 32.7K context and 429 appended tokens this gives ≈ 21 GB/PFLOP (PAPER Table 1: ~22).
+DS_V32 = ModelProfile(
+    "ds660b", layers=61, kv_bytes_per_token=656 * 61, linear_flops=2 * 37e9,
+    attn_flops_per_key=2 * 128 * (576 + 512) * 61, topk=2048,
+    indexer_flops_per_key=64 * 128 * 2 * 61, weight_bytes=671e9,
+    notes="DeepSeek-V3.2 660B; FP8 MLA latent 656 B x 61 layers = 40,016 B/token "
+    "(alternatives: ~48 KB with indexer keys, 70,272 B BF16 latent)")
+
+# The 27B variant (PAPER §7.2 / A.2): hidden 2560, 30 layers, 32 heads, 72 routed experts
+# (6 active) + 2 shared of intermediate 1536, 1 dense layer of 12288, top-k 1024, no Q LoRA.
+# Active per token: experts 29 × 8 × 3·2560·1536 = 2.74B, dense 3·2560·12288 = 94M, attention
+# ≈ 32M × 30 (q 2560·32·192, kv_a 2560·576, kv_b 512·32·256, o 32·128·2560) = 0.96B,
+# LM head 129,280 × 2560 = 0.33B → ≈ 4.1B active → 8.3 GFLOP. MLA latent as V3.2: 656 × 30 B.
+DS_27B = ModelProfile(
+    "ds27b", layers=30, kv_bytes_per_token=656 * 30, linear_flops=2 * 4.13e9,
+    attn_flops_per_key=2 * 32 * (576 + 512) * 30, topk=1024,
+    indexer_flops_per_key=32 * 64 * 2 * 30, weight_bytes=27e9,
+    notes="DS 27B (A.2); FP8 MLA latent 656 B x 30 layers = 19,680 B/token")
+
+# Qwen2.5-32B: 64 layers, GQA 40 query / 8 KV heads of 128, FP16 KV: 2·8·128·2 B × 64 =
+# 262,144 B = 256 KiB/token. Linear 2 × 32.5B. Dense attention: QK + PV = 2·2·40·128 per key
+# per layer × 64 = 1.31e6 FLOPs/key.
+QWEN_32B = ModelProfile(
+    "qwen32b", layers=64, kv_bytes_per_token=2 * 8 * 128 * 2 * 64, linear_flops=2 * 32.5e9,
+    attn_flops_per_key=2 * 2 * 40 * 128 * 64, weight_bytes=65e9,
+    notes="Qwen2.5-32B GQA, FP16 KV 256 KiB/token, dense attention")
+
+MODELS: dict[str, ModelProfile] = {m.name: m for m in (DS_V32, DS_27B, QWEN_32B)}
+
+
+def get_hardware(name: str) -> HardwareProfile:
+    """A hardware preset by name (ValueError listing the known ones)."""
+    if name not in HARDWARE:
+        raise ValueError(f"unknown hardware {name!r}; known: {sorted(HARDWARE)}")
+    return HARDWARE[name]
+
+
+def get_model(name: str) -> ModelProfile:
+    """A model preset by name (ValueError listing the known ones)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
+    return MODELS[name]
+
+
+@dataclass(frozen=True)
+class TestbedProfile:
+    """Rates measured on the real engine by ``dualpath profile`` (one engine = one 'GPU')."""
+
+    __test__ = False  # not a pytest class
+
+    prefill_tokens_per_s: float
+    read_tokens_per_s: float
+    cost_model: dict[str, float]
+    model: str = "testbed"
+
+
+def testbed_profile(path: str | Path) -> TestbedProfile:
+    """Load the JSON ``dualpath profile`` wrote (``summary`` rates + ``cost_model``)."""
+    data = json.loads(Path(path).read_text())
+    summary = data["summary"]
+    return TestbedProfile(float(summary["prefill_tokens_per_s"]),
+                          float(summary["read_tokens_per_s"]), dict(data["cost_model"]),
+                          str(data.get("model", "testbed")))

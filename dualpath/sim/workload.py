@@ -1,0 +1,94 @@
+"""Synthetic agent trajectories from the paper's Table 2 presets (PAPER §7.4).
+
+A trajectory is a list of turns; turn ``i`` has a context (tokens from earlier turns), an
+append and a generation length. The prompt is ``context + append``; the hit is the context
+rounded down to whole blocks (the DE persists full blocks only, DESIGN §9), so the prefill
+computes ``prompt − hit`` tokens and the decode engine generates ``gen`` tokens.
+
+Replay rule. With ``context_step=None`` the context grows by ``append + gen`` each turn (the
+paper's A.3 rule for one trajectory). Table 2 reports means over 500 trajectories of varying
+length, and a single trajectory with 157 turns of 429 + 176 tokens would average 47K of
+context, not the table's 32,721 (long trajectories are truncated at MAL). The presets therefore
+use ``context_step = 2·context / (turns − 1)`` by default, so the mean context over turns — and
+the total hit volume, ≈ turns × context per agent as in PAPER §7.2 — match Table 2, while the
+per-turn append and generation (the compute) stay as the table gives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrajectoryPreset:
+    """One row of Table 2."""
+
+    name: str
+    turns: int
+    append: int
+    gen: int
+    total_tokens: int
+    mean_context: int
+
+    def table_step(self) -> float:
+        """Context growth per turn that gives the table's mean context over the turns."""
+        return 2 * self.mean_context / max(1, self.turns - 1)
+
+
+PRESETS: dict[str, TrajectoryPreset] = {
+    "32k": TrajectoryPreset("32k", 60, 608, 148, 28_639, 17_183),
+    "48k": TrajectoryPreset("48k", 106, 474, 172, 42_607, 25_120),
+    "64k": TrajectoryPreset("64k", 157, 429, 176, 55_958, 32_721),
+}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a trajectory, in tokens."""
+
+    prompt: int
+    hit: int
+    gen: int
+
+    @property
+    def miss(self) -> int:
+        """Tokens the prefill computes."""
+        return self.prompt - self.hit
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """``agents`` copies of a preset trajectory, all starting at t = 0 (offline)."""
+
+    preset: str = "64k"
+    agents: int = 1024
+    block_size: int = 64
+    context_step: float | None = -1.0  # -1: Table 2 mean (see module doc); None: append+gen
+    turns: int | None = None  # truncate to this many turns (tests)
+    append_scale: float = 1.0
+
+
+def trajectory(cfg: WorkloadConfig) -> list[Turn]:
+    """The turns of one agent under ``cfg`` (every agent replays the same lengths)."""
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"unknown workload {cfg.preset!r}; known: {sorted(PRESETS)}")
+    p = PRESETS[cfg.preset]
+    append = max(1, round(p.append * cfg.append_scale))
+    step = (p.table_step() if cfg.context_step == -1.0
+            else float(append + p.gen) if cfg.context_step is None else cfg.context_step)
+    turns = p.turns if cfg.turns is None else min(cfg.turns, p.turns)
+    out = []
+    for i in range(turns):
+        context = round(i * step)
+        hit = context // cfg.block_size * cfg.block_size
+        out.append(Turn(prompt=context + append, hit=hit, gen=p.gen))
+    return out
+
+
+def summary(turns: list[Turn], agents: int) -> dict[str, float]:
+    """Totals of a workload: hit, miss and generated tokens, mean context, hit rate."""
+    hit = sum(t.hit for t in turns)
+    miss = sum(t.miss for t in turns)
+    return {"turns": len(turns), "agents": agents, "hit_tokens": hit * agents,
+            "miss_tokens": miss * agents, "gen_tokens": sum(t.gen for t in turns) * agents,
+            "mean_context": hit / max(1, len(turns)), "hit_rate": hit / max(1, hit + miss)}

@@ -1,0 +1,33 @@
+"""Eq. (9) of the paper and the planner around it."""
+
+from fractions import Fraction
+
+from dualpath.sim.planner import candidates, pd_ratio_range, plan, range_for
+from dualpath.sim.profiles import get_hardware
+
+
+def test_paper_range_is_one_seventh_to_seven_halves():
+    r = pd_ratio_range(g=8, s=1, B=50, M=500)
+    assert r["lower"] == Fraction(1, 7)
+    assert r["upper"] == Fraction(7, 2)
+    assert r["feasible"]
+    assert r["binding_upper"] == ["de_cnic_write_upper (7)", "de_dram_upper (8)"]
+    assert r["terms"]["de_cnic_read_upper (5)"] == 6
+
+
+def test_hopper_profile_gives_the_same_range():
+    r = range_for(get_hardware("hopper"))
+    assert (r["lower"], r["upper"]) == (Fraction(1, 7), Fraction(7, 2))
+
+
+def test_slow_dram_binds():
+    r = pd_ratio_range(g=8, s=1, B=50, M=250)
+    assert r["upper"] == 1 and r["binding_upper"] == ["de_dram_upper (8)"]
+
+
+def test_candidates_inside_range_and_plan_recommends():
+    cands = candidates(Fraction(1, 7), Fraction(7, 2), max_nodes=6)
+    assert (2, 4) not in cands and (1, 2) in cands and (5, 1) not in cands
+    out = plan(get_hardware("hopper"), 4, simulate=lambda p, d: 100.0 / (p + 0.5 * d))
+    assert out["summary"]["pd_range"] == "1/7 .. 7/2"
+    assert out["summary"]["recommended"] == "3P1D"

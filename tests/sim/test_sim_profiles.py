@@ -1,0 +1,38 @@
+"""Model and hardware profiles: derivations reproduce the paper's Table 1."""
+
+import json
+
+import pytest
+
+from dualpath.sim.profiles import get_hardware, get_model
+from dualpath.sim.profiles import testbed_profile as load_testbed
+
+
+def test_kv_bytes_per_token():
+    assert get_model("ds660b").kv_bytes_per_token == 40_016
+    assert get_model("qwen32b").kv_bytes_per_token == 256 * 1024
+
+
+def test_cache_compute_ratio_matches_table1():
+    ds = get_model("ds660b")
+    assert ds.gb_per_pflop(16_384, 429) == pytest.approx(12.2, abs=0.3)
+    assert ds.gb_per_pflop(65_536, 429) == pytest.approx(35.1, abs=0.5)
+    assert get_model("qwen32b").gb_per_pflop(65_536, 429) == pytest.approx(265.4, rel=0.01)
+
+
+def test_hardware_and_unknown_names():
+    hw = get_hardware("hopper")
+    assert hw.gpus_per_node == 8 and hw.storage_ratio == 1.0
+    with pytest.raises(ValueError):
+        get_hardware("tpu")
+    with pytest.raises(ValueError):
+        get_model("gpt5")
+
+
+def test_testbed_loader(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"model": "smol", "cost_model": {"a": 1e-6, "b": 0.1, "c": 1},
+                                "summary": {"prefill_tokens_per_s": 900.0,
+                                            "read_tokens_per_s": 5e4}}))
+    tb = load_testbed(path)
+    assert tb.prefill_tokens_per_s == 900.0 and tb.cost_model["b"] == 0.1
