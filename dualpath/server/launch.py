@@ -93,6 +93,10 @@ class LocalCluster:
         futures = [self.submit(p, params, mode, read_path) for p in prompts]
         return [f.result(timeout_s) for f in futures]
 
+    def process(self, name: str) -> subprocess.Popen:
+        """The OS process of engine ``name`` (e.g. to stop it in a failure test)."""
+        return self._names[name]
+
     def metrics(self) -> dict[str, dict]:
         """Every engine's counters."""
         assert self.router is not None

@@ -23,7 +23,7 @@ def test_killed_decode_engine_fails_its_request_and_the_cluster_goes_on(tiny_cha
         while not cluster.router.decisions and time.monotonic() < deadline:
             time.sleep(0.01)  # waiting for the placement to be recorded, not for work
         victim = cluster.router.decisions[0][2]
-        cluster._names[victim].send_signal(signal.SIGKILL)
+        cluster.process(victim).send_signal(signal.SIGKILL)
         with pytest.raises(RequestFailed):  # its PE's transfer fails, or the router sees it die
             long.result(timeout=60)
         while victim in cluster.router.engines and time.monotonic() < deadline:
