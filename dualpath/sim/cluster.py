@@ -13,9 +13,19 @@ Only clocks, links and compute are modelled:
 * when an agent's turn has generated its tokens, its next turn is submitted at once (offline
   replay with zero tool latency, PAPER §7.4); JCT is when the last agent finishes.
 
-Simplifications: PEs do not wait for each other per forward (no EP barrier), a request's
-prefill starts when its whole read has arrived (layerwise streaming inside one request is not
-modelled), decode write-back to storage is not modelled (separate NIC direction).
+Read/compute overlap per mode (PAPER §4, §7.8):
+
+* ``basic`` (no layerwise prefill): the PEs form each forward in lock step (one EP group over
+  the prefill side). A round reads the hit KV of the requests that start in it into PE HBM,
+  waits until every PE's reads have arrived (the EP barrier), then computes for the longest
+  PE's predicted forward. Reads and compute therefore alternate: time ≈ read + compute.
+* layerwise modes (``layerwise``, ``dualpath``, ``round_robin``): a request's KV streams layer
+  by layer into the running forwards, so reads proceed while PEs compute; PEs run their
+  forwards independently and a request joins its PE's queue once its read has arrived —
+  time ≈ max(read, compute) plus the last read (no PE HBM hold).
+
+Simplifications: no EP barrier in the layerwise modes, decode write-back to storage is not
+modelled (separate NIC direction).
 """
 
 from __future__ import annotations
@@ -80,6 +90,8 @@ class Simulator:
         self.total_turns = len(self.turns) * cfg.workload.agents
         self.finished_at: list[float] = []
         self.reads = {"pe": 0, "de": 0}
+        self._round_busy = False
+        self.rounds = 0
 
     # --- requests ---
 
@@ -122,9 +134,13 @@ class Simulator:
             self._read(de.node, de_read, lambda: de.cnic.transfer(de_read * self.kvb, ready))
         else:
             self.reads["pe"] += 1
-            if self.cfg.mode == "basic":
+            if self.cfg.mode == "basic":  # read inside the lock-step round (see _round)
                 self.read_q[pe.node] += pe_read
-                pe.hold(pe_read, lambda: self._read(pe.node, pe_read, ready, queued=True))
+                pe.fifo.append([rid, turn.hit, turn.miss, de, turn, pe_read])
+                if self.cfg.basic_lockstep:
+                    self._round()
+                else:
+                    self._forward(pe)
             else:
                 self._read(pe.node, pe_read, ready)
 
@@ -139,20 +155,75 @@ class Simulator:
         self.snic[node].transfer(tokens * self.kvb, done)
 
     def _ready(self, rid: int, pe: PrefillEngine, de: DecodeEngine, turn: Turn) -> None:
-        pe.fifo.append([rid, turn.hit, turn.miss, de, turn])
-        self._forward(pe)
+        pe.fifo.append([rid, turn.hit, turn.miss, de, turn, 0])
+        if self.cfg.mode == "basic" and self.cfg.basic_lockstep:
+            self._round()
+        else:
+            self._forward(pe)
+
+    def _batch(self, pe: PrefillEngine) -> list[tuple[int, int, int]]:
+        return build_prefill_batch([(i, f[1], f[2]) for i, f in enumerate(pe.fifo)],
+                                   self.cfg.quota_ms, self.cost)
+
+    def _round(self) -> None:
+        """Basic: one lock-step forward of every PE: read phase, barrier, compute phase."""
+        if self._round_busy:
+            return
+        batches = [(pe, self._batch(pe)) for pe in self.pes if pe.fifo]
+        if not batches:
+            return
+        self._round_busy = True
+        self.rounds += 1
+        pending = [len(batches)]
+
+        def compute() -> None:
+            pending[0] -= 1
+            if pending[0]:
+                return
+            ms = max(self.cost.predict_ms([(c, b) for _, c, b in batch]) for _, batch in batches)
+            self.loop.after(ms / 1e3, finish)
+
+        def finish() -> None:
+            self._round_busy = False
+            for pe, batch in batches:
+                self._apply(pe, batch)
+            self._round()
+
+        for pe, batch in batches:
+            unread = 0
+            for idx, _, _ in batch:
+                unread += pe.fifo[idx][5]
+                pe.fifo[idx][5] = 0
+            if unread:
+                self._read(pe.node, unread, compute, queued=True)
+            else:
+                self.loop.after(0.0, compute)
 
     def _forward(self, pe: PrefillEngine) -> None:
         if pe.busy or not pe.fifo:
             return
-        batch = build_prefill_batch([(i, f[1], f[2]) for i, f in enumerate(pe.fifo)],
-                                    self.cfg.quota_ms, self.cost)
+        batch = self._batch(pe)
         pe.busy = True
+        unread = 0
+        for idx, _, _ in batch:  # Basic without the barrier: this PE loads, then computes
+            unread += pe.fifo[idx][5]
+            pe.fifo[idx][5] = 0
+        if unread:
+            self._read(pe.node, unread, lambda: self._compute(pe, batch), queued=True)
+        else:
+            self._compute(pe, batch)
+
+    def _compute(self, pe: PrefillEngine, batch: list[tuple[int, int, int]]) -> None:
         self.loop.after(self.cost.predict_ms([(c, b) for _, c, b in batch]) / 1e3,
                         lambda: self._forward_done(pe, batch))
 
     def _forward_done(self, pe: PrefillEngine, batch: list[tuple[int, int, int]]) -> None:
         pe.busy = False
+        self._apply(pe, batch)
+        self._forward(pe)
+
+    def _apply(self, pe: PrefillEngine, batch: list[tuple[int, int, int]]) -> None:
+        """A forward of ``batch`` finished on ``pe``: advance its requests, hand off done ones."""
         finished = []
         for idx, _, bsz in batch:
             entry = pe.fifo[idx]
@@ -161,8 +232,8 @@ class Simulator:
             if entry[2] <= 0:
                 finished.append(entry)
         pe.fifo = [f for f in pe.fifo if f[2] > 0]
-        for rid, _, _, de, turn in finished:
-            pe.finish(turn.prompt, turn.hit if self.cfg.mode == "basic" else 0)
+        for rid, _, _, de, turn, _ in finished:
+            pe.finish(turn.prompt)
             if self.cfg.mode == "oracle":
                 de.decode(turn.gen, lambda r=rid, d=de, t=turn: self._decoded(r, d, t))
             else:
@@ -170,7 +241,6 @@ class Simulator:
                     t.gen, lambda: self._decoded(r, d, t)))
         if finished:
             self._kick()
-        self._forward(pe)
 
     def _decoded(self, rid: int, de: DecodeEngine, turn: Turn) -> None:
         de.release(turn.prompt, turn.gen)
@@ -201,7 +271,8 @@ class Simulator:
                 "agents": self.cfg.workload.agents, "jct_s": jct,
                 "snic_util_prefill": sum(util[:p]) / p,
                 "snic_util_decode": sum(util[p:]) / max(1, len(util) - p),
-                "reads": dict(self.reads), "events": self.loop.processed}
+                "reads": dict(self.reads), "events": self.loop.processed,
+                "rounds": self.rounds}
 
 
 def simulate(cfg: SimConfig, progress: Callable[[int, int], None] | None = None,

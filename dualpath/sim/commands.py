@@ -55,6 +55,8 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.workload:
         base = replace(DS660B, model=args.model, hardware=args.hardware,
                        kv_bytes_per_token=DS660B.kv_bytes_per_token
+                       if args.model == "ds660b" else None,
+                       hbm_kv_bytes_per_token=DS660B.hbm_kv_bytes_per_token
                        if args.model == "ds660b" else None)
 
         def sim(p: int, d: int) -> float:

@@ -1,14 +1,23 @@
 """Frozen configuration of one simulated run, and the cost models derived from the profiles.
 
-Modes (DESIGN §7): ``basic`` (PE-side reads only; a request's whole hit KV must sit in PE HBM
-from the start of its read to the end of its prefill, and reads do not overlap that request's
-compute), ``layerwise`` (PE-side reads, layer-streamed: no PE HBM hold), ``dualpath`` (read
+Modes (DESIGN §7): ``basic`` (PE-side reads only, no layerwise prefill: each lock-step forward
+first loads its requests' whole hit KV into PE HBM, then computes, so reads and compute
+alternate), ``layerwise`` (PE-side reads streamed layer by layer under the running forwards:
+reads overlap compute, no PE HBM hold), ``dualpath`` (read
 side chosen by the scheduler), ``round_robin`` (the scheduler's round-robin baseline, read side
 alternating) and ``oracle`` (no storage reads, no PD transfers).
 
 Efficiency parameters (the only fitted ones): ``prefill_eff`` (achieved fraction of dense peak
-FLOP/s in a prefill forward) and ``decode_eff`` (the same for the per-request part of a decode
-step). They are fitted on oracle points only (see :mod:`dualpath.sim.presets`).
+FLOP/s in a prefill forward) and ``decode_eff`` (achieved fraction of the roofline in a decode
+step). They are fitted on oracle points only (:func:`dualpath.sim.presets.calibrate`).
+
+Decode step model (roofline): one step of a DE (one GPU, DP attention + EP MoE over the
+decode side's GPUs) with ``b`` running requests reads its share of the weights plus each
+request's attended KV (:meth:`ModelProfile.decode_read_bytes`) from HBM and computes ``b``
+tokens; its time is ``max(bytes / hbm_bps, b · flops / peak) / decode_eff``. ``decode_eff``
+folds in what the roofline leaves out (EP all-to-all per layer, kernel launches, sampling).
+The batch is capped by the DE's KV capacity (HBM after weights), which the scheduler sees as
+the engine's free KV.
 """
 
 from __future__ import annotations
@@ -33,13 +42,15 @@ class SimConfig:
     mode: str = "dualpath"
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     prefill_eff: float = 0.12
-    decode_eff: float = 0.05
-    decode_base_s: float = 0.02  # per-step time independent of batch (weights, collectives)
+    decode_eff: float = 0.15
+    decode_base_s: float = 0.0  # extra fixed per-step time (not fitted; 0 by default)
     decode_ctx: int = 32_768  # context the per-request decode cost is evaluated at
+    basic_lockstep: bool = True  # Basic: EP barrier per forward (False: each PE on its own)
     quota_ms: float = 300.0
     fetch_interval_s: float = 0.05  # pull period of the engine groups
     hbm_reserve: float = 0.1  # fraction of HBM kept for activations
-    kv_bytes_per_token: float | None = None  # override the model's
+    kv_bytes_per_token: float | None = None  # override the model's (storage, transfers)
+    hbm_kv_bytes_per_token: float | None = None  # KV layout in HBM, if not the same
     alpha_s: float = 3.0
     beta_s: float = 5.0
 
@@ -71,9 +82,13 @@ class SimConfig:
 
     def decode_step_s(self, batch: int) -> float:
         """Time of one decode step with ``batch`` running requests."""
-        m = self.model_profile()
-        per_req = m.flops_per_token(self.decode_ctx) / (self.hw().peak_flops * self.decode_eff)
-        return self.decode_base_s + batch * per_req
+        m, hw = self.model_profile(), self.hw()
+        weights = m.weight_bytes / (self.decode_nodes * hw.gpus_per_node)
+        kv = self.hbm_kv_bytes()
+        mem = (weights + batch * m.with_kv_bytes(kv).decode_read_bytes(self.decode_ctx)
+               ) / hw.hbm_bps
+        comp = batch * m.flops_per_token(self.decode_ctx) / hw.peak_flops
+        return self.decode_base_s + max(mem, comp) / self.decode_eff
 
     def kv_capacity_tokens(self, role_nodes: int) -> int:
         """KV tokens one GPU holds after its share of the weights (EP over the role's GPUs)."""
@@ -82,4 +97,10 @@ class SimConfig:
             role_nodes * hw.gpus_per_node)
         if free <= 0:
             raise ValueError(f"{m.name} does not fit on {role_nodes} {hw.name} nodes")
-        return int(free // m.kv_bytes_per_token)
+        return int(free // self.hbm_kv_bytes())
+
+    def hbm_kv_bytes(self) -> float:
+        """KV bytes per token as held in HBM (capacity, decode reads)."""
+        if self.hbm_kv_bytes_per_token is not None:
+            return self.hbm_kv_bytes_per_token
+        return self.model_profile().kv_bytes_per_token

@@ -1,4 +1,4 @@
-"""Simulated engine state: a prefill engine's queue and HBM hold, a decode engine's batch.
+"""Simulated engine state: a prefill engine's queue, a decode engine's batch and KV reservations.
 
 The counters are what the engine reports to the scheduler (``seq``, ``tok``, free KV); the
 scheduler itself lives in :mod:`dualpath.scheduler` and is not re-implemented here.
@@ -6,7 +6,6 @@ scheduler itself lives in :mod:`dualpath.scheduler` and is not re-implemented he
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +14,9 @@ from dualpath.sim.links import Link, RateGroup
 
 
 class PrefillEngine:
-    """One PE: FIFO of ready requests ``[rid, cached, remaining, de, turn]``, busy flag.
+    """One PE: FIFO of requests ``[rid, cached, remaining, de, turn, unread]``, busy flag.
 
-    ``hold`` models the Basic mode's HBM limit: a read may start only when the request's hit
-    fits next to the hits already held; the hold ends when the request's prefill finishes.
+    ``unread`` is the hit KV still to load (Basic loads it in the forward's read phase).
     """
 
     def __init__(self, name: str, node: int, group: str, kv_capacity: int, cnic: Link) -> None:
@@ -30,35 +28,16 @@ class PrefillEngine:
         self.free_kv = kv_capacity  # reported; the scheduler does not read it for PEs
         self.fifo: list[list[Any]] = []
         self.busy = False
-        self.held = 0
-        self._holds: deque[tuple[int, Callable[[], None]]] = deque()
 
     def assign(self, prompt: int) -> None:
         """A request was placed here."""
         self.seq += 1
         self.tok += prompt
 
-    def finish(self, prompt: int, held: int) -> None:
-        """Its prefill finished; release ``held`` HBM tokens (Basic)."""
+    def finish(self, prompt: int) -> None:
+        """Its prefill finished."""
         self.seq -= 1
         self.tok -= prompt
-        if held:
-            self.held -= held
-            self._admit()
-
-    def hold(self, tokens: int, start: Callable[[], None]) -> None:
-        """Run ``start`` once ``tokens`` of HBM are free (FIFO; one oversize request runs)."""
-        self._holds.append((tokens, start))
-        self._admit()
-
-    def _admit(self) -> None:
-        while self._holds:
-            tokens, start = self._holds[0]
-            if self.held and self.held + tokens > self.capacity:
-                return
-            self._holds.popleft()
-            self.held += tokens
-            start()
 
 
 class DecodeEngine:

@@ -33,6 +33,7 @@ class HardwareProfile:
     dram_bps: float = 500 * GB
     peak_flops: float = 1979e12  # dense FP8 Tensor-Core FLOP/s per GPU
     hbm_bytes: float = 80 * GB
+    hbm_bps: float = 3.35e12  # HBM bandwidth per GPU (H800/H100 SXM: 3.35 TB/s)
     notes: str = ""
 
     @property
@@ -50,10 +51,12 @@ HARDWARE: dict[str, HardwareProfile] = {
         "hopper", notes="the paper's node: 8 Hopper (H800-class, 80 GB, 1,979 TFLOPS dense "
         "FP8), 8 x 400 Gbps CNIC, 1 x 400 Gbps SNIC, DRAM ~500 GB/s (PAPER 1.3, 3.3)"),
     "h200": HardwareProfile(
-        "h200", hbm_bytes=141 * GB, notes="H200: Hopper compute, 141 GB HBM3e; same NICs"),
+        "h200", hbm_bytes=141 * GB, hbm_bps=4.8e12,
+        notes="H200: Hopper compute, 141 GB HBM3e; same NICs"),
     "b200": HardwareProfile(
         "b200", cnic_bps=100 * GB, snic_bps=50 * GB, dram_bps=800 * GB, peak_flops=4500e12,
-        hbm_bytes=192 * GB, notes="B200-class: 4.5 PFLOPS dense FP8, 192 GB, 8 x 800 Gbps "
+        hbm_bytes=192 * GB, hbm_bps=8e12,
+        notes="B200-class: 4.5 PFLOPS dense FP8, 192 GB, 8 x 800 Gbps "
         "CNIC (ConnectX-8), 1 x 400 Gbps SNIC, ~800 GB/s DRAM"),
 }
 
@@ -70,6 +73,7 @@ class ModelProfile:
     topk: int = 0  # sparse attention keys per token (0: dense)
     indexer_flops_per_key: float = 0.0  # DSA lightning indexer, all layers
     weight_bytes: float = 0.0
+    index_bytes_per_token: float = 0.0  # DSA indexer key bytes/token, all layers
     notes: str = ""
 
     def flops_per_token(self, ctx: int) -> float:
@@ -77,6 +81,12 @@ class ModelProfile:
         keys = min(ctx, self.topk) if self.topk else ctx
         return (self.linear_flops + self.attn_flops_per_key * keys
                 + self.indexer_flops_per_key * ctx)
+
+    def decode_read_bytes(self, ctx: int) -> float:
+        """HBM bytes one decode step reads for one request at context ``ctx``: its attended
+        KV (top-k keys under sparse attention, every key otherwise) plus the indexer keys."""
+        keys = min(ctx, self.topk) if self.topk else ctx
+        return keys * self.kv_bytes_per_token + ctx * self.index_bytes_per_token
 
     def gb_per_pflop(self, ctx: int, append: int) -> float:
         """Cache-compute ratio of PAPER §1.2 Table 1: GB of hit KV per PFLOP of prefill."""
@@ -99,11 +109,13 @@ class ModelProfile:
 # (576 × 2 × 61). Linear: 37B active parameters → 74 GFLOP. Attention (absorbed MLA, 128
 # heads): QK over 576 dims + PV over 512 → 2·128·(576+512) = 278,528 FLOPs/key/layer × 61 =
 # 1.70e7, on at most top-k = 2,048 keys. Indexer: 64 heads × 128 dims × 2 × 61 = 1.0e6/key.
+# Indexer keys read by every decode step: FP8 128 dims + 4 B scale per layer = 8,052 B/token.
 # At 32.7K context and 429 appended tokens this gives ≈ 21 GB/PFLOP (PAPER Table 1: ~22).
 DS_V32 = ModelProfile(
     "ds660b", layers=61, kv_bytes_per_token=656 * 61, linear_flops=2 * 37e9,
     attn_flops_per_key=2 * 128 * (576 + 512) * 61, topk=2048,
     indexer_flops_per_key=64 * 128 * 2 * 61, weight_bytes=671e9,
+    index_bytes_per_token=(128 + 4) * 61,
     notes="DeepSeek-V3.2 660B; FP8 MLA latent 656 B x 61 layers = 40,016 B/token "
     "(alternatives: ~48 KB with indexer keys, 70,272 B BF16 latent)")
 
@@ -116,6 +128,7 @@ DS_27B = ModelProfile(
     "ds27b", layers=30, kv_bytes_per_token=656 * 30, linear_flops=2 * 4.13e9,
     attn_flops_per_key=2 * 32 * (576 + 512) * 30, topk=1024,
     indexer_flops_per_key=32 * 64 * 2 * 30, weight_bytes=27e9,
+    index_bytes_per_token=(64 + 4) * 30,
     notes="DS 27B (A.2); FP8 MLA latent 656 B x 30 layers = 19,680 B/token")
 
 # Qwen2.5-32B: 64 layers, GQA 40 query / 8 KV heads of 128, FP16 KV: 2·8·128·2 B × 64 =

@@ -36,3 +36,11 @@ def test_testbed_loader(tmp_path):
                                             "read_tokens_per_s": 5e4}}))
     tb = load_testbed(path)
     assert tb.prefill_tokens_per_s == 900.0 and tb.cost_model["b"] == 0.1
+
+
+def test_decode_read_bytes_sparse_vs_dense():
+    ds = get_model("ds660b")
+    # DSA: top-k 2,048 latent keys + every indexer key
+    assert ds.decode_read_bytes(32_768) == 2048 * 40_016 + 32_768 * 132 * 61
+    q = get_model("qwen32b")
+    assert q.decode_read_bytes(1000) == 1000 * 256 * 1024

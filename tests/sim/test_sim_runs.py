@@ -60,3 +60,37 @@ def test_plan_cli_json(tmp_path):
                    check=True, capture_output=True)
     data = json.loads(path.read_text())
     assert data["summary"]["pd_range"] == "1/7 .. 7/2"
+
+
+def test_basic_runs_lock_step_rounds_and_is_not_faster_than_layerwise(results):
+    assert results["basic"]["rounds"] > 0
+    assert results["layerwise"]["rounds"] == 0
+    assert results["basic"]["jct_s"] >= results["layerwise"]["jct_s"]
+
+
+def test_decode_step_is_a_roofline():
+    cfg = replace(DS660B, decode_eff=0.5)
+    m, hw = cfg.model_profile(), cfg.hw()
+    weights = m.weight_bytes / (cfg.decode_nodes * hw.gpus_per_node)
+    assert cfg.decode_step_s(0) == pytest.approx(weights / hw.hbm_bps / 0.5)
+    steps = [cfg.decode_step_s(b) for b in (1, 8, 32, 128)]
+    assert steps == sorted(steps)
+    # memory-bound at small batch: weights dominate, so 8 requests cost < 2x one
+    assert steps[1] < 2 * steps[0]
+
+
+def test_calibrate_fits_oracle_points_with_a_synthetic_runner():
+    from dualpath.sim.presets import calibrate
+
+    def runner(cfgs):  # small point ~ decode, large point ~ prefill
+        return [100 / c.decode_eff ** 0.8 + 10 / c.prefill_eff if i == 0 else
+                50 / c.decode_eff + 900 / c.prefill_eff for i, c in enumerate(cfgs)]
+
+    out = calibrate(DS660B, points={1: 2000.0, 2: 9400.0}, iters=10, runner=runner)
+    assert all(abs(e) <= 0.02 for e in out["errors"].values())
+    assert set(out["fitted"]) == {"decode_eff", "prefill_eff"}
+
+
+def test_basic_without_barrier_runs():
+    r = simulate(replace(SMALL, mode="basic", basic_lockstep=False))
+    assert r["rounds"] == 0 and r["reads"]["pe"] > 0 and r["jct_s"] > 0
