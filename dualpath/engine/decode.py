@@ -38,12 +38,11 @@ class DecodeWorker:
     """Host buffer management, continuous-batching decode and KV persistence."""
 
     def __init__(self, engine: LLMEngine, host_pool: HostPool, traffic: TrafficManager,
-                 storage: StorageClient, persist: bool = True) -> None:
+                 storage: StorageClient) -> None:
         self.engine = engine
         self.host_pool = host_pool
         self.traffic = traffic
         self.storage = storage
-        self.persist = persist
         self.block_size = engine.config.block_size
         self.layout = engine.layout
         self._buffers: dict[int, list[int]] = {}  # req_id -> host slots
@@ -116,10 +115,9 @@ class DecodeWorker:
         return self._after_step(self.engine.step())
 
     def _after_step(self, finished: list[Sequence]) -> list[Message]:
-        if self.persist:
-            for active in list(self._active.values()):
-                if active.persist:
-                    self._save_new_blocks(active)
+        for active in list(self._active.values()):
+            if active.persist:
+                self._save_new_blocks(active)
         out: list[Message] = []
         for seq in finished:
             active = self._active.pop(seq.seq_id)
