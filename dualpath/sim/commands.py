@@ -13,10 +13,14 @@ from dualpath.sim.presets import DS660B, run_preset
 
 
 def _write(path: str | None, result: dict[str, Any]) -> None:
-    text = json.dumps(result, indent=2, default=str)
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n")
+    """Write ``result`` as JSON at ``path`` and its figure beside it (same name, ``.png``)."""
+    if not path:
+        return
+    from dualpath.sim.plots import plot_result, png_path_for
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    plot_result(result, png_path_for(path))
 
 
 def run_sim(args: argparse.Namespace) -> dict[str, Any]:
