@@ -173,10 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     simp = sub.add_parser("sim", help="cluster simulator: reproduce the paper's experiments")
     simp.add_argument("--preset", required=True,
-                      choices=("paper-fig7", "paper-ablation", "paper-scale"))
-    simp.add_argument("--json", default=None, help="where to write the results")
+                      choices=("paper-fig7", "paper-ablation", "paper-scale", "paper-online"))
+    simp.add_argument("--json", default=None,
+                      help="where to write the results (a PNG figure is written beside it)")
     simp.add_argument("--agents", default=None, help="comma-separated agent counts (fig7, "
                       "ablation)")
+    simp.add_argument("--aps", default=None, help="comma-separated agents/s (online)")
+    simp.add_argument("--workload", default="64k",
+                      help="32k, 48k, 64k (PAPER Table 2) or a real trace: weka, mooncake")
     simp.set_defaults(func=_cmd_sim)
 
     planp = sub.add_parser("plan", help="bottleneck-free P/D range (eq. 9) and simulated JCT")

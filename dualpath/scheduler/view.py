@@ -134,6 +134,27 @@ class ClusterView:
             groups[role_of[name]][name] = tuple(sorted(members[name], key=lambda e: e.name))
         return groups
 
+    @classmethod
+    def from_groups(cls, groups: Mapping[str, Mapping[str, tuple[EngineView, ...]]],
+                    nodes: tuple[NodeView, ...]) -> ClusterView:
+        """A view from an index the caller already keeps: ``{role: {group: engines}}`` with
+        groups and engines in name order, every group of one role and each node's engines in
+        one group (the rules ``__init__`` checks are the caller's to keep). For callers that
+        rebuild a large view many times a second (the simulator); same result as ``cls(...)``.
+        """
+        view = object.__new__(cls)
+        index = {role: dict(groups.get(role, {})) for role in ROLES}
+        engines = tuple(e for role in ROLES for members in index[role].values() for e in members)
+        object.__setattr__(view, "engines", engines)
+        object.__setattr__(view, "nodes", tuple(nodes))
+        object.__setattr__(view, "_by_name", {e.name: e for e in engines})
+        object.__setattr__(view, "_read_q", {n.node_id: n.read_queue_tokens for n in nodes})
+        object.__setattr__(view, "_groups", index)
+        object.__setattr__(view, "_group_tok", {
+            name: sum(e.tok for e in members)
+            for by_group in index.values() for name, members in by_group.items()})
+        return view
+
     def engine(self, name: str) -> EngineView:
         """The engine called ``name`` (KeyError if there is none)."""
         return self._by_name[name]

@@ -7,25 +7,28 @@ Only clocks, links and compute are modelled:
 
 * hit KV is read over the chosen side's storage NIC (one shared :class:`Link` per node); on
   the DE path it then crosses the DE's compute NIC to the PE; after prefill the prompt's KV
-  crosses the PE's compute NIC to the DE (oracle: no reads, no transfers);
-* a prefill forward lasts the cost model's prediction (``SimConfig.prefill_cost``);
+  (DE path: only the part the DE does not hold yet) crosses the PE's compute NIC to the DE
+  (oracle: no reads, no transfers);
+* EP lock step (``SimConfig.ep_lockstep``): the PEs of one EP group run their forwards
+  together — a round takes the longest member's predicted forward, members without work
+  wait — and the DEs of one EP group step together at the busiest member's step time
+  (:class:`LockstepGroup`). MoE all-to-all makes real DP-attention + EP engines do this;
 * a DE's running requests advance one token per step of ``SimConfig.decode_step_s(batch)``;
-* when an agent's turn has generated its tokens, its next turn is submitted at once (offline
-  replay with zero tool latency, PAPER §7.4); JCT is when the last agent finishes.
+* when an agent's turn has generated its tokens its next turn is submitted at once (zero tool
+  latency, PAPER §7.4); JCT is when the last agent finishes. Online runs start agents at
+  Poisson arrival times and record TTFT / TTST / TPOT per request.
 
 Read/compute overlap per mode (PAPER §4, §7.8):
 
-* ``basic`` (no layerwise prefill): the PEs form each forward in lock step (one EP group over
-  the prefill side). A round reads the hit KV of the requests that start in it into PE HBM,
-  waits until every PE's reads have arrived (the EP barrier), then computes for the longest
-  PE's predicted forward. Reads and compute therefore alternate: time ≈ read + compute.
-* layerwise modes (``layerwise``, ``dualpath``, ``round_robin``): a request's KV streams layer
-  by layer into the running forwards, so reads proceed while PEs compute; PEs run their
-  forwards independently and a request joins its PE's queue once its read has arrived —
-  time ≈ max(read, compute) plus the last read (no PE HBM hold).
+* ``basic`` (no layerwise prefill): a request's whole hit KV must be in PE HBM before its
+  forward; a round first reads the hit KV of the requests starting in it, waits until every
+  member's reads have arrived, then computes. Reads and compute of a group alternate.
+* layerwise modes (``layerwise``, ``dualpath``, ``round_robin``): KV is staged in DRAM and
+  streamed layer by layer into the forward, so a request joins its PE's queue once its read
+  has reached the staging buffer and reads proceed while the group computes.
 
-Simplifications: no EP barrier in the layerwise modes, decode write-back to storage is not
-modelled (separate NIC direction).
+Simplifications: decode write-back to storage is not modelled (separate NIC direction); the
+compute NIC carries the KV hops but not the EP all-to-all traffic.
 """
 
 from __future__ import annotations
@@ -45,61 +48,108 @@ from dualpath.scheduler import (
 from dualpath.sim.config import SimConfig
 from dualpath.sim.engines import DecodeEngine, PrefillEngine
 from dualpath.sim.events import EventLoop
-from dualpath.sim.links import Link
-from dualpath.sim.workload import Turn, trajectory
+from dualpath.sim.links import Link, LockstepGroup, RateGroup
+from dualpath.sim.workload import Turn, agent_trajectories, arrival_times
+
+Batch = list[tuple[int, int, int]]
 
 
 class Simulator:
-    """One offline run; :meth:`run` returns the result dict (``jct_s`` and statistics)."""
+    """One run; :meth:`run` returns the result dict (``jct_s`` and statistics)."""
 
     def __init__(self, cfg: SimConfig,
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.cfg = cfg
         self.loop = EventLoop()
         self.progress = progress
-        hw, m = cfg.hw(), cfg.model_profile()
-        self.kvb = m.kv_bytes_per_token
-        self.turns: list[Turn] = trajectory(cfg.workload)
-        g = hw.gpus_per_node
-        pe_cap = cfg.kv_capacity_tokens(cfg.prefill_nodes)
-        de_cap = cfg.kv_capacity_tokens(cfg.decode_nodes)
+        self.kvb = cfg.model_profile().kv_bytes_per_token
+        self.trajs: list[list[Turn]] = agent_trajectories(cfg.workload)
         self.cost = cfg.prefill_cost()
-        self.pes = [PrefillEngine(f"p{n:03d}-{i}", n, f"pg{n:03d}", pe_cap,
-                                  Link(self.loop, hw.cnic_bps))
-                    for n in range(cfg.prefill_nodes) for i in range(g)]
-        base = cfg.prefill_nodes
-        self.des = [DecodeEngine(f"d{n:03d}-{i}", base + n, f"dg{n:03d}", de_cap,
-                                 Link(self.loop, hw.cnic_bps), self.loop, cfg.decode_step_s)
-                    for n in range(cfg.decode_nodes) for i in range(g)]
-        self.engines = {e.name: e for e in [*self.pes, *self.des]}
-        nodes = cfg.prefill_nodes + cfg.decode_nodes
-        self.snic = [Link(self.loop, hw.snic_bps, f"snic{n}") for n in range(nodes)]
-        self.read_q = [0] * nodes
-        read_tok_s = hw.snic_bps / self.kvb
-        prompt_tok_s = 1e3 * 8 * 4096 / max(1e-9, self.cost.predict_ms([(8 * 4096, 4096)]))
-        policy = "round_robin" if cfg.mode == "round_robin" else "dualpath"
-        path = "pe" if cfg.mode in ("basic", "layerwise") else "auto"
-        self.params = SchedulerParams.from_rates(read_tok_s, prompt_tok_s, cfg.alpha_s,
-                                                 cfg.beta_s, policy=policy, read_path=path)
+        self._steps: dict[int, float] = {}
+        self._build_engines()
+        self.params = self._scheduler_params()
         self.sched = GlobalScheduler(self.params)
-        self.agent_turn: dict[int, int] = {}
+        self.agent_turn = [0] * len(self.trajs)
         self.req_agent: dict[int, int] = {}
         self._next_id = 0
         self._tick_pending = False
         self.done_turns = 0
-        self.total_turns = len(self.turns) * cfg.workload.agents
+        self.total_turns = sum(len(t) for t in self.trajs)
         self.finished_at: list[float] = []
         self.reads = {"pe": 0, "de": 0}
-        self._round_busy = False
         self.rounds = 0
+        self.online = cfg.workload.aps is not None
+        self.latency: list[tuple[float, float, float, float, int]] = []  # online only
+        self._times: dict[int, list[float]] = {}
+
+    def _build_engines(self) -> None:
+        cfg, hw = self.cfg, self.cfg.hw()
+        g = hw.gpus_per_node
+        ep_p, ep_d = cfg.ep_group_nodes()
+        pe_cap, de_cap = cfg.kv_capacity_tokens(ep_p), cfg.kv_capacity_tokens(ep_d)
+        self.pes = [PrefillEngine(f"p{n:03d}-{i}", n, f"pg{n:03d}", pe_cap,
+                                  Link(self.loop, hw.cnic_bps))
+                    for n in range(cfg.prefill_nodes) for i in range(g)]
+        members = ep_p * g if cfg.ep_lockstep else 1
+        self.pe_groups = [self.pes[i:i + members] for i in range(0, len(self.pes), members)]
+        for index, group in enumerate(self.pe_groups):
+            for pe in group:
+                pe.ep = index
+        self._round_busy = [False] * len(self.pe_groups)
+        steppers: list[RateGroup | LockstepGroup] = []
+        self.des = []
+        for n in range(cfg.decode_nodes):
+            for i in range(g):
+                name = f"d{n:03d}-{i}"
+                if not cfg.ep_lockstep:
+                    stepper: RateGroup | LockstepGroup = RateGroup(self.loop, self._step_s)
+                elif n % ep_d == 0 and i == 0:
+                    stepper = LockstepGroup(self.loop, self._step_s, f"ep{n // ep_d}")
+                else:
+                    stepper = steppers[-1]
+                steppers.append(stepper)
+                self.des.append(DecodeEngine(name, cfg.prefill_nodes + n, f"dg{n:03d}", de_cap,
+                                             Link(self.loop, hw.cnic_bps), stepper))
+        self.engines = {e.name: e for e in [*self.pes, *self.des]}
+        nodes = cfg.prefill_nodes + cfg.decode_nodes
+        self.snic = [Link(self.loop, hw.snic_bps, f"snic{n}") for n in range(nodes)]
+        self.read_q = [0] * nodes
+        self._node_views = [NodeView(n, 0) for n in range(nodes)]
+        self._groups: dict[str, dict[str, list[Any]]] = {"prefill": {}, "decode": {}}
+        for role, engines in (("prefill", self.pes), ("decode", self.des)):
+            for e in sorted(engines, key=lambda e: e.name):
+                self._groups[role].setdefault(e.group, []).append(e)
+        self._groups = {role: dict(sorted(g.items())) for role, g in self._groups.items()}
+
+    def _step_s(self, batch: int) -> float:
+        """``SimConfig.decode_step_s``, memoised (it is called on every decode event)."""
+        step = self._steps.get(batch)
+        if step is None:
+            step = self._steps[batch] = self.cfg.decode_step_s(batch)
+        return step
+
+    def _scheduler_params(self) -> SchedulerParams:
+        cfg = self.cfg
+        read_tok_s = cfg.hw().snic_bps / self.kvb
+        prompt_tok_s = 1e3 * 8 * 4096 / max(1e-9, self.cost.predict_ms([(8 * 4096, 4096)]))
+        policy = "round_robin" if cfg.mode == "round_robin" else "dualpath"
+        path = "pe" if cfg.mode in ("basic", "layerwise") else "auto"
+        return SchedulerParams.from_rates(read_tok_s, prompt_tok_s, cfg.alpha_s, cfg.beta_s,
+                                          policy=policy, read_path=path)
 
     # --- requests ---
 
+    def _turn(self, rid: int) -> Turn:
+        agent = self.req_agent[rid]
+        return self.trajs[agent][self.agent_turn[agent]]
+
     def _submit(self, agent: int) -> None:
-        turn = self.turns[self.agent_turn[agent]]
+        turn = self.trajs[agent][self.agent_turn[agent]]
         rid = self._next_id
         self._next_id += 1
         self.req_agent[rid] = agent
+        if self.online:
+            self._times[rid] = [self.loop.now]
         self.sched.submit(PendingRequest(rid, turn.prompt, turn.hit))
         self._kick()
 
@@ -109,11 +159,21 @@ class Simulator:
             self.loop.after(self.cfg.fetch_interval_s, self._tick)
 
     def _view(self) -> ClusterView:
-        engines = tuple(EngineView(e.name, role, e.node, e.group, e.seq, e.tok, e.free_kv)
-                        for role, group in (("prefill", self.pes), ("decode", self.des))
-                        for e in group)
-        nodes = tuple(NodeView(n, q) for n, q in enumerate(self.read_q))
-        return ClusterView(engines, nodes)
+        """The scheduler's view; engine and node views are rebuilt only where they changed."""
+        groups: dict[str, dict[str, tuple[EngineView, ...]]] = {}
+        for role, by_group in self._groups.items():
+            out = groups[role] = {}
+            for name, members in by_group.items():
+                for e in members:
+                    if e.view is None:
+                        e.view = EngineView(e.name, role, e.node, e.group, e.seq, e.tok,
+                                            e.free_kv)
+                out[name] = tuple(e.view for e in members)
+        nodes = self._node_views
+        for n, q in enumerate(self.read_q):
+            if nodes[n].read_queue_tokens != q:
+                nodes[n] = NodeView(n, q)
+        return ClusterView.from_groups(groups, tuple(nodes))
 
     def _tick(self) -> None:
         self._tick_pending = False
@@ -121,28 +181,34 @@ class Simulator:
             self._start(a.req_id, a.prefill, a.decode, a.pe_read_tokens, a.de_read_tokens)
 
     def _start(self, rid: int, pe_name: str, de_name: str, pe_read: int, de_read: int) -> None:
-        turn = self.turns[self.agent_turn[self.req_agent[rid]]]
+        turn = self._turn(rid)
         pe, de = self.engines[pe_name], self.engines[de_name]
         assert isinstance(pe, PrefillEngine) and isinstance(de, DecodeEngine)
         pe.assign(turn.prompt)
         de.reserve(turn.prompt, turn.gen)
-        ready = lambda: self._ready(rid, pe, de, turn)  # noqa: E731
+        # entry: [rid, computed, remaining, de, turn, unread, de_holds]
         if self.cfg.mode == "oracle" or turn.hit == 0:
-            self.loop.after(0.0, ready)
-        elif de_read:
-            self.reads["de"] += 1
-            self._read(de.node, de_read, lambda: de.cnic.transfer(de_read * self.kvb, ready))
-        else:
+            self._ready(pe, [rid, turn.hit, turn.miss, de, turn, 0, 0])
+            return
+        if pe_read:
             self.reads["pe"] += 1
-            if self.cfg.mode == "basic":  # read inside the lock-step round (see _round)
-                self.read_q[pe.node] += pe_read
-                pe.fifo.append([rid, turn.hit, turn.miss, de, turn, pe_read])
-                if self.cfg.basic_lockstep:
-                    self._round()
-                else:
-                    self._forward(pe)
-            else:
-                self._read(pe.node, pe_read, ready)
+        if de_read:
+            self.reads["de"] += 1
+        if self.cfg.mode == "basic":  # read inside the lock-step round (see _round)
+            self.read_q[pe.node] += pe_read
+            self._ready(pe, [rid, turn.hit, turn.miss, de, turn, pe_read, 0])
+            return
+        entry = [rid, turn.hit, turn.miss, de, turn, 0, de_read]
+        pending = [int(pe_read > 0) + int(de_read > 0)]
+
+        def arrived() -> None:
+            pending[0] -= 1
+            if not pending[0]:
+                self._ready(pe, entry)
+        if pe_read:
+            self._read(pe.node, pe_read, arrived)
+        if de_read:
+            self._read(de.node, de_read, lambda: de.cnic.transfer(de_read * self.kvb, arrived))
 
     def _read(self, node: int, tokens: int, then: Callable[[], None],
               queued: bool = False) -> None:
@@ -154,25 +220,22 @@ class Simulator:
             then()
         self.snic[node].transfer(tokens * self.kvb, done)
 
-    def _ready(self, rid: int, pe: PrefillEngine, de: DecodeEngine, turn: Turn) -> None:
-        pe.fifo.append([rid, turn.hit, turn.miss, de, turn, 0])
-        if self.cfg.mode == "basic" and self.cfg.basic_lockstep:
-            self._round()
-        else:
-            self._forward(pe)
+    def _ready(self, pe: PrefillEngine, entry: list[Any]) -> None:
+        pe.fifo.append(entry)
+        self._round(pe.ep)
 
-    def _batch(self, pe: PrefillEngine) -> list[tuple[int, int, int]]:
+    def _batch(self, pe: PrefillEngine) -> Batch:
         return build_prefill_batch([(i, f[1], f[2]) for i, f in enumerate(pe.fifo)],
                                    self.cfg.quota_ms, self.cost)
 
-    def _round(self) -> None:
-        """Basic: one lock-step forward of every PE: read phase, barrier, compute phase."""
-        if self._round_busy:
+    def _round(self, ep: int) -> None:
+        """One lock-step forward of EP group ``ep``: (Basic) read phase, barrier, compute."""
+        if self._round_busy[ep]:
             return
-        batches = [(pe, self._batch(pe)) for pe in self.pes if pe.fifo]
+        batches = [(pe, self._batch(pe)) for pe in self.pe_groups[ep] if pe.fifo]
         if not batches:
             return
-        self._round_busy = True
+        self._round_busy[ep] = True
         self.rounds += 1
         pending = [len(batches)]
 
@@ -184,10 +247,10 @@ class Simulator:
             self.loop.after(ms / 1e3, finish)
 
         def finish() -> None:
-            self._round_busy = False
+            self._round_busy[ep] = False
             for pe, batch in batches:
                 self._apply(pe, batch)
-            self._round()
+            self._round(ep)
 
         for pe, batch in batches:
             unread = 0
@@ -197,32 +260,9 @@ class Simulator:
             if unread:
                 self._read(pe.node, unread, compute, queued=True)
             else:
-                self.loop.after(0.0, compute)
+                compute()
 
-    def _forward(self, pe: PrefillEngine) -> None:
-        if pe.busy or not pe.fifo:
-            return
-        batch = self._batch(pe)
-        pe.busy = True
-        unread = 0
-        for idx, _, _ in batch:  # Basic without the barrier: this PE loads, then computes
-            unread += pe.fifo[idx][5]
-            pe.fifo[idx][5] = 0
-        if unread:
-            self._read(pe.node, unread, lambda: self._compute(pe, batch), queued=True)
-        else:
-            self._compute(pe, batch)
-
-    def _compute(self, pe: PrefillEngine, batch: list[tuple[int, int, int]]) -> None:
-        self.loop.after(self.cost.predict_ms([(c, b) for _, c, b in batch]) / 1e3,
-                        lambda: self._forward_done(pe, batch))
-
-    def _forward_done(self, pe: PrefillEngine, batch: list[tuple[int, int, int]]) -> None:
-        pe.busy = False
-        self._apply(pe, batch)
-        self._forward(pe)
-
-    def _apply(self, pe: PrefillEngine, batch: list[tuple[int, int, int]]) -> None:
+    def _apply(self, pe: PrefillEngine, batch: Batch) -> None:
         """A forward of ``batch`` finished on ``pe``: advance its requests, hand off done ones."""
         finished = []
         for idx, _, bsz in batch:
@@ -231,25 +271,45 @@ class Simulator:
             entry[2] -= bsz
             if entry[2] <= 0:
                 finished.append(entry)
-        pe.fifo = [f for f in pe.fifo if f[2] > 0]
-        for rid, _, _, de, turn, _ in finished:
+        if finished:
+            pe.fifo = [f for f in pe.fifo if f[2] > 0]
+        for rid, _, _, de, turn, _, de_holds in finished:
             pe.finish(turn.prompt)
+            if self.online:
+                self._times[rid].append(self.loop.now)
+            start = lambda r=rid, d=de, t=turn: self._decode(r, d, t)  # noqa: E731
             if self.cfg.mode == "oracle":
-                de.decode(turn.gen, lambda r=rid, d=de, t=turn: self._decoded(r, d, t))
-            else:
-                pe.cnic.transfer(turn.prompt * self.kvb, lambda r=rid, d=de, t=turn: d.decode(
-                    t.gen, lambda: self._decoded(r, d, t)))
+                start()
+            elif not de_holds:
+                pe.cnic.transfer(turn.prompt * self.kvb, start)
+            else:  # DE path: the new KV from the PE, the hit KV from the DE's DRAM into HBM
+                both = [2]
+
+                def arrived(s: Callable[[], None] = start, left: list[int] = both) -> None:
+                    left[0] -= 1
+                    if not left[0]:
+                        s()
+                pe.cnic.transfer((turn.prompt - de_holds) * self.kvb, arrived)
+                de.cnic.transfer(de_holds * self.kvb, arrived)
         if finished:
             self._kick()
+
+    def _decode(self, rid: int, de: DecodeEngine, turn: Turn) -> None:
+        if self.online:
+            self._times[rid].append(self.loop.now)
+        de.decode(turn.gen, lambda: self._decoded(rid, de, turn))
 
     def _decoded(self, rid: int, de: DecodeEngine, turn: Turn) -> None:
         de.release(turn.prompt, turn.gen)
         agent = self.req_agent.pop(rid)
+        if self.online:
+            submit, prefilled, decode_start = self._times.pop(rid)
+            self.latency.append((submit, prefilled, decode_start, self.loop.now, turn.gen))
         self.done_turns += 1
         if self.progress is not None and self.done_turns % 1000 == 0:
             self.progress(self.done_turns, self.total_turns)
         self.agent_turn[agent] += 1
-        if self.agent_turn[agent] < len(self.turns):
+        if self.agent_turn[agent] < len(self.trajs[agent]):
             self._submit(agent)
         else:
             self.finished_at.append(self.loop.now)
@@ -259,20 +319,24 @@ class Simulator:
 
     def run(self) -> dict[str, Any]:
         """Simulate until every agent has finished; JCT and statistics."""
-        for agent in range(self.cfg.workload.agents):
-            self.agent_turn[agent] = 0
-            self._submit(agent)
+        for agent, t in enumerate(arrival_times(self.cfg.workload)):
+            self.loop.at(t, lambda a=agent: self._submit(a))
         jct = self.loop.run()
-        if len(self.finished_at) != self.cfg.workload.agents:
+        if len(self.finished_at) != len(self.trajs):
             raise RuntimeError("simulation stalled: some agents never finished")
         util = [link.work_done / (link.bandwidth * jct) if jct else 0.0 for link in self.snic]
         p = self.cfg.prefill_nodes
-        return {"mode": self.cfg.mode, "P": p, "D": self.cfg.decode_nodes,
-                "agents": self.cfg.workload.agents, "jct_s": jct,
-                "snic_util_prefill": sum(util[:p]) / p,
-                "snic_util_decode": sum(util[p:]) / max(1, len(util) - p),
-                "reads": dict(self.reads), "events": self.loop.processed,
-                "rounds": self.rounds}
+        result = {"mode": self.cfg.mode, "P": p, "D": self.cfg.decode_nodes,
+                  "agents": len(self.trajs), "jct_s": jct,
+                  "snic_util_prefill": sum(util[:p]) / p,
+                  "snic_util_decode": sum(util[p:]) / max(1, len(util) - p),
+                  "reads": dict(self.reads), "events": self.loop.processed,
+                  "rounds": self.rounds}
+        if self.online:
+            from dualpath.sim.online import latency_stats
+
+            result.update(latency_stats(self.latency, self.cfg.decode_step_s(1)))
+        return result
 
 
 def simulate(cfg: SimConfig, progress: Callable[[int, int], None] | None = None,

@@ -28,9 +28,18 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import Progress
 
-    kwargs: dict[str, Any] = {}
-    if args.agents:
-        kwargs["agents"] = tuple(int(a) for a in args.agents.split(","))
+    kwargs: dict[str, Any] = {"workload": args.workload}
+    if args.agents and args.preset not in ("paper-fig7", "paper-ablation"):
+        raise ValueError(f"--agents applies to paper-fig7 and paper-ablation, not {args.preset}")
+    if args.aps and args.preset != "paper-online":
+        raise ValueError(f"--aps applies to paper-online, not {args.preset}")
+    try:
+        if args.agents:
+            kwargs["agents"] = tuple(int(a) for a in args.agents.split(","))
+        if args.aps:
+            kwargs["aps"] = tuple(float(a) for a in args.aps.split(","))
+    except ValueError as exc:
+        raise ValueError(f"--agents/--aps must be comma-separated numbers: {exc}") from None
     with Progress(transient=True) as bar:
         tasks: dict[str, Any] = {}
 

@@ -45,7 +45,8 @@ class SimConfig:
     decode_eff: float = 0.15
     decode_base_s: float = 0.0  # extra fixed per-step time (not fitted; 0 by default)
     decode_ctx: int = 32_768  # context the per-request decode cost is evaluated at
-    basic_lockstep: bool = True  # Basic: EP barrier per forward (False: each PE on its own)
+    ep_lockstep: bool = True  # forwards/steps in lock step within an EP group (DESIGN §7)
+    ep_nodes: tuple[int, int] | None = None  # (prefill, decode) nodes per EP group; None: a side
     quota_ms: float = 300.0
     fetch_interval_s: float = 0.05  # pull period of the engine groups
     hbm_reserve: float = 0.1  # fraction of HBM kept for activations
@@ -61,6 +62,19 @@ class SimConfig:
             raise ValueError("need at least one prefill and one decode node")
         if not 0 < self.prefill_eff <= 1 or not 0 < self.decode_eff <= 1:
             raise ValueError("efficiencies must be in (0, 1]")
+        ep_p, ep_d = self.ep_group_nodes()
+        if self.prefill_nodes % ep_p or self.decode_nodes % ep_d:
+            raise ValueError(f"ep_nodes {self.ep_nodes} must divide {self.prefill_nodes}P"
+                             f"{self.decode_nodes}D")
+
+    def ep_group_nodes(self) -> tuple[int, int]:
+        """Nodes per EP group on the prefill and the decode side."""
+        if self.ep_nodes is None:
+            return self.prefill_nodes, self.decode_nodes
+        ep_p, ep_d = self.ep_nodes
+        if ep_p <= 0 or ep_d <= 0:
+            raise ValueError(f"ep_nodes must be positive, got {self.ep_nodes}")
+        return ep_p, ep_d
 
     def hw(self) -> HardwareProfile:
         """The hardware profile."""
@@ -83,7 +97,7 @@ class SimConfig:
     def decode_step_s(self, batch: int) -> float:
         """Time of one decode step with ``batch`` running requests."""
         m, hw = self.model_profile(), self.hw()
-        weights = m.weight_bytes / (self.decode_nodes * hw.gpus_per_node)
+        weights = m.weight_bytes / (self.ep_group_nodes()[1] * hw.gpus_per_node)
         kv = self.hbm_kv_bytes()
         mem = (weights + batch * m.with_kv_bytes(kv).decode_read_bytes(self.decode_ctx)
                ) / hw.hbm_bps
@@ -91,7 +105,8 @@ class SimConfig:
         return self.decode_base_s + max(mem, comp) / self.decode_eff
 
     def kv_capacity_tokens(self, role_nodes: int) -> int:
-        """KV tokens one GPU holds after its share of the weights (EP over the role's GPUs)."""
+        """KV tokens one GPU holds after its share of the weights (EP over ``role_nodes``
+        nodes' GPUs: pass the EP group's node count)."""
         hw, m = self.hw(), self.model_profile()
         free = hw.hbm_bytes * (1 - self.hbm_reserve) - m.weight_bytes / (
             role_nodes * hw.gpus_per_node)

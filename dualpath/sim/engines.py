@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dualpath.sim.events import EventLoop
-from dualpath.sim.links import Link, RateGroup
+from dualpath.sim.links import Link, LockstepGroup, RateGroup
 
 
 class PrefillEngine:
@@ -27,31 +26,36 @@ class PrefillEngine:
         self.tok = 0
         self.free_kv = kv_capacity  # reported; the scheduler does not read it for PEs
         self.fifo: list[list[Any]] = []
-        self.busy = False
+        self.ep = 0  # index of its EP group (forwards run in lock step within it)
+        self.view: Any = None  # the scheduler's last view of this engine (None: changed)
 
     def assign(self, prompt: int) -> None:
         """A request was placed here."""
         self.seq += 1
         self.tok += prompt
+        self.view = None
 
     def finish(self, prompt: int) -> None:
         """Its prefill finished."""
         self.seq -= 1
         self.tok -= prompt
+        self.view = None
 
 
 class DecodeEngine:
-    """One DE: reserved KV tokens and a :class:`RateGroup` of running requests."""
+    """One DE: reserved KV tokens; its running requests step in ``stepper`` — its own
+    :class:`RateGroup`, or the :class:`LockstepGroup` of its EP group."""
 
     def __init__(self, name: str, node: int, group: str, kv_capacity: int, cnic: Link,
-                 loop: EventLoop, step_s: Callable[[int], float]) -> None:
+                 stepper: RateGroup | LockstepGroup) -> None:
         self.name, self.node, self.group = name, node, group
         self.capacity = kv_capacity
         self.cnic = cnic
         self.seq = 0
         self.tok = 0
         self.reserved = 0
-        self.running = RateGroup(loop, step_s, name)
+        self.stepper = stepper
+        self.view: Any = None  # the scheduler's last view of this engine (None: changed)
 
     @property
     def free_kv(self) -> int:
@@ -63,13 +67,18 @@ class DecodeEngine:
         self.seq += 1
         self.tok += prompt
         self.reserved += prompt + gen
+        self.view = None
 
     def decode(self, gen: int, on_done: Callable[[], None]) -> None:
         """Generate ``gen`` tokens with the running batch."""
-        self.running.start(gen, on_done)
+        if isinstance(self.stepper, LockstepGroup):
+            self.stepper.start_for(self.name, gen, on_done)
+        else:
+            self.stepper.start(gen, on_done)
 
     def release(self, prompt: int, gen: int) -> None:
         """The request finished decoding."""
         self.seq -= 1
         self.tok -= prompt
         self.reserved -= prompt + gen
+        self.view = None

@@ -1,19 +1,22 @@
 """Links whose bandwidth is shared equally by the flows on them (processor sharing).
 
-A :class:`Link` of ``bandwidth`` bytes/s carrying n flows gives each ``bandwidth / n``; when a
-flow starts or ends, every flow's remaining bytes are brought up to date and the next
-completion is rescheduled, so completion times are exact for this model. The simulator uses
-one link per storage NIC (node), per compute NIC (engine) and per node's DRAM where it models
-them; a flow's rate on several links is not coupled (each flow uses one link here).
+A :class:`Link` of ``bandwidth`` bytes/s carrying n flows gives each ``bandwidth / n``. Every
+item on a shared resource progresses at the same per-item rate, so the resource keeps one
+*virtual progress* counter ``v`` (work each item has received since the resource began) and a
+heap of ``(v at which the item is served, id)``: starting or finishing an item costs
+O(log n) and completion times are exact for this model.
 
 :class:`RateGroup` is the same idea for work that progresses at a common rate set by the
 group's size (a decode engine: every running request advances one token per step, and the
-step time grows with the batch).
+step time grows with the batch). :class:`LockstepGroup` is a rate group spread over several
+members that step together (the decode engines of one EP group: each step lasts as long as
+the busiest member's step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Hashable
 
 from dualpath.sim.events import EventHandle, EventLoop
 
@@ -21,14 +24,14 @@ _EPS = 1e-9
 
 
 class _Shared:
-    """Items with remaining work progressing at ``rate(n)`` each; exact completion events."""
+    """Items with remaining work progressing at ``per_item_rate(n)`` each; exact completions."""
 
     def __init__(self, loop: EventLoop, name: str) -> None:
         self.loop = loop
         self.name = name
-        self._left: dict[int, float] = {}
+        self._v = 0.0  # work each present item has received since the resource began
+        self._heap: list[tuple[float, int]] = []
         self._done: dict[int, Callable[[], None]] = {}
-        self._size: dict[int, float] = {}
         self._last = 0.0
         self._next: EventHandle | None = None
         self._ids = 0
@@ -40,16 +43,16 @@ class _Shared:
         raise NotImplementedError
 
     def __len__(self) -> int:
-        return len(self._left)
+        return len(self._done)
 
     def _advance(self) -> None:
         now = self.loop.now
         dt = now - self._last
-        if dt > 0 and self._left:
-            served = dt * self.per_item_rate(len(self._left))
-            for key in self._left:
-                self._left[key] -= served
-            self.work_done += served * len(self._left)
+        n = len(self._done)
+        if dt > 0 and n:
+            served = dt * self.per_item_rate(n)
+            self._v += served
+            self.work_done += served * n
             self.busy_time += dt
         self._last = now
 
@@ -61,36 +64,45 @@ class _Shared:
         if amount <= 0:
             self.loop.after(0.0, on_done)
             return key
-        self._left[key] = float(amount)
-        self._size[key] = float(amount)
+        self._added(key)
+        heapq.heappush(self._heap, (self._v + float(amount), key))
         self._done[key] = on_done
         self._reschedule()
         return key
+
+    def _added(self, key: int) -> None:
+        """Hook: item ``key`` joins (before the rate is next evaluated)."""
+
+    def _removed(self, key: int) -> None:
+        """Hook: item ``key`` was served."""
 
     def _reschedule(self) -> None:
         if self._next is not None:
             self._next.cancel()
             self._next = None
-        if not self._left:
+        if not self._heap:
             return
-        key = min(self._left, key=self._left.__getitem__)
-        rate = self.per_item_rate(len(self._left))
-        self._next = self.loop.after(max(0.0, self._left[key]) / rate, self._complete)
+        rate = self.per_item_rate(len(self._done))
+        self._next = self.loop.after(max(0.0, self._heap[0][0] - self._v) / rate,
+                                     self._complete)
 
     def _complete(self) -> None:
         self._next = None
         self._advance()
-        finished = [k for k, left in self._left.items() if left <= _EPS * self._size[k]]
-        if not finished:
-            finished = [min(self._left, key=self._left.__getitem__)]
         callbacks = []
-        for key in sorted(finished):
-            del self._left[key]
-            del self._size[key]
+        while self._heap and (not callbacks or self._heap[0][0] - self._v
+                              <= _EPS * max(1.0, abs(self._heap[0][0]))):
+            _, key = heapq.heappop(self._heap)
+            self._removed(key)
             callbacks.append(self._done.pop(key))
         self._reschedule()
         for callback in callbacks:
             callback()
+
+    def backlog(self) -> float:
+        """Work still to serve (up to date at the current time)."""
+        self._advance()
+        return sum(max(0.0, target - self._v) for target, _ in self._heap)
 
 
 class Link(_Shared):
@@ -110,11 +122,6 @@ class Link(_Shared):
         """Start a flow of ``nbytes``; ``on_done`` runs when its last byte arrives."""
         return self.start(nbytes, on_done)
 
-    def backlog(self) -> float:
-        """Bytes still to move over this link (up to date at the current time)."""
-        self._advance()
-        return sum(self._left.values())
-
 
 class RateGroup(_Shared):
     """Items that all advance at ``1 / step_time(n)`` units/s while ``n`` are running."""
@@ -127,3 +134,68 @@ class RateGroup(_Shared):
     def per_item_rate(self, n: int) -> float:
         """Every item gets one unit per step."""
         return 1.0 / self.step_time(n)
+
+
+class LockstepGroup(_Shared):
+    """Members that step together: a step lasts ``step_time(largest member's batch)``.
+
+    Each item belongs to a member (one decode engine); every item advances one unit per
+    step. Member batch sizes are kept in a histogram so the largest is found in O(1).
+    """
+
+    def __init__(self, loop: EventLoop, step_time: Callable[[int], float],
+                 name: str = "lockstep") -> None:
+        super().__init__(loop, name)
+        self.step_time = step_time
+        self._member_of: dict[int, Hashable] = {}
+        self._batch: dict[Hashable, int] = {}
+        self._hist: dict[int, int] = {}
+        self._max = 0
+        self._pending: Hashable = None
+
+    def batch(self, member: Hashable) -> int:
+        """Running items of ``member``."""
+        return self._batch.get(member, 0)
+
+    @property
+    def max_batch(self) -> int:
+        """The largest member batch (it sets the step time)."""
+        return self._max
+
+    def per_item_rate(self, n: int) -> float:
+        """One unit per step of the busiest member."""
+        return 1.0 / self.step_time(max(1, self._max))
+
+    def start_for(self, member: Hashable, amount: float, on_done: Callable[[], None]) -> int:
+        """Add ``amount`` steps of work for one of ``member``'s requests."""
+        self._pending = member
+        try:
+            return self.start(amount, on_done)
+        finally:
+            self._pending = None
+
+    def _move(self, member: Hashable, delta: int) -> None:
+        old = self._batch.get(member, 0)
+        new = old + delta
+        if old:
+            self._hist[old] -= 1
+            if not self._hist[old]:
+                del self._hist[old]
+        if new:
+            self._hist[new] = self._hist.get(new, 0) + 1
+            self._batch[member] = new
+        else:
+            self._batch.pop(member, None)
+        if new > self._max:
+            self._max = new
+        elif old == self._max and old not in self._hist:
+            self._max = max(self._hist, default=0)
+
+    def _added(self, key: int) -> None:
+        if self._pending is None:
+            raise ValueError("LockstepGroup items need a member: use start_for()")
+        self._member_of[key] = self._pending
+        self._move(self._pending, +1)
+
+    def _removed(self, key: int) -> None:
+        self._move(self._member_of.pop(key), -1)

@@ -49,13 +49,18 @@ FIG7 = {"basic": {512: 2900, 1024: 5365, 2048: 10050, 4096: 19400},
 ABLATION = {"layerwise": -17.21, "round_robin": -38.19, "dualpath": -45.62}  # % vs basic
 SCALE = {"small": 3167, "large": 3201}
 
-PRESETS = ("paper-fig7", "paper-ablation", "paper-scale")
+# Online (PAPER §7.7, Table 3): APS capacity under TTFT ≤ 4 s, TPOT ≤ 50 ms; 2P4D at 0.4 APS
+ONLINE = {"aps_capacity": {"basic": 0.20, "dualpath": 0.45}, "capacity_ratio": 2.25,
+          "at_0.4": {"ttft_s": 1.739, "ttst_s": 0.228, "tpot_s": 0.039}}
+
+PRESETS = ("paper-fig7", "paper-ablation", "paper-scale", "paper-online")
 Progress = Callable[[str, int, int], None]
 
 
 def _run(base: SimConfig, mode: str, agents: int, progress: Progress | None,
-         **over: Any) -> dict[str, Any]:
-    cfg = replace(base, mode=mode, workload=WorkloadConfig("64k", agents=agents), **over)
+         workload: str = "64k", aps: float | None = None, **over: Any) -> dict[str, Any]:
+    cfg = replace(base, mode=mode, workload=replace(base.workload, preset=workload,
+                                                    agents=agents, aps=aps), **over)
     label = f"{mode} {cfg.prefill_nodes}P{cfg.decode_nodes}D {agents}"
     cb = None if progress is None else (lambda d, t: progress(label, d, t))
     return simulate(cfg, cb)
@@ -116,13 +121,13 @@ def calibrate(base: SimConfig = DS660B, points: dict[int, float] | None = None,
 
 
 def fig7(agents: tuple[int, ...] = (512, 1024, 2048, 4096), base: SimConfig = DS660B,
-         progress: Progress | None = None) -> dict[str, Any]:
+         progress: Progress | None = None, workload: str = "64k") -> dict[str, Any]:
     """Basic, DualPath and Oracle JCT vs the paper; summary ``max_rel_error_vs_paper``."""
     rows = []
     for n in agents:
         for mode in ("oracle", "basic", "dualpath"):
-            r = _run(base, mode, n, progress)
-            paper = FIG7[mode].get(n)
+            r = _run(base, mode, n, progress, workload)
+            paper = FIG7[mode].get(n) if workload == "64k" else None
             r["paper_jct_s"] = paper
             r["rel_error"] = None if paper is None else r["jct_s"] / paper - 1
             r["fitted_point"] = mode == "oracle"
@@ -134,8 +139,8 @@ def fig7(agents: tuple[int, ...] = (512, 1024, 2048, 4096), base: SimConfig = DS
                  and r["agents"] in (1024, 2048, 4096)]
     every = [abs(r["rel_error"]) for r in rows
              if r["rel_error"] is not None and r["mode"] != "oracle"]
-    paper_speedup = {1024: 1.84, 2048: 1.87, 4096: 1.87}
-    return {"preset": "paper-fig7", "rows": rows,
+    paper_speedup = {1024: 1.84, 2048: 1.87, 4096: 1.87} if workload == "64k" else {}
+    return {"preset": "paper-fig7", "workload": workload, "rows": rows,
             "summary": {"max_rel_error_vs_paper": max(predicted, default=None),
                         "max_rel_error_all_predicted": max(every, default=None),
                         "rel_errors": {f"{r['mode']}@{r['agents']}": r["rel_error"]
@@ -148,21 +153,21 @@ def fig7(agents: tuple[int, ...] = (512, 1024, 2048, 4096), base: SimConfig = DS
 
 
 def ablation(agents: tuple[int, ...] = (1024, 2048), base: SimConfig = DS660B,
-             progress: Progress | None = None) -> dict[str, Any]:
+             progress: Progress | None = None, workload: str = "64k") -> dict[str, Any]:
     """JCT reduction of +layerwise, +dual-path (round robin), +scheduling vs Basic."""
     rows, errors = [], []
     for n in agents:
-        b = _run(base, "basic", n, progress)
+        b = _run(base, "basic", n, progress, workload)
         b["reduction_pct"] = 0.0
         rows.append(b)
         for mode, paper in ABLATION.items():
-            r = _run(base, mode, n, progress)
+            r = _run(base, mode, n, progress, workload)
             r["reduction_pct"] = 100 * (r["jct_s"] / b["jct_s"] - 1)
             r["paper_reduction_pct"] = paper
             r["error_points"] = r["reduction_pct"] - paper
             errors.append(abs(r["error_points"]))
             rows.append(r)
-    return {"preset": "paper-ablation", "rows": rows,
+    return {"preset": "paper-ablation", "workload": workload, "rows": rows,
             "summary": {"max_abs_error_points": max(errors, default=None),
                         "reduction_pct": {f"{r['mode']}@{r['agents']}": r["reduction_pct"]
                                           for r in rows},
@@ -171,11 +176,17 @@ def ablation(agents: tuple[int, ...] = (1024, 2048), base: SimConfig = DS660B,
 
 def scale(small: tuple[int, int, int] = (2, 4, 2048), large: tuple[int, int, int] = (48, 96,
           49152), base: SimConfig = DS660B, progress: Progress | None = None,
-          ) -> dict[str, Any]:
-    """DualPath JCT of a small and a 24× larger cluster; summary ``jct_ratio_large_vs_small``."""
+          workload: str = "64k") -> dict[str, Any]:
+    """DualPath JCT of a small and a 24× larger cluster; summary ``jct_ratio_large_vs_small``.
+
+    Both clusters use the small one's EP layout (EP groups of ``small``'s P and D nodes): the
+    large cluster is 24 copies of the 2P4D parallel layout under one global scheduler, as the
+    paper's "without tuned parallelism" remark describes (PAPER §7.10).
+    """
     rows = []
     for (p, d, n), paper in zip((small, large), (SCALE["small"], SCALE["large"]), strict=True):
-        r = _run(base, "dualpath", n, progress, prefill_nodes=p, decode_nodes=d)
+        r = _run(base, "dualpath", n, progress, workload, prefill_nodes=p, decode_nodes=d,
+                 ep_nodes=(small[0], small[1]))
         r["paper_jct_s"] = paper
         r["rel_error"] = r["jct_s"] / paper - 1
         rows.append(r)
@@ -184,9 +195,42 @@ def scale(small: tuple[int, int, int] = (2, 4, 2048), large: tuple[int, int, int
                         "paper_ratio": SCALE["large"] / SCALE["small"]}}
 
 
+def online(aps: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6), base: SimConfig = DS660B,
+           progress: Progress | None = None, workload: str = "64k",
+           arrival_span_s: float = 2400.0, modes: tuple[str, ...] = ("basic", "dualpath"),
+           ) -> dict[str, Any]:
+    """TTFT / TTST / TPOT vs APS and the APS capacity under the SLO (PAPER §7.7).
+
+    At each APS, ``aps × arrival_span_s`` agents arrive as a Poisson process; statistics come
+    from the steady window (:func:`dualpath.sim.online.latency_stats`).
+    """
+    from dualpath.sim.online import aps_capacity
+
+    rows = []
+    for mode in modes:
+        for rate in aps:
+            n = max(8, round(rate * arrival_span_s))
+            r = _run(base, mode, n, progress, workload, aps=rate)
+            r["aps"] = rate
+            rows.append(r)
+    cap = {m: aps_capacity(rows, m) for m in modes}
+    paper_cap = ONLINE["aps_capacity"] if workload == "64k" else {}
+    ratio = (cap["dualpath"] / cap["basic"]
+             if cap.get("dualpath") and cap.get("basic") else None)
+    at = next((r for r in rows if r["mode"] == "dualpath" and abs(r["aps"] - 0.4) < 1e-9), None)
+    return {"preset": "paper-online", "workload": workload, "rows": rows,
+            "summary": {"aps_capacity": cap, "paper_aps_capacity": paper_cap,
+                        "capacity_ratio": ratio, "paper_capacity_ratio": ONLINE["capacity_ratio"],
+                        "dualpath_at_0.4_aps": None if at is None else {
+                            k: at[k] for k in ("ttft_s", "ttst_s", "tpot_s")},
+                        "paper_at_0.4_aps": ONLINE["at_0.4"],
+                        "ttft_slo_s": 4.0, "tpot_slo_s": 0.05}}
+
+
 def run_preset(name: str, progress: Progress | None = None, **kwargs: Any) -> dict[str, Any]:
     """Run a preset by name (ValueError for an unknown one)."""
-    funcs = {"paper-fig7": fig7, "paper-ablation": ablation, "paper-scale": scale}
+    funcs = {"paper-fig7": fig7, "paper-ablation": ablation, "paper-scale": scale,
+             "paper-online": online}
     if name not in funcs:
         raise ValueError(f"unknown preset {name!r}; known: {list(PRESETS)}")
     return funcs[name](progress=progress, **kwargs)

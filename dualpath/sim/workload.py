@@ -66,12 +66,16 @@ class WorkloadConfig:
     context_step: float | None = -1.0  # -1: Table 2 mean (see module doc); None: append+gen
     turns: int | None = None  # truncate to this many turns (tests)
     append_scale: float = 1.0
+    seed: int = 0  # trace sampling and online arrivals
+    max_context: int | None = None  # traces: cut a trajectory where it exceeds this
+    aps: float | None = None  # online: agents arrive as a Poisson process (agents/s)
 
 
 def trajectory(cfg: WorkloadConfig) -> list[Turn]:
     """The turns of one agent under ``cfg`` (every agent replays the same lengths)."""
     if cfg.preset not in PRESETS:
-        raise ValueError(f"unknown workload {cfg.preset!r}; known: {sorted(PRESETS)}")
+        raise ValueError(f"unknown workload {cfg.preset!r}; known: {sorted(PRESETS)} and the "
+                         "traces weka, mooncake")
     p = PRESETS[cfg.preset]
     append = max(1, round(p.append * cfg.append_scale))
     step = (p.table_step() if cfg.context_step == -1.0
@@ -82,6 +86,33 @@ def trajectory(cfg: WorkloadConfig) -> list[Turn]:
         context = round(i * step)
         hit = context // cfg.block_size * cfg.block_size
         out.append(Turn(prompt=context + append, hit=hit, gen=p.gen))
+    return out
+
+
+def agent_trajectories(cfg: WorkloadConfig) -> list[list[Turn]]:
+    """One trajectory per agent: a Table 2 preset (every agent the same list) or a real trace
+    (``weka``, ``mooncake``: :func:`dualpath.sim.traces.trace_trajectories`)."""
+    from dualpath.sim.traces import TRACES, trace_trajectories
+
+    if cfg.preset in TRACES:
+        return trace_trajectories(cfg.preset, cfg.agents, seed=cfg.seed,
+                                  block_size=cfg.block_size, max_context=cfg.max_context)
+    one = trajectory(cfg)
+    return [one] * cfg.agents
+
+
+def arrival_times(cfg: WorkloadConfig) -> list[float]:
+    """Start time of each agent: all at 0 (offline) or a Poisson process at ``cfg.aps``."""
+    if cfg.aps is None:
+        return [0.0] * cfg.agents
+    if cfg.aps <= 0:
+        raise ValueError(f"aps must be > 0, got {cfg.aps}")
+    import random
+
+    rng, t, out = random.Random(cfg.seed), 0.0, []
+    for _ in range(cfg.agents):
+        out.append(t)
+        t += rng.expovariate(cfg.aps)
     return out
 
 

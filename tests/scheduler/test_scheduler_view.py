@@ -93,3 +93,13 @@ def test_engine_load_is_a_working_copy():
     assert (load.name, load.node_id, load.seq, load.tok, load.free_kv_tokens) == (
         "a", 2, 1, 16, 50)
     assert view.tok == 10
+
+
+def test_from_groups_equals_the_checked_constructor():
+    view = _view()
+    fast = ClusterView.from_groups({r: view.groups(r) for r in ("prefill", "decode")},
+                                   view.nodes)
+    assert fast.to_dict()["nodes"] == view.to_dict()["nodes"]
+    assert sorted(e.name for e in fast.engines) == sorted(e.name for e in view.engines)
+    assert fast.group("P") == view.group("P") and fast.group_tokens("P") == 10
+    assert fast.read_queue(1) == 7 and fast.engine("d0").free_kv_tokens == 99

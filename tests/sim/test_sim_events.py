@@ -63,3 +63,32 @@ def test_rate_group_step_time_grows_with_batch():
     loop.run()
     assert done["a"] == pytest.approx(10 * 0.02)
     assert done["b"] == pytest.approx(0.2 + 10 * 0.01)
+
+
+def test_lockstep_group_steps_at_the_busiest_member():
+    from dualpath.sim.links import LockstepGroup
+
+    loop, done = EventLoop(), {}
+    group = LockstepGroup(loop, lambda n: 0.01 * n)
+    group.start_for("x", 10, lambda: done.__setitem__("x1", loop.now))
+    group.start_for("x", 10, lambda: done.__setitem__("x2", loop.now))
+    group.start_for("y", 5, lambda: done.__setitem__("y", loop.now))
+    assert group.max_batch == 2 and group.batch("y") == 1
+    loop.run()
+    # member x has 2 requests: every step takes 0.02 s for everyone until x empties
+    assert done["y"] == pytest.approx(5 * 0.02)
+    assert done["x1"] == pytest.approx(10 * 0.02)
+    assert group.max_batch == 0
+    with pytest.raises(ValueError):
+        group.start(1, lambda: None)
+
+
+def test_many_flows_finish_in_size_order_exactly():
+    loop, link, done = EventLoop(), None, []
+    link = Link(loop, 1.0)
+    for size in (3.0, 1.0, 2.0):
+        link.transfer(size, lambda s=size: done.append((s, loop.now)))
+    loop.run()
+    # 3 flows share: size 1 at t=3, then 2 share: size 2 at 3+2=5, then size 3 at 6
+    assert done == [(1.0, pytest.approx(3.0)), (2.0, pytest.approx(5.0)),
+                    (3.0, pytest.approx(6.0))]
