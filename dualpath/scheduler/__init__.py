@@ -9,6 +9,7 @@ from dualpath.scheduler.batch import (
     AttentionCostModel,
     build_decode_batch,
     build_prefill_batch,
+    build_token_batch,
     largest_chunk,
 )
 from dualpath.scheduler.global_scheduler import GlobalScheduler, log_step, replay
@@ -36,7 +37,8 @@ from dualpath.scheduler.view import (
 __all__ = [
     "DECODE", "DEFAULT_QUOTA_MS", "PREFILL", "Assignment", "AttentionCostModel", "ClusterView",
     "EngineLoad", "EngineView", "GlobalScheduler", "NodeView", "PendingRequest",
-    "SchedulerParams", "build_decode_batch", "build_prefill_batch", "choose_read_path",
-    "de_phase1", "de_phase2", "high_token_threshold", "largest_chunk", "log_step", "pe_fetch",
+    "SchedulerParams", "build_decode_batch", "build_prefill_batch", "build_token_batch",
+    "choose_read_path", "de_phase1", "de_phase2", "high_token_threshold", "largest_chunk",
+    "log_step", "pe_fetch",
     "read_plan", "replay", "split_read",
 ]

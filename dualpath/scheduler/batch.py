@@ -140,6 +140,25 @@ def build_prefill_batch(fifo: Sequence[tuple[K, int, int]], quota_ms: float,
     return batch
 
 
+def build_token_batch(fifo: Sequence[tuple[K, int, int]], budget_tokens: int,
+                      ) -> list[tuple[K, int, int]]:
+    """The baseline's PE batch (no compute quota): ``(req_id, cached, remaining)`` packed in
+    FIFO order while the new tokens fit ``budget_tokens`` (chunked prefill of the last one),
+    whatever their contexts cost. Returns ``(req_id, cached, bsz)``.
+    """
+    if budget_tokens <= 0:
+        raise ValueError("budget_tokens must be > 0")
+    batch: list[tuple[K, int, int]] = []
+    left = budget_tokens
+    for req_id, cached, remaining in fifo:
+        bsz = min(remaining, left)
+        batch.append((req_id, cached, bsz))
+        left -= bsz
+        if not left:
+            break
+    return batch
+
+
 def build_decode_batch(running: Sequence[T]) -> list[T]:
     """Decode engines put every running request in every forward batch (PAPER §5.5)."""
     return list(running)

@@ -44,9 +44,10 @@ from dualpath.scheduler import (
     PendingRequest,
     SchedulerParams,
     build_prefill_batch,
+    build_token_batch,
 )
 from dualpath.sim.config import SimConfig
-from dualpath.sim.engines import DecodeEngine, PrefillEngine
+from dualpath.sim.engines import DecodeEngine, Job, PrefillEngine
 from dualpath.sim.events import EventLoop
 from dualpath.sim.links import Link, LockstepGroup, RateGroup
 from dualpath.sim.workload import Turn, agent_trajectories, arrival_times
@@ -186,29 +187,44 @@ class Simulator:
         assert isinstance(pe, PrefillEngine) and isinstance(de, DecodeEngine)
         pe.assign(turn.prompt)
         de.reserve(turn.prompt, turn.gen)
-        # entry: [rid, computed, remaining, de, turn, unread, de_holds]
         if self.cfg.mode == "oracle" or turn.hit == 0:
-            self._ready(pe, [rid, turn.hit, turn.miss, de, turn, 0, 0])
+            self._ready(pe, Job(rid, turn, de))
             return
         if pe_read:
             self.reads["pe"] += 1
         if de_read:
             self.reads["de"] += 1
-        if self.cfg.mode == "basic":  # read inside the lock-step round (see _round)
+        if self.cfg.mode == "basic":  # the whole KV must be in PE HBM before the forward
             self.read_q[pe.node] += pe_read
-            self._ready(pe, [rid, turn.hit, turn.miss, de, turn, pe_read, 0])
+            if self.cfg.basic_prefetch:
+                pe.admit.append(Job(rid, turn, de, hbm=turn.prompt))
+                self._admit(pe)
+            else:
+                self._ready(pe, Job(rid, turn, de, unread=pe_read))
             return
-        entry = [rid, turn.hit, turn.miss, de, turn, 0, de_read]
+        job = Job(rid, turn, de, de_holds=de_read)
         pending = [int(pe_read > 0) + int(de_read > 0)]
 
         def arrived() -> None:
             pending[0] -= 1
             if not pending[0]:
-                self._ready(pe, entry)
+                self._ready(pe, job)
         if pe_read:
             self._read(pe.node, pe_read, arrived)
         if de_read:
             self._read(de.node, de_read, lambda: de.cnic.transfer(de_read * self.kvb, arrived))
+
+    def _admit(self, pe: PrefillEngine) -> None:
+        """Basic with prefetch: read the head requests' KV into PE HBM while it has room for
+        their whole prompt (held until the KV has left for the DE); one at a time if none fits."""
+        while pe.admit and (pe.hbm_used + pe.admit[0].hbm <= pe.capacity or not pe.hbm_used):
+            job = pe.admit.popleft()
+            pe.hbm_used += job.hbm
+            self._read(pe.node, job.cached, lambda j=job: self._ready(pe, j), queued=True)
+
+    def _release_hbm(self, pe: PrefillEngine, tokens: int) -> None:
+        pe.hbm_used -= tokens
+        self._admit(pe)
 
     def _read(self, node: int, tokens: int, then: Callable[[], None],
               queued: bool = False) -> None:
@@ -220,16 +236,18 @@ class Simulator:
             then()
         self.snic[node].transfer(tokens * self.kvb, done)
 
-    def _ready(self, pe: PrefillEngine, entry: list[Any]) -> None:
-        pe.fifo.append(entry)
+    def _ready(self, pe: PrefillEngine, job: Job) -> None:
+        pe.fifo.append(job)
         self._round(pe.ep)
 
     def _batch(self, pe: PrefillEngine) -> Batch:
-        return build_prefill_batch([(i, f[1], f[2]) for i, f in enumerate(pe.fifo)],
-                                   self.cfg.quota_ms, self.cost)
+        fifo = [(i, j.cached, j.remaining) for i, j in enumerate(pe.fifo)]
+        if self.cfg.mode in self.cfg.quota_modes:
+            return build_prefill_batch(fifo, self.cfg.quota_ms, self.cost)
+        return build_token_batch(fifo, self.cfg.token_budget)
 
     def _round(self, ep: int) -> None:
-        """One lock-step forward of EP group ``ep``: (Basic) read phase, barrier, compute."""
+        """One lock-step forward of EP group ``ep``: as long as its slowest member's batch."""
         if self._round_busy[ep]:
             return
         batches = [(pe, self._batch(pe)) for pe in self.pe_groups[ep] if pe.fifo]
@@ -237,14 +255,6 @@ class Simulator:
             return
         self._round_busy[ep] = True
         self.rounds += 1
-        pending = [len(batches)]
-
-        def compute() -> None:
-            pending[0] -= 1
-            if pending[0]:
-                return
-            ms = max(self.cost.predict_ms([(c, b) for _, c, b in batch]) for _, batch in batches)
-            self.loop.after(ms / 1e3, finish)
 
         def finish() -> None:
             self._round_busy[ep] = False
@@ -252,11 +262,20 @@ class Simulator:
                 self._apply(pe, batch)
             self._round(ep)
 
-        for pe, batch in batches:
+        pending = [len(batches)]
+
+        def compute() -> None:  # every member's reads are in: the forward runs
+            pending[0] -= 1
+            if not pending[0]:
+                ms = max(self.cost.predict_ms([(c, b) for _, c, b in batch])
+                         for _, batch in batches)
+                self.loop.after(ms / 1e3, finish)
+
+        for pe, batch in batches:  # Basic without prefetch: the round reads its batch first
             unread = 0
             for idx, _, _ in batch:
-                unread += pe.fifo[idx][5]
-                pe.fifo[idx][5] = 0
+                unread += pe.fifo[idx].unread
+                pe.fifo[idx].unread = 0
             if unread:
                 self._read(pe.node, unread, compute, queued=True)
             else:
@@ -266,20 +285,27 @@ class Simulator:
         """A forward of ``batch`` finished on ``pe``: advance its requests, hand off done ones."""
         finished = []
         for idx, _, bsz in batch:
-            entry = pe.fifo[idx]
-            entry[1] += bsz
-            entry[2] -= bsz
-            if entry[2] <= 0:
-                finished.append(entry)
+            job = pe.fifo[idx]
+            job.cached += bsz
+            job.remaining -= bsz
+            if job.remaining <= 0:
+                finished.append(job)
         if finished:
-            pe.fifo = [f for f in pe.fifo if f[2] > 0]
-        for rid, _, _, de, turn, _, de_holds in finished:
+            pe.fifo = [j for j in pe.fifo if j.remaining > 0]
+        for job in finished:
+            rid, de, turn, de_holds = job.rid, job.de, job.turn, job.de_holds
             pe.finish(turn.prompt)
             if self.online:
                 self._times[rid].append(self.loop.now)
             start = lambda r=rid, d=de, t=turn: self._decode(r, d, t)  # noqa: E731
             if self.cfg.mode == "oracle":
                 start()
+            elif job.hbm:  # Basic with prefetch: PE HBM is free once the KV reached the DE
+                def sent(r: int = rid, d: DecodeEngine = de, t: Turn = turn,
+                         tokens: int = job.hbm) -> None:
+                    self._release_hbm(pe, tokens)
+                    self._decode(r, d, t)
+                pe.cnic.transfer(turn.prompt * self.kvb, sent)
             elif not de_holds:
                 pe.cnic.transfer(turn.prompt * self.kvb, start)
             else:  # DE path: the new KV from the PE, the hit KV from the DE's DRAM into HBM

@@ -48,6 +48,9 @@ class SimConfig:
     ep_lockstep: bool = True  # forwards/steps in lock step within an EP group (DESIGN §7)
     ep_nodes: tuple[int, int] | None = None  # (prefill, decode) nodes per EP group; None: a side
     quota_ms: float = 300.0
+    quota_modes: tuple[str, ...] = ("dualpath", "oracle")  # PAPER A.4: the quota is DualPath's
+    basic_prefetch: bool = False  # Basic: read KV into PE HBM ahead (True) or in the round
+    token_budget: int = 8192  # other modes: new tokens per PE forward (a stock chunked prefill)
     fetch_interval_s: float = 0.05  # pull period of the engine groups
     hbm_reserve: float = 0.1  # fraction of HBM kept for activations
     kv_bytes_per_token: float | None = None  # override the model's (storage, transfers)

@@ -6,17 +6,29 @@ scheduler itself lives in :mod:`dualpath.scheduler` and is not re-implemented he
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from dualpath.sim.links import Link, LockstepGroup, RateGroup
 
 
-class PrefillEngine:
-    """One PE: FIFO of requests ``[rid, cached, remaining, de, turn, unread]``, busy flag.
+class Job:
+    """One request on a PE: tokens computed (``cached``) and ``remaining``, its DE and turn,
+    KV tokens it holds in PE HBM (Basic), hit tokens the DE already holds (DE read path) and
+    hit tokens still to read before its forward (Basic with reads in the round)."""
 
-    ``unread`` is the hit KV still to load (Basic loads it in the forward's read phase).
-    """
+    __slots__ = ("cached", "de", "de_holds", "hbm", "remaining", "rid", "turn", "unread")
+
+    def __init__(self, rid: int, turn: Any, de: DecodeEngine, *, de_holds: int = 0,
+                 hbm: int = 0, unread: int = 0) -> None:
+        self.rid, self.turn, self.de = rid, turn, de
+        self.cached, self.remaining = turn.hit, turn.miss
+        self.de_holds, self.hbm, self.unread = de_holds, hbm, unread
+
+
+class PrefillEngine:
+    """One PE: its FIFO of :class:`Job`, its EP group, and (Basic) its HBM admission queue."""
 
     def __init__(self, name: str, node: int, group: str, kv_capacity: int, cnic: Link) -> None:
         self.name, self.node, self.group = name, node, group
@@ -25,9 +37,11 @@ class PrefillEngine:
         self.seq = 0
         self.tok = 0
         self.free_kv = kv_capacity  # reported; the scheduler does not read it for PEs
-        self.fifo: list[list[Any]] = []
+        self.fifo: list[Job] = []
         self.ep = 0  # index of its EP group (forwards run in lock step within it)
         self.view: Any = None  # the scheduler's last view of this engine (None: changed)
+        self.admit: deque[Job] = deque()  # Basic: waiting for HBM to read into
+        self.hbm_used = 0  # Basic: KV tokens held in HBM (read, prefilled or being sent)
 
     def assign(self, prompt: int) -> None:
         """A request was placed here."""

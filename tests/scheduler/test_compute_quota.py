@@ -127,3 +127,14 @@ def test_fit_needs_informative_samples():
 def test_cost_model_round_trips():
     model = AttentionCostModel(a=1e-6, b=2e-3, c=0.25)
     assert AttentionCostModel.from_dict(model.to_dict()) == model
+
+
+def test_token_budget_batch_ignores_context_cost():
+    from dualpath.scheduler import build_token_batch
+
+    fifo = [("a", 30_000, 400), ("b", 0, 300), ("c", 10, 500)]
+    assert build_token_batch(fifo, 1000) == [("a", 30_000, 400), ("b", 0, 300), ("c", 10, 300)]
+    assert build_token_batch(fifo, 400) == [("a", 30_000, 400)]
+    assert build_token_batch([], 10) == []
+    with pytest.raises(ValueError):
+        build_token_batch(fifo, 0)
