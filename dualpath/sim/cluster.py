@@ -113,7 +113,8 @@ class Simulator:
                                              Link(self.loop, hw.cnic_bps), stepper))
         self.engines = {e.name: e for e in [*self.pes, *self.des]}
         nodes = cfg.prefill_nodes + cfg.decode_nodes
-        self.snic = [Link(self.loop, hw.snic_bps, f"snic{n}") for n in range(nodes)]
+        snic_bps = hw.snic_bps * cfg.storage_eff
+        self.snic = [Link(self.loop, snic_bps, f"snic{n}") for n in range(nodes)]
         self.read_q = [0] * nodes
         self._node_views = [NodeView(n, 0) for n in range(nodes)]
         self._groups: dict[str, dict[str, list[Any]]] = {"prefill": {}, "decode": {}}
@@ -131,7 +132,7 @@ class Simulator:
 
     def _scheduler_params(self) -> SchedulerParams:
         cfg = self.cfg
-        read_tok_s = cfg.hw().snic_bps / self.kvb
+        read_tok_s = cfg.hw().snic_bps * cfg.storage_eff / self.kvb
         prompt_tok_s = 1e3 * 8 * 4096 / max(1e-9, self.cost.predict_ms([(8 * 4096, 4096)]))
         policy = "round_robin" if cfg.mode == "round_robin" else "dualpath"
         path = "pe" if cfg.mode in ("basic", "layerwise") else "auto"
@@ -350,7 +351,8 @@ class Simulator:
         jct = self.loop.run()
         if len(self.finished_at) != len(self.trajs):
             raise RuntimeError("simulation stalled: some agents never finished")
-        util = [link.work_done / (link.bandwidth * jct) if jct else 0.0 for link in self.snic]
+        util = [link.work_done / (link.bandwidth / self.cfg.storage_eff * jct) if jct else 0.0
+                for link in self.snic]
         p = self.cfg.prefill_nodes
         result = {"mode": self.cfg.mode, "P": p, "D": self.cfg.decode_nodes,
                   "agents": len(self.trajs), "jct_s": jct,

@@ -49,6 +49,7 @@ class SimConfig:
     ep_nodes: tuple[int, int] | None = None  # (prefill, decode) nodes per EP group; None: a side
     quota_ms: float = 300.0
     quota_modes: tuple[str, ...] = ("dualpath", "oracle")  # PAPER A.4: the quota is DualPath's
+    storage_eff: float = 1.0  # storage goodput as a fraction of the storage NIC's line rate
     basic_prefetch: bool = False  # Basic: read KV into PE HBM ahead (True) or in the round
     token_budget: int = 8192  # other modes: new tokens per PE forward (a stock chunked prefill)
     fetch_interval_s: float = 0.05  # pull period of the engine groups
@@ -63,7 +64,8 @@ class SimConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.prefill_nodes <= 0 or self.decode_nodes <= 0:
             raise ValueError("need at least one prefill and one decode node")
-        if not 0 < self.prefill_eff <= 1 or not 0 < self.decode_eff <= 1:
+        if not 0 < self.prefill_eff <= 1 or not 0 < self.decode_eff <= 1 or not (
+                0 < self.storage_eff <= 1):
             raise ValueError("efficiencies must be in (0, 1]")
         ep_p, ep_d = self.ep_group_nodes()
         if self.prefill_nodes % ep_p or self.decode_nodes % ep_d:
