@@ -33,6 +33,7 @@ compute NIC carries the KV hops but not the EP all-to-all traffic.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -117,6 +118,11 @@ class Simulator:
         self.snic = [Link(self.loop, snic_bps, f"snic{n}") for n in range(nodes)]
         self.read_q = [0] * nodes
         self._node_views = [NodeView(n, 0) for n in range(nodes)]
+        self.dram_tokens = (None if cfg.dram_buffer_gb is None
+                            else max(1, int(cfg.dram_buffer_gb * 1e9 // self.kvb)))
+        self.dram_free = None if self.dram_tokens is None else [self.dram_tokens] * nodes
+        self.dram_wait: list[deque[tuple[int, Callable[[], None]]]] = [
+            deque() for _ in range(nodes)]
         self._groups: dict[str, dict[str, list[Any]]] = {"prefill": {}, "decode": {}}
         for role, engines in (("prefill", self.pes), ("decode", self.des)):
             for e in sorted(engines, key=lambda e: e.name):
@@ -211,9 +217,34 @@ class Simulator:
             if not pending[0]:
                 self._ready(pe, job)
         if pe_read:
-            self._read(pe.node, pe_read, arrived)
+            self._staged_read(pe.node, pe_read, arrived)
         if de_read:
-            self._read(de.node, de_read, lambda: de.cnic.transfer(de_read * self.kvb, arrived))
+            self._staged_read(de.node, de_read,
+                              lambda: de.cnic.transfer(de_read * self.kvb, arrived))
+
+    def _staged_read(self, node: int, tokens: int, then: Callable[[], None]) -> None:
+        """Layerwise modes: read into the node's DRAM staging buffer, waiting (FIFO) for room
+        when it is full; the room is given back by :meth:`_unstage`."""
+        self.read_q[node] += tokens
+        if self.dram_free is None:
+            self._read(node, tokens, then, queued=True)
+            return
+        self.dram_wait[node].append((tokens, then))
+        self._stage_next(node)
+
+    def _stage_next(self, node: int) -> None:
+        assert self.dram_free is not None
+        waiting = self.dram_wait[node]
+        while waiting and (waiting[0][0] <= self.dram_free[node]
+                           or self.dram_free[node] == self.dram_tokens):
+            tokens, then = waiting.popleft()
+            self.dram_free[node] -= tokens
+            self._read(node, tokens, then, queued=True)
+
+    def _unstage(self, node: int, tokens: int) -> None:
+        if self.dram_free is not None and tokens:
+            self.dram_free[node] += tokens
+            self._stage_next(node)
 
     def _admit(self, pe: PrefillEngine) -> None:
         """Basic with prefetch: read the head requests' KV into PE HBM while it has room for
@@ -307,7 +338,8 @@ class Simulator:
                     self._release_hbm(pe, tokens)
                     self._decode(r, d, t)
                 pe.cnic.transfer(turn.prompt * self.kvb, sent)
-            elif not de_holds:
+            elif not de_holds:  # PE path: the staged KV has been streamed into the forward
+                self._unstage(pe.node, turn.hit)
                 pe.cnic.transfer(turn.prompt * self.kvb, start)
             else:  # DE path: the new KV from the PE, the hit KV from the DE's DRAM into HBM
                 both = [2]
@@ -316,8 +348,13 @@ class Simulator:
                     left[0] -= 1
                     if not left[0]:
                         s()
+
+                def loaded(d: DecodeEngine = de, held: int = de_holds,
+                           then: Callable[[], None] = arrived) -> None:
+                    self._unstage(d.node, held)
+                    then()
                 pe.cnic.transfer((turn.prompt - de_holds) * self.kvb, arrived)
-                de.cnic.transfer(de_holds * self.kvb, arrived)
+                de.cnic.transfer(de_holds * self.kvb, loaded)
         if finished:
             self._kick()
 

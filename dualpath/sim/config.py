@@ -49,6 +49,7 @@ class SimConfig:
     ep_nodes: tuple[int, int] | None = None  # (prefill, decode) nodes per EP group; None: a side
     quota_ms: float = 300.0
     quota_modes: tuple[str, ...] = ("dualpath", "oracle")  # PAPER A.4: the quota is DualPath's
+    dram_buffer_gb: float | None = None  # per-node DRAM staging for layerwise reads (None: ∞)
     storage_eff: float = 1.0  # storage goodput as a fraction of the storage NIC's line rate
     basic_prefetch: bool = False  # Basic: read KV into PE HBM ahead (True) or in the round
     token_budget: int = 8192  # other modes: new tokens per PE forward (a stock chunked prefill)

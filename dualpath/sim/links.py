@@ -4,7 +4,9 @@ A :class:`Link` of ``bandwidth`` bytes/s carrying n flows gives each ``bandwidth
 item on a shared resource progresses at the same per-item rate, so the resource keeps one
 *virtual progress* counter ``v`` (work each item has received since the resource began) and a
 heap of ``(v at which the item is served, id)``: starting or finishing an item costs
-O(log n) and completion times are exact for this model.
+O(log n) and completion times are exact for this model. Only the next completion is
+scheduled; as adding an item can only slow the others down, that event may fire early (it
+then re-arms itself) but never late, so most starts need not move it.
 
 :class:`RateGroup` is the same idea for work that progresses at a common rate set by the
 group's size (a decode engine: every running request advances one token per step, and the
@@ -65,9 +67,16 @@ class _Shared:
             self.loop.after(0.0, on_done)
             return key
         self._added(key)
-        heapq.heappush(self._heap, (self._v + float(amount), key))
+        target = self._v + float(amount)
+        heapq.heappush(self._heap, (target, key))
         self._done[key] = on_done
-        self._reschedule()
+        # Adding an item never speeds the others up, so a pending completion event can only
+        # be early, never late (it re-checks when it fires); move it only if the new item
+        # would finish before it.
+        if (self._next is None or (self._heap[0][1] == key
+                and self.loop.now + amount / self.per_item_rate(len(self._done))
+                < self._next.time)):
+            self._reschedule()
         return key
 
     def _added(self, key: int) -> None:
@@ -90,12 +99,11 @@ class _Shared:
         self._next = None
         self._advance()
         callbacks = []
-        while self._heap and (not callbacks or self._heap[0][0] - self._v
-                              <= _EPS * max(1.0, abs(self._heap[0][0]))):
+        while self._heap and self._heap[0][0] - self._v <= _EPS * max(1.0, self._heap[0][0]):
             _, key = heapq.heappop(self._heap)
             self._removed(key)
             callbacks.append(self._done.pop(key))
-        self._reschedule()
+        self._reschedule()  # also when the event was early (items were added since)
         for callback in callbacks:
             callback()
 

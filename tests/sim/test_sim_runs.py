@@ -62,18 +62,17 @@ def test_plan_cli_json(tmp_path):
     assert data["summary"]["pd_range"] == "1/7 .. 7/2"
 
 
-def test_basic_is_not_faster_than_layerwise(results):
-    assert results["basic"]["rounds"] > 0 and results["layerwise"]["rounds"] > 0
-    assert results["basic"]["jct_s"] >= 0.999 * results["layerwise"]["jct_s"]
+def test_every_mode_runs_lock_step_rounds(results):
+    assert all(r["rounds"] > 0 for r in results.values())
 
 
 def test_basic_prefetch_overlaps_reads_and_serialized_basic_does_not():
-    heavy = replace(SMALL, workload=WorkloadConfig("64k", agents=1024, turns=40,
-                                                   context_step=400.0))
+    heavy = replace(SMALL, workload=WorkloadConfig("64k", agents=1024, turns=20,
+                                                   context_step=1600.0))
     serial = simulate(replace(heavy, mode="basic"))
     ahead = simulate(replace(heavy, mode="basic", basic_prefetch=True))
     layer = simulate(replace(heavy, mode="layerwise"))
-    assert serial["jct_s"] > 1.05 * ahead["jct_s"]
+    assert serial["jct_s"] > 1.05 * ahead["jct_s"] and serial["jct_s"] > 1.05 * layer["jct_s"]
     assert ahead["jct_s"] >= 0.999 * layer["jct_s"]
 
 
