@@ -128,6 +128,13 @@ class Simulator:
             for e in sorted(engines, key=lambda e: e.name):
                 self._groups[role].setdefault(e.group, []).append(e)
         self._groups = {role: dict(sorted(g.items())) for role, g in self._groups.items()}
+        self._group_views: dict[str, dict[str, tuple[EngineView, ...]]] = {
+            role: dict.fromkeys(g, ()) for role, g in self._groups.items()}
+        self._dirty_groups = {(role, name) for role, g in self._groups.items() for name in g}
+        for role, g in self._groups.items():
+            for name, members in g.items():
+                for e in members:
+                    e.on_change = (lambda key=(role, name): self._dirty_groups.add(key))
 
     def _step_s(self, batch: int) -> float:
         """``SimConfig.decode_step_s``, memoised (it is called on every decode event)."""
@@ -168,15 +175,14 @@ class Simulator:
 
     def _view(self) -> ClusterView:
         """The scheduler's view; engine and node views are rebuilt only where they changed."""
-        groups: dict[str, dict[str, tuple[EngineView, ...]]] = {}
-        for role, by_group in self._groups.items():
-            out = groups[role] = {}
-            for name, members in by_group.items():
-                for e in members:
-                    if e.view is None:
-                        e.view = EngineView(e.name, role, e.node, e.group, e.seq, e.tok,
-                                            e.free_kv)
-                out[name] = tuple(e.view for e in members)
+        groups = self._group_views
+        for role, name in self._dirty_groups:
+            members = self._groups[role][name]
+            for e in members:
+                if e.view is None:
+                    e.view = EngineView(e.name, role, e.node, e.group, e.seq, e.tok, e.free_kv)
+            groups[role][name] = tuple(e.view for e in members)
+        self._dirty_groups.clear()
         nodes = self._node_views
         for n, q in enumerate(self.read_q):
             if nodes[n].read_queue_tokens != q:
@@ -229,7 +235,13 @@ class Simulator:
         if self.dram_free is None:
             self._read(node, tokens, then, queued=True)
             return
-        self.dram_wait[node].append((tokens, then))
+        waiting = self.dram_wait[node]
+        if not waiting and (tokens <= self.dram_free[node]
+                            or self.dram_free[node] == self.dram_tokens):
+            self.dram_free[node] -= tokens
+            self._read(node, tokens, then, queued=True)
+            return
+        waiting.append((tokens, then))
         self._stage_next(node)
 
     def _stage_next(self, node: int) -> None:
@@ -244,7 +256,8 @@ class Simulator:
     def _unstage(self, node: int, tokens: int) -> None:
         if self.dram_free is not None and tokens:
             self.dram_free[node] += tokens
-            self._stage_next(node)
+            if self.dram_wait[node]:
+                self._stage_next(node)
 
     def _admit(self, pe: PrefillEngine) -> None:
         """Basic with prefetch: read the head requests' KV into PE HBM while it has room for

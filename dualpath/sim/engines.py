@@ -27,8 +27,8 @@ class Job:
         self.de_holds, self.hbm, self.unread = de_holds, hbm, unread
 
 
-class PrefillEngine:
-    """One PE: its FIFO of :class:`Job`, its EP group, and (Basic) its HBM admission queue."""
+class _Engine:
+    """What every simulated engine reports: ``seq`` and ``tok``, and its cached view."""
 
     def __init__(self, name: str, node: int, group: str, kv_capacity: int, cnic: Link) -> None:
         self.name, self.node, self.group = name, node, group
@@ -36,40 +36,46 @@ class PrefillEngine:
         self.cnic = cnic
         self.seq = 0
         self.tok = 0
+        self.view: Any = None  # the scheduler's last view of this engine (None: changed)
+        self.on_change: Callable[[], None] | None = None  # the simulator's dirty mark
+
+    def _count(self, requests: int, tokens: int) -> None:
+        self.seq += requests
+        self.tok += tokens
+        self.view = None
+        if self.on_change is not None:
+            self.on_change()
+
+
+class PrefillEngine(_Engine):
+    """One PE: its FIFO of :class:`Job`, its EP group, and (Basic) its HBM admission queue."""
+
+    def __init__(self, name: str, node: int, group: str, kv_capacity: int, cnic: Link) -> None:
+        super().__init__(name, node, group, kv_capacity, cnic)
         self.free_kv = kv_capacity  # reported; the scheduler does not read it for PEs
         self.fifo: list[Job] = []
         self.ep = 0  # index of its EP group (forwards run in lock step within it)
-        self.view: Any = None  # the scheduler's last view of this engine (None: changed)
         self.admit: deque[Job] = deque()  # Basic: waiting for HBM to read into
         self.hbm_used = 0  # Basic: KV tokens held in HBM (read, prefilled or being sent)
 
     def assign(self, prompt: int) -> None:
         """A request was placed here."""
-        self.seq += 1
-        self.tok += prompt
-        self.view = None
+        self._count(1, prompt)
 
     def finish(self, prompt: int) -> None:
         """Its prefill finished."""
-        self.seq -= 1
-        self.tok -= prompt
-        self.view = None
+        self._count(-1, -prompt)
 
 
-class DecodeEngine:
+class DecodeEngine(_Engine):
     """One DE: reserved KV tokens; its running requests step in ``stepper`` — its own
     :class:`RateGroup`, or the :class:`LockstepGroup` of its EP group."""
 
     def __init__(self, name: str, node: int, group: str, kv_capacity: int, cnic: Link,
                  stepper: RateGroup | LockstepGroup) -> None:
-        self.name, self.node, self.group = name, node, group
-        self.capacity = kv_capacity
-        self.cnic = cnic
-        self.seq = 0
-        self.tok = 0
+        super().__init__(name, node, group, kv_capacity, cnic)
         self.reserved = 0
         self.stepper = stepper
-        self.view: Any = None  # the scheduler's last view of this engine (None: changed)
 
     @property
     def free_kv(self) -> int:
@@ -78,10 +84,8 @@ class DecodeEngine:
 
     def reserve(self, prompt: int, gen: int) -> None:
         """A request was placed here: hold its prompt and generated tokens."""
-        self.seq += 1
-        self.tok += prompt
         self.reserved += prompt + gen
-        self.view = None
+        self._count(1, prompt)
 
     def decode(self, gen: int, on_done: Callable[[], None]) -> None:
         """Generate ``gen`` tokens with the running batch."""
@@ -92,7 +96,5 @@ class DecodeEngine:
 
     def release(self, prompt: int, gen: int) -> None:
         """The request finished decoding."""
-        self.seq -= 1
-        self.tok -= prompt
         self.reserved -= prompt + gen
-        self.view = None
+        self._count(-1, -prompt)

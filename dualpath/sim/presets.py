@@ -26,7 +26,7 @@ from dualpath.sim.config import SimConfig
 
 DS660B = SimConfig(model="ds660b", hardware="hopper", prefill_nodes=2, decode_nodes=4,
                    kv_bytes_per_token=48_068, hbm_kv_bytes_per_token=48_068,
-                   prefill_eff=0.236, decode_eff=0.11485, storage_eff=0.8,
+                   prefill_eff=0.236, decode_eff=0.11485, storage_eff=0.8, dram_buffer_gb=80.0,
                    quota_modes=("basic", "layerwise", "round_robin", "dualpath", "oracle"))
 
 # What was fitted, to what, and what was chosen a priori (see the module docstring).
