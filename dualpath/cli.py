@@ -168,19 +168,25 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--read-blocks", type=int, default=64)
     prof.add_argument("--read-cap-mb-s", type=float, default=None,
                       help="the storage NIC cap the cluster will run with")
+    prof.add_argument("--compute-cap-mb-s", type=float, default=None,
+                      help="the compute NIC cap the cluster will run with (for the simulator)")
     _add_engine_args(prof)
     prof.set_defaults(func=_cmd_profile)
 
     simp = sub.add_parser("sim", help="cluster simulator: reproduce the paper's experiments")
     simp.add_argument("--preset", required=True,
-                      choices=("paper-fig7", "paper-ablation", "paper-scale", "paper-online"))
+                      choices=("paper-fig7", "paper-ablation", "paper-scale", "paper-online",
+                               "testbed"))
     simp.add_argument("--json", default=None,
                       help="where to write the results (a PNG figure is written beside it)")
     simp.add_argument("--agents", default=None, help="comma-separated agent counts (fig7, "
                       "ablation)")
     simp.add_argument("--aps", default=None, help="comma-separated agents/s (online)")
-    simp.add_argument("--workload", default="64k",
-                      help="32k, 48k, 64k (PAPER Table 2) or a real trace: weka, mooncake")
+    simp.add_argument("--workload", default=None,
+                      help="32k, 48k, 64k (PAPER Table 2), tiny (testbed scale) or a real "
+                      "trace: weka, mooncake (default: 64k; tiny for the testbed preset)")
+    simp.add_argument("--testbed", default=None,
+                      help="profile JSON from dualpath profile (the testbed preset)")
     simp.set_defaults(func=_cmd_sim)
 
     planp = sub.add_parser("plan", help="bottleneck-free P/D range (eq. 9) and simulated JCT")

@@ -27,3 +27,11 @@ def test_profile_writes_cost_model_and_thresholds(tiny_llama_dir, tmp_path):
     params = scheduler_params(config, full_block_bytes=4096)
     assert params.alpha_tokens == summary["alpha_tokens"]  # from the profile
     assert params.beta_tokens == 123  # an explicit value wins
+    # what the simulator's testbed profile needs
+    base_ms, per_seq_ms = summary["decode_step_ms"]
+    assert base_ms + per_seq_ms > 0 and per_seq_ms >= 0
+    assert summary["kv_bytes_per_token"] > 0 and summary["kv_capacity_tokens"] > 0
+    from dualpath.sim.profiles import testbed_profile
+
+    tb = testbed_profile(out)
+    assert tb.hardware().snic_bps == summary["read_tokens_per_s"] * tb.kv_bytes_per_token

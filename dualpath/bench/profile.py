@@ -36,6 +36,8 @@ from dualpath.storage import open_store
 
 GRID_CACHED = (0, 256, 1024)
 GRID_BSZ = (64, 256, 512)
+DECODE_BATCHES = (1, 4, 8)
+DECODE_CONTEXT = 512
 
 
 def _time_prefill(engine: LLMEngine, cached: int, bsz: int, seed: int) -> float:
@@ -76,12 +78,41 @@ def _read_rate(engine: LLMEngine, storage: StorageConfig, blocks: int) -> float:
     return blocks * layout.block_size / seconds
 
 
+def _time_decode_step(engine: LLMEngine, batch: int, context: int, steps: int = 16) -> float:
+    """Milliseconds of one decode step with ``batch`` running sequences of ``context`` tokens:
+    (time of ``steps + 1`` tokens − time of 1 token) / ``steps``, prompts already cached."""
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(100, engine.spec.vocab_size - 1, (context,), generator=g).tolist()
+               for _ in range(batch)]
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    many = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    engine.generate(prompts, one)  # caches the prompts
+    start = time.perf_counter()
+    engine.generate(prompts, one)
+    t_one = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.generate(prompts, many)
+    t_many = time.perf_counter() - start
+    return max(0.0, (t_many - t_one) / steps * 1e3)
+
+
+def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``y = base + slope · x`` (slope ≥ 0)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
+    return my - slope * mx, slope
+
+
 def run_profile(args: argparse.Namespace) -> dict:
     """Profile, fit, derive α and β, write the JSON profile."""
     from dualpath.cli import engine_config
     from dualpath.model.default_model import resolve_model
 
     config: EngineConfig = engine_config(args)
+    cluster_config = config
     config = EngineConfig(**{**asdict(config), "max_num_batched_tokens": max(GRID_BSZ) + 64,
                              "num_kv_blocks": config.num_kv_blocks or 256})
     model_dir = resolve_model(args.model)
@@ -101,6 +132,12 @@ def run_profile(args: argparse.Namespace) -> dict:
         read_tok_s = min(read_tok_s, args.read_cap_mb_s * 1e6 / engine.layout.full_block_bytes
                          * engine.layout.block_size)
     params = SchedulerParams.from_rates(read_tok_s, prompt_tok_s)
+    decode = [(b, _time_decode_step(engine, b, DECODE_CONTEXT))
+              for b in track(DECODE_BATCHES, description="decode steps")]
+    base_ms, per_seq_ms = _fit_line(decode)
+    layout = engine.layout
+    cluster_blocks = cluster_config.num_kv_blocks or int(
+        cluster_config.kv_cache_mb * 2**20 // layout.full_block_bytes)
     result = {
         "benchmark": "profile", "model": model_dir.name, "dtype": engine.dtype,
         "machine": machine_profile(), "engine_config": asdict(config),
@@ -108,7 +145,12 @@ def run_profile(args: argparse.Namespace) -> dict:
         "cost_model": model.to_dict(),
         "summary": {"prefill_tokens_per_s": prefill_tok_s,
                     "prompt_tokens_per_s_at_hit": prompt_tok_s, "read_tokens_per_s": read_tok_s,
-                    "alpha_tokens": params.alpha_tokens, "beta_tokens": params.beta_tokens},
+                    "alpha_tokens": params.alpha_tokens, "beta_tokens": params.beta_tokens,
+                    "decode_step_ms": [base_ms, per_seq_ms],
+                    "decode_samples_ms": {str(b): ms for b, ms in decode},
+                    "kv_bytes_per_token": layout.full_block_bytes / layout.block_size,
+                    "kv_capacity_tokens": cluster_blocks * layout.block_size,
+                    "compute_cap_bps": (args.compute_cap_mb_s or 1500.0) * 1e6},
     }
     write_json(args.json, result)
     Console().print_json(json.dumps(result["summary"]))

@@ -28,8 +28,14 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import Progress
 
-    kwargs: dict[str, Any] = {"workload": args.workload}
-    if args.agents and args.preset not in ("paper-fig7", "paper-ablation"):
+    kwargs: dict[str, Any] = {}
+    if args.workload:
+        kwargs["workload"] = args.workload
+    if (args.preset == "testbed") != bool(args.testbed):
+        raise ValueError("--testbed PROFILE.json goes with --preset testbed (and only with it)")
+    if args.testbed:
+        kwargs["profile"] = args.testbed
+    if args.agents and args.preset not in ("paper-fig7", "paper-ablation", "testbed"):
         raise ValueError(f"--agents applies to paper-fig7 and paper-ablation, not {args.preset}")
     if args.aps and args.preset != "paper-online":
         raise ValueError(f"--aps applies to paper-online, not {args.preset}")

@@ -25,7 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dualpath.scheduler.batch import AttentionCostModel
-from dualpath.sim.profiles import HardwareProfile, ModelProfile, get_hardware, get_model
+from dualpath.sim.profiles import (
+    HardwareProfile,
+    ModelProfile,
+    TestbedProfile,
+    get_hardware,
+    get_model,
+)
 from dualpath.sim.workload import WorkloadConfig
 
 MODES = ("basic", "layerwise", "dualpath", "round_robin", "oracle")
@@ -59,6 +65,7 @@ class SimConfig:
     hbm_kv_bytes_per_token: float | None = None  # KV layout in HBM, if not the same
     alpha_s: float = 3.0
     beta_s: float = 5.0
+    testbed: TestbedProfile | None = None  # measured rates replace hardware/model/cost models
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -84,17 +91,19 @@ class SimConfig:
 
     def hw(self) -> HardwareProfile:
         """The hardware profile."""
-        return get_hardware(self.hardware)
+        return self.testbed.hardware() if self.testbed else get_hardware(self.hardware)
 
     def model_profile(self) -> ModelProfile:
         """The model profile (with the KV bytes/token override applied)."""
-        m = get_model(self.model)
+        m = self.testbed.model_profile() if self.testbed else get_model(self.model)
         return m if self.kv_bytes_per_token is None else m.with_kv_bytes(self.kv_bytes_per_token)
 
     def prefill_cost(self) -> AttentionCostModel:
         """Forward time of a PE batch (ms) as the scheduler's quota model: ``a`` prices the
         keys that grow with context (dense attention, DSA indexer), ``b`` the per-token work
         (linear layers and top-k sparse attention)."""
+        if self.testbed:
+            return AttentionCostModel(*self.testbed.cost_model)
         m, rate = self.model_profile(), self.hw().peak_flops * self.prefill_eff
         per_key = m.indexer_flops_per_key + (0.0 if m.topk else m.attn_flops_per_key)
         per_tok = m.linear_flops + (m.attn_flops_per_key * m.topk if m.topk else 0.0)
@@ -102,6 +111,9 @@ class SimConfig:
 
     def decode_step_s(self, batch: int) -> float:
         """Time of one decode step with ``batch`` running requests."""
+        if self.testbed:
+            base_ms, per_seq_ms = self.testbed.decode_step_ms
+            return (base_ms + per_seq_ms * batch) / 1e3
         m, hw = self.model_profile(), self.hw()
         weights = m.weight_bytes / (self.ep_group_nodes()[1] * hw.gpus_per_node)
         kv = self.hbm_kv_bytes()
@@ -113,6 +125,8 @@ class SimConfig:
     def kv_capacity_tokens(self, role_nodes: int) -> int:
         """KV tokens one GPU holds after its share of the weights (EP over ``role_nodes``
         nodes' GPUs: pass the EP group's node count)."""
+        if self.testbed:
+            return self.testbed.kv_capacity_tokens
         hw, m = self.hw(), self.model_profile()
         free = hw.hbm_bytes * (1 - self.hbm_reserve) - m.weight_bytes / (
             role_nodes * hw.gpus_per_node)

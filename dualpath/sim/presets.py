@@ -52,7 +52,7 @@ SCALE = {"small": 3167, "large": 3201}
 ONLINE = {"aps_capacity": {"basic": 0.20, "dualpath": 0.45}, "capacity_ratio": 2.25,
           "at_0.4": {"ttft_s": 1.739, "ttst_s": 0.228, "tpot_s": 0.039}}
 
-PRESETS = ("paper-fig7", "paper-ablation", "paper-scale", "paper-online")
+PRESETS = ("paper-fig7", "paper-ablation", "paper-scale", "paper-online", "testbed")
 Progress = Callable[[str, int, int], None]
 
 
@@ -216,10 +216,29 @@ def online(aps: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8),
                         "ttft_slo_s": 4.0, "tpot_slo_s": 0.05}}
 
 
+def testbed(profile: str, agents: tuple[int, ...] = (4, 8), progress: Progress | None = None,
+            workload: str = "tiny", prefill_nodes: int = 1, decode_nodes: int = 2,
+            ) -> dict[str, Any]:
+    """The real testbed (one engine per node, rates from ``dualpath profile``) in simulation:
+    JCT of basic, dualpath and oracle and the dualpath/basic ratio the real cluster benchmark
+    is to be compared with."""
+    from dualpath.sim.profiles import testbed_profile
+
+    base = SimConfig(testbed=testbed_profile(profile), prefill_nodes=prefill_nodes,
+                     decode_nodes=decode_nodes, ep_lockstep=False)
+    rows = [_run(base, mode, n, progress, workload)
+            for n in agents for mode in ("basic", "dualpath", "oracle")]
+    jct = {(r["mode"], r["agents"]): r["jct_s"] for r in rows}
+    return {"preset": "testbed", "workload": workload, "profile": profile, "rows": rows,
+            "summary": {"dualpath_vs_basic_jct_ratio": {
+                str(n): jct["dualpath", n] / jct["basic", n] for n in agents},
+                "real_benchmark_ratio": None}}
+
+
 def run_preset(name: str, progress: Progress | None = None, **kwargs: Any) -> dict[str, Any]:
     """Run a preset by name (ValueError for an unknown one)."""
     funcs = {"paper-fig7": fig7, "paper-ablation": ablation, "paper-scale": scale,
-             "paper-online": online}
+             "paper-online": online, "testbed": testbed}
     if name not in funcs:
         raise ValueError(f"unknown preset {name!r}; known: {list(PRESETS)}")
     return funcs[name](progress=progress, **kwargs)

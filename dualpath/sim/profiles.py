@@ -158,20 +158,47 @@ def get_model(name: str) -> ModelProfile:
 
 @dataclass(frozen=True)
 class TestbedProfile:
-    """Rates measured on the real engine by ``dualpath profile`` (one engine = one 'GPU')."""
+    """Rates measured on the real engine by ``dualpath profile`` (one engine = one 'GPU' on
+    its own 'node'): the prefill cost model (ms), the decode step (ms = base + per_seq · batch),
+    KV bytes per token and per-engine KV capacity, and the testbed's emulated NIC caps."""
 
     __test__ = False  # not a pytest class
 
     prefill_tokens_per_s: float
     read_tokens_per_s: float
-    cost_model: dict[str, float]
+    cost_model: tuple[float, float, float]  # AttentionCostModel (a, b, c), ms
     model: str = "testbed"
+    kv_bytes_per_token: float = 0.0
+    kv_capacity_tokens: int = 0
+    decode_step_ms: tuple[float, float] = (0.0, 0.0)  # (base, per running sequence)
+    compute_cap_bps: float = 1.5e9  # the testbed's compute-NIC cap (loopback transfer rate)
+
+    def hardware(self) -> HardwareProfile:
+        """One engine per node: the storage NIC reads ``read_tokens_per_s`` tokens."""
+        return HardwareProfile("testbed", gpus_per_node=1, cnic_bps=self.compute_cap_bps,
+                               snic_bps=self.read_tokens_per_s * self.kv_bytes_per_token,
+                               notes=f"measured by dualpath profile ({self.model})")
+
+    def model_profile(self) -> ModelProfile:
+        """The model as the simulator sees it: KV bytes per token (compute is measured)."""
+        return ModelProfile(self.model, layers=1, kv_bytes_per_token=self.kv_bytes_per_token,
+                            linear_flops=0.0, attn_flops_per_key=0.0)
 
 
 def testbed_profile(path: str | Path) -> TestbedProfile:
-    """Load the JSON ``dualpath profile`` wrote (``summary`` rates + ``cost_model``)."""
+    """Load the JSON ``dualpath profile`` wrote (``summary`` rates + ``cost_model``).
+
+    ValueError naming the file when it lacks what the simulator needs."""
     data = json.loads(Path(path).read_text())
-    summary = data["summary"]
-    return TestbedProfile(float(summary["prefill_tokens_per_s"]),
-                          float(summary["read_tokens_per_s"]), dict(data["cost_model"]),
-                          str(data.get("model", "testbed")))
+    try:
+        summary, cost = data["summary"], data["cost_model"]
+        return TestbedProfile(
+            float(summary["prefill_tokens_per_s"]), float(summary["read_tokens_per_s"]),
+            (float(cost["a"]), float(cost.get("b", 0.0)), float(cost.get("c", 0.0))),
+            str(data.get("model", "testbed")),
+            float(summary.get("kv_bytes_per_token", 0.0)),
+            int(summary.get("kv_capacity_tokens", 0)),
+            tuple(float(x) for x in summary.get("decode_step_ms", (0.0, 0.0))),  # type: ignore[arg-type]
+            float(summary.get("compute_cap_bps", 1.5e9)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a dualpath profile ({exc})") from None

@@ -39,6 +39,8 @@ PRESETS: dict[str, TrajectoryPreset] = {
     "32k": TrajectoryPreset("32k", 60, 608, 148, 28_639, 17_183),
     "48k": TrajectoryPreset("48k", 106, 474, 172, 42_607, 25_120),
     "64k": TrajectoryPreset("64k", 157, 429, 176, 55_958, 32_721),
+    # testbed scale (SmolLM2 on a CPU): 8 turns of 256 appended + 32 generated tokens
+    "tiny": TrajectoryPreset("tiny", 8, 256, 32, 2_304, 1_008),
 }
 
 

@@ -35,7 +35,31 @@ def test_testbed_loader(tmp_path):
                                 "summary": {"prefill_tokens_per_s": 900.0,
                                             "read_tokens_per_s": 5e4}}))
     tb = load_testbed(path)
-    assert tb.prefill_tokens_per_s == 900.0 and tb.cost_model["b"] == 0.1
+    assert tb.prefill_tokens_per_s == 900.0 and tb.cost_model == (1e-6, 0.1, 1.0)
+    path.write_text(json.dumps({"summary": {}}))
+    with pytest.raises(ValueError, match="not a dualpath profile"):
+        load_testbed(path)
+
+
+def test_testbed_config_drives_the_simulator(tmp_path):
+    from dataclasses import replace
+
+    from dualpath.sim.cluster import simulate
+    from dualpath.sim.config import SimConfig
+    from dualpath.sim.workload import WorkloadConfig
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({
+        "model": "smol", "cost_model": {"a": 1e-6, "b": 0.5, "c": 2.0},
+        "summary": {"prefill_tokens_per_s": 2000.0, "read_tokens_per_s": 2e4,
+                    "kv_bytes_per_token": 23_040, "kv_capacity_tokens": 40_000,
+                    "decode_step_ms": [20.0, 2.0], "compute_cap_bps": 1.5e9}}))
+    cfg = SimConfig(testbed=load_testbed(path), prefill_nodes=1, decode_nodes=2,
+                    ep_lockstep=False, workload=WorkloadConfig("tiny", agents=4))
+    assert cfg.decode_step_s(3) == pytest.approx(0.026)
+    assert cfg.kv_capacity_tokens(1) == 40_000 and cfg.hw().gpus_per_node == 1
+    basic, dual = (simulate(replace(cfg, mode=m)) for m in ("basic", "dualpath"))
+    assert basic["jct_s"] > 0 and dual["jct_s"] > 0 and dual["reads"]["de"] > 0
 
 
 def test_decode_read_bytes_sparse_vs_dense():
