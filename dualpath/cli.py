@@ -105,6 +105,13 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from dualpath.bench.cluster import run_cluster_bench
+
+    run_cluster_bench(args)
+    return 0
+
+
 def _cmd_bench_transfer(args: argparse.Namespace) -> int:
     from dualpath.bench.transfer import run_transfer_bench
 
@@ -227,6 +234,26 @@ def build_parser() -> argparse.ArgumentParser:
     tra.add_argument("--blocks", type=int, default=32, help="full blocks (x layers = segments)")
     tra.add_argument("--repeats", type=int, default=10, help="timed rounds")
     tra.set_defaults(func=_cmd_bench_transfer)
+
+    clu = bench_sub.add_parser("cluster", help="multi-turn agents on a local cluster: JCT "
+                               "per mode (the simulator's testbed cross-check)")
+    clu.add_argument("--json", default=None, help="where to write the results (+ PNG)")
+    clu.add_argument("--modes", default="basic,dualpath")
+    clu.add_argument("--agents", type=int, default=4)
+    clu.add_argument("--turns", type=int, default=8)
+    clu.add_argument("--first", type=int, default=256, help="tokens of the first prompt")
+    clu.add_argument("--append", type=int, default=256, help="tokens appended per turn")
+    clu.add_argument("--gen", type=int, default=32, help="tokens generated per turn")
+    clu.add_argument("--seed", type=int, default=0)
+    clu.add_argument("--prefill", type=int, default=1, help="prefill engines (one per node)")
+    clu.add_argument("--decode", type=int, default=2, help="decode engines (one per node)")
+    clu.add_argument("--read-cap-mb-s", type=float, default=20.0, help="storage NIC cap")
+    clu.add_argument("--compute-cap-mb-s", type=float, default=200.0, help="compute NIC cap")
+    clu.add_argument("--profile", default=None, help="dualpath profile JSON (α, β, cost model)")
+    clu.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
+    clu.add_argument("--keep", action="store_true", help="keep the store and logs")
+    _add_engine_args(clu)
+    clu.set_defaults(func=_cmd_bench_cluster)
 
     sch = bench_sub.add_parser("scheduler", help="global scheduler decisions/s at 48P96D scale")
     sch.add_argument("--json", required=True, help="where to write the results")

@@ -146,11 +146,20 @@ class Simulator:
     def _scheduler_params(self) -> SchedulerParams:
         cfg = self.cfg
         read_tok_s = cfg.hw().snic_bps * cfg.storage_eff / self.kvb
-        prompt_tok_s = 1e3 * 8 * 4096 / max(1e-9, self.cost.predict_ms([(8 * 4096, 4096)]))
+        prompt_tok_s = self._prompt_tokens_per_s()
         policy = "round_robin" if cfg.mode == "round_robin" else "dualpath"
         path = "pe" if cfg.mode in ("basic", "layerwise") else "auto"
         return SchedulerParams.from_rates(read_tok_s, prompt_tok_s, cfg.alpha_s, cfg.beta_s,
                                           policy=policy, read_path=path)
+
+    def _prompt_tokens_per_s(self) -> float:
+        """Prompt tokens (hit included) one PE gets through per second at the workload's mean
+        hit and append — β's unit, as the router's ``dualpath profile`` defines it."""
+        turns = [t for traj in self.trajs[:1000] for t in traj]
+        hit = sum(t.hit for t in turns) / len(turns)
+        miss = max(1.0, sum(t.miss for t in turns) / len(turns))
+        ms = self.cost.predict_ms([(round(hit), round(miss))])
+        return 1e3 * (hit + miss) / max(1e-9, ms)
 
     # --- requests ---
 
