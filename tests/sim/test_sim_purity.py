@@ -1,16 +1,26 @@
-"""``import dualpath.sim`` (and its modules) pulls in no torch, engine or model code."""
+"""``import dualpath.sim`` (and its modules) pulls in no torch, engine or model code;
+the figure module loads matplotlib only when drawing, the trace loader is stdlib only."""
 
 import subprocess
 import sys
 
+import pytest
+
 MODULES = ["dualpath.sim", "dualpath.sim.cluster", "dualpath.sim.presets",
-           "dualpath.sim.commands", "dualpath.sim.planner", "dualpath.sim.profiles"]
+           "dualpath.sim.commands", "dualpath.sim.planner", "dualpath.sim.profiles",
+           "dualpath.sim.online"]
+ENGINE = ("torch", "dualpath.engine", "dualpath.model")
 
 
-def test_sim_imports_no_torch_or_engine():
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in MODULES)
-            + "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', "
-            "'dualpath.engine', 'dualpath.model'))]\nprint(bad)\nassert not bad, bad\n")
+@pytest.mark.parametrize(("modules", "forbidden"), [
+    (MODULES, ENGINE),
+    (["dualpath.sim.plots"], (*ENGINE, "matplotlib")),
+    (["dualpath.sim.traces"], (*ENGINE, "numpy", "socket")),
+])
+def test_sim_imports_stay_light(modules, forbidden):
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
+            + f"bad = [m for m in sys.modules if any(m == f or m.startswith(f + '.') "
+            f"for f in {forbidden!r})]\nassert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
