@@ -12,7 +12,7 @@ profile`` measures on the actual engine and stored with the config.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -110,7 +110,7 @@ def largest_chunk(cached: int, remaining: int, budget_ms: float, model: Attentio
     return lo * align
 
 
-def build_prefill_batch(fifo: Sequence[tuple[K, int, int]], quota_ms: float,
+def build_prefill_batch(fifo: Iterable[tuple[K, int, int]], quota_ms: float,
                         model: AttentionCostModel, align: int = 1,
                         ) -> list[tuple[K, int, int]]:
     """One PE forward batch from ``(req_id, cached, remaining)`` in FIFO order.
@@ -140,7 +140,7 @@ def build_prefill_batch(fifo: Sequence[tuple[K, int, int]], quota_ms: float,
     return batch
 
 
-def build_token_batch(fifo: Sequence[tuple[K, int, int]], budget_tokens: int,
+def build_token_batch(fifo: Iterable[tuple[K, int, int]], budget_tokens: int,
                       ) -> list[tuple[K, int, int]]:
     """The baseline's PE batch (no compute quota): ``(req_id, cached, remaining)`` packed in
     FIFO order while the new tokens fit ``budget_tokens`` (chunked prefill of the last one),

@@ -208,9 +208,9 @@ class GlobalScheduler:
             del self._private_tok[group]
         if lost:
             self._global = deque(sorted(self._global, key=self._key))
-        held = [self._global, *self._private.values()]
-        if all(view.has_engine(self._pe_of[r.req_id]) for q in held for r in q):
+        if all(view.has_engine(pe) for pe in self._held_tok):  # O(PEs), not O(requests)
             return
+        held = [self._global, *self._private.values()]
         orphans: list[PendingRequest] = []
         for queue in held:
             kept = []

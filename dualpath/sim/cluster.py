@@ -134,7 +134,7 @@ class Simulator:
         for role, g in self._groups.items():
             for name, members in g.items():
                 for e in members:
-                    e.on_change = (lambda key=(role, name): self._dirty_groups.add(key))
+                    e.dirty_set, e.dirty_key = self._dirty_groups, (role, name)
 
     def _step_s(self, batch: int) -> float:
         """``SimConfig.decode_step_s``, memoised (it is called on every decode event)."""
@@ -295,7 +295,7 @@ class Simulator:
         self._round(pe.ep)
 
     def _batch(self, pe: PrefillEngine) -> Batch:
-        fifo = [(i, j.cached, j.remaining) for i, j in enumerate(pe.fifo)]
+        fifo = ((i, j.cached, j.remaining) for i, j in enumerate(pe.fifo))  # read up to a cut
         if self.cfg.mode in self.cfg.quota_modes:
             return build_prefill_batch(fifo, self.cfg.quota_ms, self.cost)
         return build_token_batch(fifo, self.cfg.token_budget)

@@ -37,14 +37,15 @@ class _Engine:
         self.seq = 0
         self.tok = 0
         self.view: Any = None  # the scheduler's last view of this engine (None: changed)
-        self.on_change: Callable[[], None] | None = None  # the simulator's dirty mark
+        self.dirty_set: set[Any] | None = None  # where the simulator collects changed groups
+        self.dirty_key: Any = None  # this engine's entry there
 
     def _count(self, requests: int, tokens: int) -> None:
         self.seq += requests
         self.tok += tokens
         self.view = None
-        if self.on_change is not None:
-            self.on_change()
+        if self.dirty_set is not None:
+            self.dirty_set.add(self.dirty_key)
 
 
 class PrefillEngine(_Engine):
