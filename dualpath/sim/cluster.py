@@ -23,12 +23,20 @@ Read/compute overlap per mode (PAPER §4, §7.8):
 * ``basic`` (no layerwise prefill): a request's whole hit KV must be in PE HBM before its
   forward; a round first reads the hit KV of the requests starting in it, waits until every
   member's reads have arrived, then computes. Reads and compute of a group alternate.
-* layerwise modes (``layerwise``, ``dualpath``, ``round_robin``): KV is staged in DRAM and
-  streamed layer by layer into the forward, so a request joins its PE's queue once its read
-  has reached the staging buffer and reads proceed while the group computes.
+  (``basic_prefetch=True`` instead reads ahead into PE HBM as far as HBM allows.)
+* layerwise modes (``layerwise``, ``dualpath``, ``round_robin``): KV is read into the reading
+  node's DRAM staging buffer (``dram_buffer_gb`` per node; reads wait FIFO when it is full)
+  and streamed layer by layer into the forward, so a request joins its PE's queue once its
+  read has been staged and reads proceed while the group computes. The buffer is given back
+  when the prefill has consumed it (PE path) or the DE has loaded it into HBM (DE path).
+
+Batching: modes in ``quota_modes`` use the compute quota (:func:`build_prefill_batch`), the
+others a stock token budget (:func:`build_token_batch`). The scheduler's β is in prompt
+tokens a PE gets through at the workload's mean hit, as ``dualpath profile`` defines it.
 
 Simplifications: decode write-back to storage is not modelled (separate NIC direction); the
-compute NIC carries the KV hops but not the EP all-to-all traffic.
+compute NIC carries the KV hops but not the EP all-to-all traffic; reads on one NIC share it
+equally (no per-request storage latency).
 """
 
 from __future__ import annotations

@@ -7,17 +7,22 @@ reads overlap compute, no PE HBM hold), ``dualpath`` (read
 side chosen by the scheduler), ``round_robin`` (the scheduler's round-robin baseline, read side
 alternating) and ``oracle`` (no storage reads, no PD transfers).
 
-Efficiency parameters (the only fitted ones): ``prefill_eff`` (achieved fraction of dense peak
-FLOP/s in a prefill forward) and ``decode_eff`` (achieved fraction of the roofline in a decode
-step). They are fitted on oracle points only (:func:`dualpath.sim.presets.calibrate`).
+Efficiency parameters: ``prefill_eff`` (achieved fraction of dense peak FLOP/s in a prefill
+forward), ``decode_eff`` (achieved fraction of the roofline in a decode step) and
+``storage_eff`` (storage goodput as a fraction of the storage NIC's line rate). The paper
+presets fix the first and the last a priori and fit ``decode_eff`` on an Oracle point only
+(:func:`dualpath.sim.presets.calibrate`). A ``testbed`` profile (measured by ``dualpath
+profile``) replaces the hardware, the model and both cost models with measured rates.
 
 Decode step model (roofline): one step of a DE (one GPU, DP attention + EP MoE over the
 decode side's GPUs) with ``b`` running requests reads its share of the weights plus each
 request's attended KV (:meth:`ModelProfile.decode_read_bytes`) from HBM and computes ``b``
 tokens; its time is ``max(bytes / hbm_bps, b · flops / peak) / decode_eff``. ``decode_eff``
 folds in what the roofline leaves out (EP all-to-all per layer, kernel launches, sampling).
-The batch is capped by the DE's KV capacity (HBM after weights), which the scheduler sees as
-the engine's free KV.
+The batch is capped by the DE's KV capacity (HBM after its EP group's share of the weights),
+which the scheduler sees as the engine's free KV. With ``ep_lockstep`` the DEs of an EP group
+step together at the busiest one's step time, and the PEs of an EP group run their forwards
+together (``ep_nodes`` sets the group sizes; default: one group per side).
 """
 
 from __future__ import annotations

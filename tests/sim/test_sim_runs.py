@@ -143,3 +143,12 @@ def test_trace_workload_runs():
         "weka", agents=6, max_context=65_536))
     r = simulate(cfg)
     assert r["agents"] == 6 and r["jct_s"] > 0 and r["reads"]["de"] + r["reads"]["pe"] > 0
+
+
+def test_a_small_dram_staging_buffer_throttles_layerwise_reads():
+    heavy = replace(SMALL, mode="layerwise", workload=WorkloadConfig(
+        "64k", agents=512, turns=20, context_step=1600.0))
+    roomy = simulate(replace(heavy, dram_buffer_gb=None))
+    tight = simulate(replace(heavy, dram_buffer_gb=2.0))  # ~1.3 requests of 30K tokens per node
+    assert tight["jct_s"] > 1.02 * roomy["jct_s"]
+    assert tight["reads"] == roomy["reads"]
