@@ -108,7 +108,9 @@ class SimConfig:
         keys that grow with context (dense attention, DSA indexer), ``b`` the per-token work
         (linear layers and top-k sparse attention)."""
         if self.testbed:
-            return AttentionCostModel(*self.testbed.cost_model)
+            slow = 1.0 / self.testbed_cpu_share()
+            a, b, c = self.testbed.cost_model
+            return AttentionCostModel(a * slow, b * slow, c * slow)
         m, rate = self.model_profile(), self.hw().peak_flops * self.prefill_eff
         per_key = m.indexer_flops_per_key + (0.0 if m.topk else m.attn_flops_per_key)
         per_tok = m.linear_flops + (m.attn_flops_per_key * m.topk if m.topk else 0.0)
@@ -118,7 +120,7 @@ class SimConfig:
         """Time of one decode step with ``batch`` running requests."""
         if self.testbed:
             base_ms, per_seq_ms = self.testbed.decode_step_ms
-            return (base_ms + per_seq_ms * batch) / 1e3
+            return (base_ms + per_seq_ms * batch) / 1e3 / self.testbed_cpu_share()
         m, hw = self.model_profile(), self.hw()
         weights = m.weight_bytes / (self.ep_group_nodes()[1] * hw.gpus_per_node)
         kv = self.hbm_kv_bytes()
@@ -126,6 +128,11 @@ class SimConfig:
                ) / hw.hbm_bps
         comp = batch * m.flops_per_token(self.decode_ctx) / hw.peak_flops
         return self.decode_base_s + max(mem, comp) / self.decode_eff
+
+    def testbed_cpu_share(self) -> float:
+        """Testbed: the core share of one engine when all the cluster's engines run."""
+        assert self.testbed is not None
+        return self.testbed.cpu_share(self.prefill_nodes + self.decode_nodes)
 
     def kv_capacity_tokens(self, role_nodes: int) -> int:
         """KV tokens one GPU holds after its share of the weights (EP over ``role_nodes``

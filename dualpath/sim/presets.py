@@ -230,11 +230,16 @@ def testbed(profile: str, agents: tuple[int, ...] = (4, 8), progress: Progress |
             ) -> dict[str, Any]:
     """The real testbed (one engine per node, rates from ``dualpath profile``) in simulation:
     JCT of basic, dualpath and oracle and the dualpath/basic ratio the real cluster benchmark
-    is to be compared with."""
+    (``dualpath bench cluster``) is to be compared with.
+
+    As on the real engines, Basic reads each request's KV as soon as it is placed (overlapping
+    earlier requests' compute) and loads it whole before its forward (``basic_prefetch``); the
+    engines, one per node, share the profiled machine's cores (compute slowed accordingly).
+    """
     from dualpath.sim.profiles import testbed_profile
 
     base = SimConfig(testbed=testbed_profile(profile), prefill_nodes=prefill_nodes,
-                     decode_nodes=decode_nodes, ep_lockstep=False)
+                     decode_nodes=decode_nodes, ep_lockstep=False, basic_prefetch=True)
     rows = [_run(base, mode, n, progress, workload)
             for n in agents for mode in ("basic", "dualpath", "oracle")]
     jct = {(r["mode"], r["agents"]): r["jct_s"] for r in rows}

@@ -172,6 +172,12 @@ class TestbedProfile:
     kv_capacity_tokens: int = 0
     decode_step_ms: tuple[float, float] = (0.0, 0.0)  # (base, per running sequence)
     compute_cap_bps: float = 1.5e9  # the testbed's compute-NIC cap (loopback transfer rate)
+    cpus: int = 0  # cores of the machine it was measured on (0: unknown)
+
+    def cpu_share(self, engines: int) -> float:
+        """Fraction of a core each of ``engines`` busy engine processes gets on the testbed
+        (all engines of a local cluster share the machine's cores)."""
+        return 1.0 if not self.cpus else min(1.0, self.cpus / max(1, engines))
 
     def hardware(self) -> HardwareProfile:
         """One engine per node: the storage NIC reads ``read_tokens_per_s`` tokens."""
@@ -199,6 +205,7 @@ def testbed_profile(path: str | Path) -> TestbedProfile:
             float(summary.get("kv_bytes_per_token", 0.0)),
             int(summary.get("kv_capacity_tokens", 0)),
             tuple(float(x) for x in summary.get("decode_step_ms", (0.0, 0.0))),  # type: ignore[arg-type]
-            float(summary.get("compute_cap_bps", 1.5e9)))
+            float(summary.get("compute_cap_bps", 1.5e9)),
+            int((data.get("machine") or {}).get("cpus") or 0))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: not a dualpath profile ({exc})") from None
