@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "trace: weka, mooncake (default: 64k; tiny for the testbed preset)")
     simp.add_argument("--testbed", default=None,
                       help="profile JSON from dualpath profile (the testbed preset)")
+    simp.add_argument("--real", default=None, help="testbed: a dualpath bench cluster JSON "
+                      "to compare the predicted dualpath/basic JCT ratio with")
     simp.set_defaults(func=_cmd_sim)
 
     planp = sub.add_parser("plan", help="bottleneck-free P/D range (eq. 9) and simulated JCT")

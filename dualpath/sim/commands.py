@@ -35,6 +35,10 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--testbed PROFILE.json goes with --preset testbed (and only with it)")
     if args.testbed:
         kwargs["profile"] = args.testbed
+    if args.real:
+        if args.preset != "testbed":
+            raise ValueError("--real goes with --preset testbed")
+        kwargs["real"] = args.real
     if args.agents and args.preset not in ("paper-fig7", "paper-ablation", "testbed"):
         raise ValueError(f"--agents applies to paper-fig7 and paper-ablation, not {args.preset}")
     if args.aps and args.preset != "paper-online":

@@ -227,7 +227,7 @@ def online(aps: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8),
 
 def testbed(profile: str, agents: tuple[int, ...] = (4, 8), progress: Progress | None = None,
             workload: str = "tiny", prefill_nodes: int = 1, decode_nodes: int = 2,
-            ) -> dict[str, Any]:
+            real: str | None = None) -> dict[str, Any]:
     """The real testbed (one engine per node, rates from ``dualpath profile``) in simulation:
     JCT of basic, dualpath and oracle and the dualpath/basic ratio the real cluster benchmark
     (``dualpath bench cluster``) is to be compared with.
@@ -243,10 +243,24 @@ def testbed(profile: str, agents: tuple[int, ...] = (4, 8), progress: Progress |
     rows = [_run(base, mode, n, progress, workload)
             for n in agents for mode in ("basic", "dualpath", "oracle")]
     jct = {(r["mode"], r["agents"]): r["jct_s"] for r in rows}
+    ratios = {str(n): jct["dualpath", n] / jct["basic", n] for n in agents}
+    summary: dict[str, Any] = {"dualpath_vs_basic_jct_ratio": ratios,
+                               "real_benchmark_ratio": None}
+    if real is not None:  # a `dualpath bench cluster` result with the same caps and workload
+        import json
+        from pathlib import Path
+
+        bench = json.loads(Path(real).read_text())
+        n = str(bench["workload"]["agents"])
+        if n not in ratios:
+            raise ValueError(f"{real}: ran {n} agents; simulate them too (--agents {n})")
+        measured = float(bench["summary"]["dualpath_vs_basic_jct_ratio"])
+        summary.update(real_benchmark_ratio=measured, real_benchmark=real,
+                       ratio_rel_error=ratios[n] / measured - 1,
+                       real_jct_s=bench["summary"]["jct_s"],
+                       sim_jct_s={m: jct[m, int(n)] for m in ("basic", "dualpath")})
     return {"preset": "testbed", "workload": workload, "profile": profile, "rows": rows,
-            "summary": {"dualpath_vs_basic_jct_ratio": {
-                str(n): jct["dualpath", n] / jct["basic", n] for n in agents},
-                "real_benchmark_ratio": None}}
+            "summary": summary}
 
 
 def run_preset(name: str, progress: Progress | None = None, **kwargs: Any) -> dict[str, Any]:

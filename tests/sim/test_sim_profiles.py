@@ -68,3 +68,26 @@ def test_decode_read_bytes_sparse_vs_dense():
     assert ds.decode_read_bytes(32_768) == 2048 * 40_016 + 32_768 * 132 * 61
     q = get_model("qwen32b")
     assert q.decode_read_bytes(1000) == 1000 * 256 * 1024
+
+
+def test_testbed_preset_compares_with_a_real_benchmark(tmp_path):
+    from dualpath.sim.presets import run_preset
+
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({
+        "model": "smol", "cost_model": {"a": 1e-6, "b": 0.5, "c": 2.0}, "machine": {"cpus": 2},
+        "summary": {"prefill_tokens_per_s": 2000.0, "read_tokens_per_s": 300.0,
+                    "kv_bytes_per_token": 23_040, "kv_capacity_tokens": 40_000,
+                    "decode_step_ms": [20.0, 2.0]}}))
+    real = tmp_path / "bench.json"
+    real.write_text(json.dumps({"workload": {"agents": 4}, "summary": {
+        "jct_s": {"basic": 100.0, "dualpath": 60.0}, "dualpath_vs_basic_jct_ratio": 0.6}}))
+    out = run_preset("testbed", profile=str(profile), agents=(4,), real=str(real))
+    summary = out["summary"]
+    assert summary["real_benchmark_ratio"] == 0.6
+    assert summary["ratio_rel_error"] == pytest.approx(
+        summary["dualpath_vs_basic_jct_ratio"]["4"] / 0.6 - 1)
+    # storage-bound (300 tokens/s per node): reading on three nodes must help
+    assert summary["dualpath_vs_basic_jct_ratio"]["4"] < 0.9
+    with pytest.raises(ValueError, match="agents"):
+        run_preset("testbed", profile=str(profile), agents=(8,), real=str(real))
