@@ -75,6 +75,15 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     hw = get_hardware(args.hardware)
     get_model(args.model)
     sim = None
+
+    def fits(p: int, d: int) -> bool:
+        cfg = replace(DS660B, model=args.model, hardware=args.hardware, prefill_nodes=p,
+                      decode_nodes=d, kv_bytes_per_token=None, hbm_kv_bytes_per_token=None)
+        try:
+            cfg.kv_capacity_tokens(min(p, d))
+        except ValueError:
+            return False
+        return True
     if args.workload:
         base = replace(DS660B, model=args.model, hardware=args.hardware,
                        kv_bytes_per_token=DS660B.kv_bytes_per_token
@@ -82,11 +91,15 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
                        hbm_kv_bytes_per_token=DS660B.hbm_kv_bytes_per_token
                        if args.model == "ds660b" else None)
 
-        def sim(p: int, d: int) -> float:
+        def sim(p: int, d: int) -> float | None:
             cfg = replace(base, prefill_nodes=p, decode_nodes=d, mode="dualpath",
                           workload=WorkloadConfig(args.workload, agents=args.agents))
+            try:
+                cfg.kv_capacity_tokens(min(p, d))
+            except ValueError:  # the model does not fit on that side's nodes
+                return None
             return float(simulate(cfg)["jct_s"])
-    result = plan(hw, args.max_nodes, sim)
+    result = plan(hw, args.max_nodes, sim, fits)
     result["model"] = args.model
     _write(args.json, result)
     Console().print_json(json.dumps(result["summary"]))

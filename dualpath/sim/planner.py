@@ -48,14 +48,16 @@ def range_for(hw: HardwareProfile) -> dict[str, Any]:
                           hw.dram_bps / 1e9)
 
 
-def candidates(lo: Fraction, hi: Fraction, max_nodes: int = 6) -> list[tuple[int, int]]:
-    """(P, D) node pairs with P + D ≤ ``max_nodes`` whose ratio lies in [lo, hi], one per ratio."""
+def candidates(lo: Fraction, hi: Fraction, max_nodes: int = 6,
+               fits: Callable[[int, int], bool] | None = None) -> list[tuple[int, int]]:
+    """(P, D) node pairs with P + D ≤ ``max_nodes`` whose ratio lies in [lo, hi], one per
+    ratio: the smallest pair that ``fits`` (the model fits on both sides; default: any)."""
     seen: dict[Fraction, tuple[int, int]] = {}
     for total in range(2, max_nodes + 1):
         for p in range(1, total):
             d = total - p
             r = Fraction(p, d)
-            if lo <= r <= hi and r not in seen:
+            if lo <= r <= hi and r not in seen and (fits is None or fits(p, d)):
                 seen[r] = (p, d)
     return sorted(seen.values(), key=lambda pd: Fraction(*pd))
 
@@ -72,22 +74,25 @@ def jsonable(obj: Any) -> Any:
 
 
 def plan(hw: HardwareProfile, max_nodes: int = 6,
-         simulate: Callable[[int, int], float] | None = None) -> dict[str, Any]:
+         simulate: Callable[[int, int], float | None] | None = None,
+         fits: Callable[[int, int], bool] | None = None) -> dict[str, Any]:
     """The range, candidate (P, D) pairs and, with ``simulate(P, D) -> JCT``, a recommendation.
 
     The recommendation is the candidate with the least JCT per node (JCT × (P + D)): the
-    cheapest way to finish the job for a fixed cluster budget.
+    cheapest way to finish the job for a fixed cluster budget. ``simulate`` returns None for a
+    candidate that cannot run (the model does not fit); it is listed but not recommended.
     """
     rng = range_for(hw)
-    cands = candidates(rng["lower"], rng["upper"], max_nodes)
+    cands = candidates(rng["lower"], rng["upper"], max_nodes, fits)
     rows = []
     for p, d in cands:
         row: dict[str, Any] = {"P": p, "D": d, "ratio": str(Fraction(p, d))}
         if simulate is not None:
             jct = simulate(p, d)
-            row.update(jct_s=jct, node_seconds=jct * (p + d))
+            row.update(jct_s=jct, node_seconds=None if jct is None else jct * (p + d))
         rows.append(row)
-    best = min(rows, key=lambda r: r["node_seconds"]) if simulate is not None and rows else None
+    ran = [r for r in rows if r.get("node_seconds") is not None]
+    best = min(ran, key=lambda r: r["node_seconds"]) if ran else None
     summary = {"pd_min": float(rng["lower"]), "pd_max": float(rng["upper"]),
                "pd_range": f"{rng['lower']} .. {rng['upper']}", "feasible": rng["feasible"],
                "recommended": None if best is None else f"{best['P']}P{best['D']}D"}

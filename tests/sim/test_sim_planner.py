@@ -31,3 +31,18 @@ def test_candidates_inside_range_and_plan_recommends():
     out = plan(get_hardware("hopper"), 4, simulate=lambda p, d: 100.0 / (p + 0.5 * d))
     assert out["summary"]["pd_range"] == "1/7 .. 7/2"
     assert out["summary"]["recommended"] == "3P1D"
+
+
+def test_candidates_skip_pairs_the_model_does_not_fit_and_plan_skips_failed_runs():
+    from fractions import Fraction
+
+    from dualpath.sim.planner import candidates, plan
+    from dualpath.sim.profiles import get_hardware
+
+    fits = lambda p, d: p >= 2 and d >= 2  # noqa: E731
+    pairs = candidates(Fraction(1, 7), Fraction(7, 2), 8, fits)
+    assert (2, 4) in pairs and all(p >= 2 and d >= 2 for p, d in pairs)
+    assert (1, 2) not in pairs  # ratio 1/2 is represented by 2P4D
+    out = plan(get_hardware("hopper"), 8, lambda p, d: None if p == 2 else 100.0 * p, fits)
+    assert out["summary"]["recommended"] is not None
+    assert not out["summary"]["recommended"].startswith("2P")
