@@ -250,11 +250,15 @@ def testbed(profile: str, agents: tuple[int, ...] = (4, 8), progress: Progress |
         import json
         from pathlib import Path
 
-        bench = json.loads(Path(real).read_text())
-        n = str(bench["workload"]["agents"])
+        try:
+            bench = json.loads(Path(real).read_text())
+            n = str(bench["workload"]["agents"])
+            measured = float(bench["summary"]["dualpath_vs_basic_jct_ratio"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{real}: not a dualpath bench cluster result with basic and "
+                             f"dualpath ({exc})") from None
         if n not in ratios:
             raise ValueError(f"{real}: ran {n} agents; simulate them too (--agents {n})")
-        measured = float(bench["summary"]["dualpath_vs_basic_jct_ratio"])
         summary.update(real_benchmark_ratio=measured, real_benchmark=real,
                        ratio_rel_error=ratios[n] / measured - 1,
                        real_jct_s=bench["summary"]["jct_s"],

@@ -195,7 +195,10 @@ def testbed_profile(path: str | Path) -> TestbedProfile:
     """Load the JSON ``dualpath profile`` wrote (``summary`` rates + ``cost_model``).
 
     ValueError naming the file when it lacks what the simulator needs."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the profile {path}: {exc}") from None
     try:
         summary, cost = data["summary"], data["cost_model"]
         return TestbedProfile(

@@ -39,6 +39,8 @@ def test_testbed_loader(tmp_path):
     path.write_text(json.dumps({"summary": {}}))
     with pytest.raises(ValueError, match="not a dualpath profile"):
         load_testbed(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_testbed(tmp_path / "missing.json")
 
 
 def test_testbed_config_drives_the_simulator(tmp_path):
@@ -91,3 +93,5 @@ def test_testbed_preset_compares_with_a_real_benchmark(tmp_path):
     assert summary["dualpath_vs_basic_jct_ratio"]["4"] < 0.9
     with pytest.raises(ValueError, match="agents"):
         run_preset("testbed", profile=str(profile), agents=(8,), real=str(real))
+    with pytest.raises(ValueError, match="bench cluster"):
+        run_preset("testbed", profile=str(profile), agents=(4,), real=str(tmp_path / "x"))
