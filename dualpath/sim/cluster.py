@@ -121,6 +121,12 @@ class Simulator:
                 self.des.append(DecodeEngine(name, cfg.prefill_nodes + n, f"dg{n:03d}", de_cap,
                                              Link(self.loop, hw.cnic_bps), stepper))
         self.engines = {e.name: e for e in [*self.pes, *self.des]}
+        self._build_nodes()
+        self._index_groups()
+
+    def _build_nodes(self) -> None:
+        """Per node: the storage NIC, the read queue and the DRAM staging buffer."""
+        cfg, hw = self.cfg, self.cfg.hw()
         nodes = cfg.prefill_nodes + cfg.decode_nodes
         snic_bps = hw.snic_bps * cfg.storage_eff
         self.snic = [Link(self.loop, snic_bps, f"snic{n}") for n in range(nodes)]
@@ -131,6 +137,9 @@ class Simulator:
         self.dram_free = None if self.dram_tokens is None else [self.dram_tokens] * nodes
         self.dram_wait: list[deque[tuple[int, Callable[[], None]]]] = [
             deque() for _ in range(nodes)]
+
+    def _index_groups(self) -> None:
+        """Engines by role and scheduling group, and the cached per-group views."""
         self._groups: dict[str, dict[str, list[Any]]] = {"prefill": {}, "decode": {}}
         for role, engines in (("prefill", self.pes), ("decode", self.des)):
             for e in sorted(engines, key=lambda e: e.name):
@@ -232,7 +241,7 @@ class Simulator:
             else:
                 self._ready(pe, Job(rid, turn, de, unread=pe_read))
             return
-        job = Job(rid, turn, de, de_holds=de_read)
+        job = Job(rid, turn, de, de_holds=de_read, staged=pe_read)
         pending = [int(pe_read > 0) + int(de_read > 0)]
 
         def arrived() -> None:
@@ -355,38 +364,42 @@ class Simulator:
         if finished:
             pe.fifo = [j for j in pe.fifo if j.remaining > 0]
         for job in finished:
-            rid, de, turn, de_holds = job.rid, job.de, job.turn, job.de_holds
-            pe.finish(turn.prompt)
+            pe.finish(job.turn.prompt)
             if self.online:
-                self._times[rid].append(self.loop.now)
-            start = lambda r=rid, d=de, t=turn: self._decode(r, d, t)  # noqa: E731
-            if self.cfg.mode == "oracle":
-                start()
-            elif job.hbm:  # Basic with prefetch: PE HBM is free once the KV reached the DE
-                def sent(r: int = rid, d: DecodeEngine = de, t: Turn = turn,
-                         tokens: int = job.hbm) -> None:
-                    self._release_hbm(pe, tokens)
-                    self._decode(r, d, t)
-                pe.cnic.transfer(turn.prompt * self.kvb, sent)
-            elif not de_holds:  # PE path: the staged KV has been streamed into the forward
-                self._unstage(pe.node, turn.hit)
-                pe.cnic.transfer(turn.prompt * self.kvb, start)
-            else:  # DE path: the new KV from the PE, the hit KV from the DE's DRAM into HBM
-                both = [2]
-
-                def arrived(s: Callable[[], None] = start, left: list[int] = both) -> None:
-                    left[0] -= 1
-                    if not left[0]:
-                        s()
-
-                def loaded(d: DecodeEngine = de, held: int = de_holds,
-                           then: Callable[[], None] = arrived) -> None:
-                    self._unstage(d.node, held)
-                    then()
-                pe.cnic.transfer((turn.prompt - de_holds) * self.kvb, arrived)
-                de.cnic.transfer(de_holds * self.kvb, loaded)
+                self._times[job.rid].append(self.loop.now)
+            self._hand_off(pe, job)
         if finished:
             self._kick()
+
+    def _hand_off(self, pe: PrefillEngine, job: Job) -> None:
+        """Move a prefilled request's KV to its DE (by mode and read path), then decode."""
+        rid, de, turn, de_holds = job.rid, job.de, job.turn, job.de_holds
+
+        def start() -> None:
+            self._decode(rid, de, turn)
+        if self.cfg.mode == "oracle":
+            start()
+        elif job.hbm:  # Basic with prefetch: PE HBM is free once the KV reached the DE
+            def sent() -> None:
+                self._release_hbm(pe, job.hbm)
+                start()
+            pe.cnic.transfer(turn.prompt * self.kvb, sent)
+        elif not de_holds:  # PE path: the staged KV has been streamed into the forward
+            self._unstage(pe.node, job.staged)
+            pe.cnic.transfer(turn.prompt * self.kvb, start)
+        else:  # DE path: the new KV from the PE, the hit KV from the DE's DRAM into HBM
+            left = [2]
+
+            def arrived() -> None:
+                left[0] -= 1
+                if not left[0]:
+                    start()
+
+            def loaded() -> None:
+                self._unstage(de.node, de_holds)
+                arrived()
+            pe.cnic.transfer((turn.prompt - de_holds) * self.kvb, arrived)
+            de.cnic.transfer(de_holds * self.kvb, loaded)
 
     def _decode(self, rid: int, de: DecodeEngine, turn: Turn) -> None:
         if self.online:

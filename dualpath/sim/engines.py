@@ -15,16 +15,19 @@ from dualpath.sim.links import Link, LockstepGroup, RateGroup
 
 class Job:
     """One request on a PE: tokens computed (``cached``) and ``remaining``, its DE and turn,
-    KV tokens it holds in PE HBM (Basic), hit tokens the DE already holds (DE read path) and
-    hit tokens still to read before its forward (Basic with reads in the round)."""
+    KV tokens it holds in PE HBM (Basic), hit tokens the DE already holds (DE read path), hit
+    tokens still to read before its forward (Basic with reads in the round) and hit tokens in
+    the PE node's DRAM staging buffer (PE read path, layerwise modes)."""
 
-    __slots__ = ("cached", "de", "de_holds", "hbm", "remaining", "rid", "turn", "unread")
+    __slots__ = ("cached", "de", "de_holds", "hbm", "remaining", "rid", "staged", "turn",
+                 "unread")
 
     def __init__(self, rid: int, turn: Any, de: DecodeEngine, *, de_holds: int = 0,
-                 hbm: int = 0, unread: int = 0) -> None:
+                 hbm: int = 0, unread: int = 0, staged: int = 0) -> None:
         self.rid, self.turn, self.de = rid, turn, de
         self.cached, self.remaining = turn.hit, turn.miss
         self.de_holds, self.hbm, self.unread = de_holds, hbm, unread
+        self.staged = staged  # hit tokens in the PE node's DRAM staging buffer
 
 
 class _Engine:
