@@ -65,6 +65,7 @@ class SimConfig:
     basic_prefetch: bool = False  # Basic: read KV into PE HBM ahead (True) or in the round
     token_budget: int = 8192  # other modes: new tokens per PE forward (a stock chunked prefill)
     fetch_interval_s: float = 0.05  # pull period of the engine groups
+    balance_window_s: float = 10.0  # window of the storage-NIC max/avg statistic
     hbm_reserve: float = 0.1  # fraction of HBM kept for activations
     kv_bytes_per_token: float | None = None  # override the model's (storage, transfers)
     hbm_kv_bytes_per_token: float | None = None  # KV layout in HBM, if not the same

@@ -107,6 +107,11 @@ class _Shared:
         for callback in callbacks:
             callback()
 
+    def served(self) -> float:
+        """Total work served so far (up to date at the current time)."""
+        self._advance()
+        return self.work_done
+
     def backlog(self) -> float:
         """Work still to serve (up to date at the current time)."""
         self._advance()
