@@ -166,7 +166,11 @@ def ablation(agents: tuple[int, ...] = (1024, 2048), base: SimConfig = DS660B,
             "summary": {"max_abs_error_points": max(errors, default=None),
                         "reduction_pct": {f"{r['mode']}@{r['agents']}": r["reduction_pct"]
                                           for r in rows},
-                        "paper_reduction_pct": ABLATION, "calibration": CALIBRATION}}
+                        "paper_reduction_pct": ABLATION,
+                        "snic_max_over_avg": {f"{r['mode']}@{r['agents']}":
+                                              r.get("snic_max_over_avg") for r in rows},
+                        "paper_snic_max_over_avg": {"round_robin": 1.53, "dualpath": 1.18},
+                        "calibration": CALIBRATION}}
 
 
 def scale(small: tuple[int, int, int] = (2, 4, 2048), large: tuple[int, int, int] = (48, 96,
