@@ -72,6 +72,12 @@ class WorkloadConfig:
     max_context: int | None = None  # traces: cut a trajectory where it exceeds this
     aps: float | None = None  # online: agents arrive as a Poisson process (agents/s)
 
+    def __post_init__(self) -> None:
+        if self.agents <= 0:
+            raise ValueError(f"agents must be > 0, got {self.agents}")
+        if self.aps is not None and self.aps <= 0:
+            raise ValueError(f"aps must be > 0, got {self.aps}")
+
 
 def trajectory(cfg: WorkloadConfig) -> list[Turn]:
     """The turns of one agent under ``cfg`` (every agent replays the same lengths)."""

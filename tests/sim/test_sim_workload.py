@@ -24,3 +24,14 @@ def test_append_gen_growth_and_block_alignment():
 def test_unknown_preset():
     with pytest.raises(ValueError):
         trajectory(WorkloadConfig("1m"))
+
+
+def test_workload_config_rejects_no_agents_and_bad_rates():
+    import pytest
+
+    from dualpath.sim.workload import WorkloadConfig
+
+    with pytest.raises(ValueError, match="agents"):
+        WorkloadConfig("64k", agents=0)
+    with pytest.raises(ValueError, match="aps"):
+        WorkloadConfig("64k", agents=4, aps=0.0)
