@@ -259,13 +259,13 @@ class Simulator:
         when it is full; the room is given back by :meth:`_unstage`."""
         self.read_q[node] += tokens
         if self.dram_free is None:
-            self._read(node, tokens, then, queued=True)
+            self._read(node, tokens, then)
             return
         waiting = self.dram_wait[node]
         if not waiting and (tokens <= self.dram_free[node]
                             or self.dram_free[node] == self.dram_tokens):
             self.dram_free[node] -= tokens
-            self._read(node, tokens, then, queued=True)
+            self._read(node, tokens, then)
             return
         waiting.append((tokens, then))
         self._stage_next(node)
@@ -277,7 +277,7 @@ class Simulator:
                            or self.dram_free[node] == self.dram_tokens):
             tokens, then = waiting.popleft()
             self.dram_free[node] -= tokens
-            self._read(node, tokens, then, queued=True)
+            self._read(node, tokens, then)
 
     def _unstage(self, node: int, tokens: int) -> None:
         if self.dram_free is not None and tokens:
@@ -291,17 +291,15 @@ class Simulator:
         while pe.admit and (pe.hbm_used + pe.admit[0].hbm <= pe.capacity or not pe.hbm_used):
             job = pe.admit.popleft()
             pe.hbm_used += job.hbm
-            self._read(pe.node, job.cached, lambda j=job: self._ready(pe, j), queued=True)
+            self._read(pe.node, job.cached, lambda j=job: self._ready(pe, j))
 
     def _release_hbm(self, pe: PrefillEngine, tokens: int) -> None:
         pe.hbm_used -= tokens
         self._admit(pe)
 
-    def _read(self, node: int, tokens: int, then: Callable[[], None],
-              queued: bool = False) -> None:
-        if not queued:
-            self.read_q[node] += tokens
-
+    def _read(self, node: int, tokens: int, then: Callable[[], None]) -> None:
+        """Read ``tokens`` of KV over ``node``'s storage NIC (the caller has already counted
+        them in the node's read queue; they leave it when read)."""
         def done() -> None:
             self.read_q[node] -= tokens
             then()
@@ -348,7 +346,7 @@ class Simulator:
                 unread += pe.fifo[idx].unread
                 pe.fifo[idx].unread = 0
             if unread:
-                self._read(pe.node, unread, compute, queued=True)
+                self._read(pe.node, unread, compute)
             else:
                 compute()
 

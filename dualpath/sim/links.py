@@ -112,11 +112,6 @@ class _Shared:
         self._advance()
         return self.work_done
 
-    def backlog(self) -> float:
-        """Work still to serve (up to date at the current time)."""
-        self._advance()
-        return sum(max(0.0, target - self._v) for target, _ in self._heap)
-
 
 class Link(_Shared):
     """A link of ``bandwidth`` bytes/s shared equally by its flows."""
