@@ -196,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="profile JSON from dualpath profile (the testbed preset)")
     simp.add_argument("--real", default=None, help="testbed: a dualpath bench cluster JSON "
                       "to compare the predicted dualpath/basic JCT ratio with")
+    simp.add_argument("--baseline-batcher", default=None, choices=("stock", "quota"),
+                      help="paper presets: how basic, layerwise and round_robin batch — the "
+                      "stock chunked prefill (default, the paper's definition) or DualPath's "
+                      "compute quota")
+    simp.add_argument("--token-budget", type=int, default=None,
+                      help="paper presets: new tokens per PE forward of the stock batcher "
+                      "(default 8192)")
     simp.set_defaults(func=_cmd_sim)
 
     planp = sub.add_parser("plan", help="bottleneck-free P/D range (eq. 9) and simulated JCT")

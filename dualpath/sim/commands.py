@@ -8,8 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dualpath.sim.config import SimConfig
 from dualpath.sim.planner import plan
-from dualpath.sim.presets import DS660B, run_preset
+from dualpath.sim.presets import DS660B, DS660B_QUOTA_ALL, run_preset
 
 
 def _write(path: str | None, result: dict[str, Any]) -> None:
@@ -21,6 +22,18 @@ def _write(path: str | None, result: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
     plot_result(result, png_path_for(path))
+
+
+def _paper_base(args: argparse.Namespace) -> SimConfig:
+    """The DS 660B configuration with ``--baseline-batcher`` / ``--token-budget`` applied."""
+    if args.preset == "testbed":
+        raise ValueError("--baseline-batcher/--token-budget apply to the paper presets")
+    base = DS660B_QUOTA_ALL if args.baseline_batcher == "quota" else DS660B
+    if args.token_budget is not None:
+        if args.token_budget <= 0:
+            raise ValueError(f"--token-budget must be positive, got {args.token_budget}")
+        base = replace(base, token_budget=args.token_budget)
+    return base
 
 
 def run_sim(args: argparse.Namespace) -> dict[str, Any]:
@@ -39,6 +52,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         if args.preset != "testbed":
             raise ValueError("--real goes with --preset testbed")
         kwargs["real"] = args.real
+    if args.baseline_batcher or args.token_budget is not None:
+        kwargs["base"] = _paper_base(args)
     if args.agents and args.preset not in ("paper-fig7", "paper-ablation", "testbed"):
         raise ValueError(f"--agents applies to paper-fig7 and paper-ablation, not {args.preset}")
     if args.aps and args.preset != "paper-online":

@@ -9,7 +9,7 @@ import pytest
 
 from dualpath.sim.cluster import simulate
 from dualpath.sim.config import SimConfig
-from dualpath.sim.presets import DS660B, run_preset
+from dualpath.sim.presets import ABLATION, DS660B, DS660B_QUOTA_ALL, run_preset
 from dualpath.sim.workload import WorkloadConfig
 
 SMALL = replace(DS660B,
@@ -54,6 +54,28 @@ def test_preset_summary_keys():
     assert out["summary"]["jct_ratio_large_vs_small"] > 0
 
 
+def test_ablation_compares_the_mean_over_agent_counts_with_the_paper():
+    small = replace(SMALL, workload=WorkloadConfig("64k", agents=8, turns=5))
+    out = run_preset("paper-ablation", agents=(8, 16), base=small)
+    summary = out["summary"]
+    for mode, paper in ABLATION.items():
+        per_point = [r["reduction_pct"] for r in out["rows"] if r["mode"] == mode]
+        assert len(per_point) == 2
+        assert summary["reduction_pct_mean"][mode] == pytest.approx(sum(per_point) / 2)
+        assert summary["error_points"][mode] == pytest.approx(sum(per_point) / 2 - paper)
+    assert summary["max_abs_error_points"] == max(map(abs, summary["error_points"].values()))
+    assert summary["max_abs_error_points_vs_figure"] is None  # no Fig. 13 readings at 8/16
+
+
+def test_paper_batching_only_dualpath_and_oracle_use_the_quota():
+    assert set(DS660B.quota_modes) == {"dualpath", "oracle"}
+    tight = replace(SMALL, token_budget=512)
+    for mode, changes in (("basic", True), ("round_robin", True), ("dualpath", False)):
+        a = simulate(replace(SMALL, mode=mode))["jct_s"]
+        b = simulate(replace(tight, mode=mode))["jct_s"]
+        assert (a != b) is changes, mode
+
+
 def test_plan_cli_json(tmp_path):
     path = tmp_path / "plan.json"
     subprocess.run([sys.executable, "-m", "dualpath.cli", "plan", "--json", str(path)],
@@ -68,7 +90,8 @@ def test_every_mode_runs_lock_step_rounds(results):
 
 def test_basic_prefetch_overlaps_reads_and_serialized_basic_does_not():
     heavy = replace(SMALL, workload=WorkloadConfig("64k", agents=1024, turns=20,
-                                                   context_step=1600.0))
+                                                   context_step=1600.0),
+                    quota_modes=DS660B_QUOTA_ALL.quota_modes)  # one batcher: overlap only
     serial = simulate(replace(heavy, mode="basic"))
     ahead = simulate(replace(heavy, mode="basic", basic_prefetch=True))
     layer = simulate(replace(heavy, mode="layerwise"))

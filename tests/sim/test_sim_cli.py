@@ -1,0 +1,31 @@
+"""``dualpath sim`` options: the baselines' batcher and bad combinations."""
+
+import argparse
+
+import pytest
+
+from dualpath.cli import main
+from dualpath.sim.commands import _paper_base
+from dualpath.sim.presets import DS660B, DS660B_QUOTA_ALL
+
+
+def _args(**kw):
+    base = {"preset": "paper-fig7", "baseline_batcher": None, "token_budget": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_paper_base_applies_the_batcher_options():
+    assert _paper_base(_args(baseline_batcher="stock")) == DS660B
+    assert _paper_base(_args(baseline_batcher="quota")) == DS660B_QUOTA_ALL
+    assert _paper_base(_args(token_budget=4096)).token_budget == 4096
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--preset", "paper-fig7", "--token-budget", "0"], "--token-budget must be positive"),
+    (["--preset", "testbed", "--testbed", "p.json", "--baseline-batcher", "quota"],
+     "apply to the paper presets"),
+    (["--preset", "paper-scale", "--agents", "8"], "--agents applies to"),
+])
+def test_bad_combinations_are_named(argv, needle, capsys):
+    assert main(["sim", *argv]) == 2
+    assert needle in capsys.readouterr().err
