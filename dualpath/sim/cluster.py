@@ -135,8 +135,9 @@ class Simulator:
         self.dram_tokens = (None if cfg.dram_buffer_gb is None
                             else max(1, int(cfg.dram_buffer_gb * 1e9 // self.kvb)))
         self.dram_free = None if self.dram_tokens is None else [self.dram_tokens] * nodes
-        self.dram_wait: list[deque[tuple[int, Callable[[], None]]]] = [
-            deque() for _ in range(nodes)]
+        self.read_wait: list[deque[tuple[int, Callable[[], None], bool]]] = [
+            deque() for _ in range(nodes)]  # (tokens, then, staged) in FIFO order
+        self.reads_active = [0] * nodes
 
     def _index_groups(self) -> None:
         """Engines by role and scheduling group, and the cached per-group views."""
@@ -255,35 +256,48 @@ class Simulator:
                               lambda: de.cnic.transfer(de_read * self.kvb, arrived))
 
     def _staged_read(self, node: int, tokens: int, then: Callable[[], None]) -> None:
-        """Layerwise modes: read into the node's DRAM staging buffer, waiting (FIFO) for room
-        when it is full; the room is given back by :meth:`_unstage`."""
+        """Layerwise modes: read into the node's DRAM staging buffer; the read waits in the
+        node's queue until the buffer has room, and the room is given back by
+        :meth:`_unstage`."""
         self.read_q[node] += tokens
-        if self.dram_free is None:
-            self._read(node, tokens, then)
-            return
-        waiting = self.dram_wait[node]
-        if not waiting and (tokens <= self.dram_free[node]
-                            or self.dram_free[node] == self.dram_tokens):
-            self.dram_free[node] -= tokens
-            self._read(node, tokens, then)
-            return
-        waiting.append((tokens, then))
-        self._stage_next(node)
+        self._enqueue_read(node, tokens, then, staged=True)
 
-    def _stage_next(self, node: int) -> None:
-        assert self.dram_free is not None
-        waiting = self.dram_wait[node]
-        while waiting and (waiting[0][0] <= self.dram_free[node]
-                           or self.dram_free[node] == self.dram_tokens):
-            tokens, then = waiting.popleft()
-            self.dram_free[node] -= tokens
-            self._read(node, tokens, then)
+    def _read(self, node: int, tokens: int, then: Callable[[], None]) -> None:
+        """Read ``tokens`` of KV over ``node``'s storage NIC straight into PE HBM (Basic; the
+        caller has already counted them in the node's read queue; they leave it when read)."""
+        self._enqueue_read(node, tokens, then, staged=False)
+
+    def _enqueue_read(self, node: int, tokens: int, then: Callable[[], None],
+                      staged: bool) -> None:
+        self.read_wait[node].append((tokens, then, staged))
+        self._pump_reads(node)
+
+    def _pump_reads(self, node: int) -> None:
+        """Start queued reads in FIFO order while fewer than ``read_streams`` are in flight
+        (``None``: no limit) and, for staged reads, the DRAM buffer has room (a read larger
+        than the buffer goes alone)."""
+        waiting, limit = self.read_wait[node], self.cfg.read_streams
+        while waiting and (limit is None or self.reads_active[node] < limit):
+            tokens, then, staged = waiting[0]
+            if staged and self.dram_free is not None:
+                if tokens > self.dram_free[node] and self.dram_free[node] != self.dram_tokens:
+                    return
+                self.dram_free[node] -= tokens
+            waiting.popleft()
+            self.reads_active[node] += 1
+            self.snic[node].transfer(tokens * self.kvb,
+                                     lambda t=tokens, f=then: self._read_done(node, t, f))
+
+    def _read_done(self, node: int, tokens: int, then: Callable[[], None]) -> None:
+        self.read_q[node] -= tokens
+        self.reads_active[node] -= 1
+        self._pump_reads(node)
+        then()
 
     def _unstage(self, node: int, tokens: int) -> None:
         if self.dram_free is not None and tokens:
             self.dram_free[node] += tokens
-            if self.dram_wait[node]:
-                self._stage_next(node)
+            self._pump_reads(node)
 
     def _admit(self, pe: PrefillEngine) -> None:
         """Basic with prefetch: read the head requests' KV into PE HBM while it has room for
@@ -296,14 +310,6 @@ class Simulator:
     def _release_hbm(self, pe: PrefillEngine, tokens: int) -> None:
         pe.hbm_used -= tokens
         self._admit(pe)
-
-    def _read(self, node: int, tokens: int, then: Callable[[], None]) -> None:
-        """Read ``tokens`` of KV over ``node``'s storage NIC (the caller has already counted
-        them in the node's read queue; they leave it when read)."""
-        def done() -> None:
-            self.read_q[node] -= tokens
-            then()
-        self.snic[node].transfer(tokens * self.kvb, done)
 
     def _ready(self, pe: PrefillEngine, job: Job) -> None:
         pe.fifo.append(job)

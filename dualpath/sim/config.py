@@ -62,6 +62,7 @@ class SimConfig:
     quota_modes: tuple[str, ...] = ("dualpath", "oracle")  # PAPER A.4: the quota is DualPath's
     dram_buffer_gb: float | None = None  # per-node DRAM staging for layerwise reads (None: ∞)
     storage_eff: float = 1.0  # storage goodput as a fraction of the storage NIC's line rate
+    read_streams: int | None = None  # request reads in flight per storage NIC (None: all)
     basic_prefetch: bool = False  # Basic: read KV into PE HBM ahead (True) or in the round
     token_budget: int = 8192  # other modes: new tokens per PE forward (a stock chunked prefill)
     fetch_interval_s: float = 0.05  # pull period of the engine groups
@@ -81,6 +82,8 @@ class SimConfig:
         if not 0 < self.prefill_eff <= 1 or not 0 < self.decode_eff <= 1 or not (
                 0 < self.storage_eff <= 1):
             raise ValueError("efficiencies must be in (0, 1]")
+        if self.read_streams is not None and self.read_streams <= 0:
+            raise ValueError(f"read_streams must be positive or None, got {self.read_streams}")
         ep_p, ep_d = self.ep_group_nodes()
         if self.prefill_nodes % ep_p or self.decode_nodes % ep_d:
             raise ValueError(f"ep_nodes {self.ep_nodes} must divide {self.prefill_nodes}P"

@@ -21,6 +21,11 @@ Basic or DualPath point):
   budget; the paper does not describe its stock batcher). :data:`DS660B_QUOTA_ALL` gives every
   mode the quota instead (the earlier choice); the closing note of the simulator issue lists
   both, and :func:`ablation` shows how much the baselines depend on this unknown.
+* Each node's storage reads are served in FIFO order, one request at a time at the NIC's
+  rate (``read_streams`` = 1): the paper's per-node read queue, and what our storage client
+  does (a request's blocks are queued before the next request's). Sharing the NIC equally
+  among every queued read (``read_streams=None``) makes staged reads finish together, so a
+  PE idles while its DRAM buffer fills and the buffer stays full while it computes.
 * ``decode_eff`` is the one fitted parameter: :func:`calibrate` fits it on the Oracle JCT at
   512 agents (Fig. 7, 2,000 s), where the Oracle is latency-bound by decode; the Oracle at
   4,096 agents is then a prediction like every Basic and DualPath point. ``CALIBRATION``
@@ -45,7 +50,7 @@ from dualpath.sim.config import SimConfig
 DS660B = SimConfig(model="ds660b", hardware="hopper", prefill_nodes=2, decode_nodes=4,
                    kv_bytes_per_token=48_068, hbm_kv_bytes_per_token=48_068,
                    prefill_eff=0.236, decode_eff=0.11485, storage_eff=0.8, dram_buffer_gb=80.0,
-                   quota_modes=("dualpath", "oracle"), token_budget=8192)
+                   quota_modes=("dualpath", "oracle"), token_budget=8192, read_streams=1)
 # The alternative: every mode batches by the compute quota (isolates I/O; not the paper's).
 DS660B_QUOTA_ALL = replace(DS660B, quota_modes=("basic", "layerwise", "round_robin",
                                                 "dualpath", "oracle"))
@@ -56,7 +61,7 @@ CALIBRATION: dict[str, Any] = {
     "fit": "calibrate(replace(DS660B, decode_eff=0.11)): Oracle 512 agents -> 2,004 s "
            "(paper 2,000 s, +0.2%) in 2 iterations",
     "a_priori": {"prefill_eff": 0.236, "storage_eff": 0.8, "kv_bytes_per_token": 48_068,
-                 "dram_buffer_gb": 80.0, "hbm_reserve": 0.1,
+                 "dram_buffer_gb": 80.0, "hbm_reserve": 0.1, "read_streams": 1,
                  "quota_ms": {"dualpath": 300.0, "oracle": 300.0},
                  "token_budget": {"basic": 8192, "layerwise": 8192, "round_robin": 8192}},
 }
@@ -272,12 +277,14 @@ def testbed(profile: str, agents: tuple[int, ...] = (4, 8), progress: Progress |
 
     As on the real engines, Basic reads each request's KV as soon as it is placed (overlapping
     earlier requests' compute) and loads it whole before its forward (``basic_prefetch``); the
-    engines, one per node, share the profiled machine's cores (compute slowed accordingly).
+    engines, one per node, share the profiled machine's cores (compute slowed accordingly);
+    each node's reads are served in FIFO order, as our storage client serves them.
     """
     from dualpath.sim.profiles import testbed_profile
 
     base = SimConfig(testbed=testbed_profile(profile), prefill_nodes=prefill_nodes,
-                     decode_nodes=decode_nodes, ep_lockstep=False, basic_prefetch=True)
+                     decode_nodes=decode_nodes, ep_lockstep=False, basic_prefetch=True,
+                     read_streams=1)
     rows = [_run(base, mode, n, progress, workload)
             for n in agents for mode in ("basic", "dualpath", "oracle")]
     jct = {(r["mode"], r["agents"]): r["jct_s"] for r in rows}

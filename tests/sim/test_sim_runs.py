@@ -185,3 +185,22 @@ def test_dualpath_balances_storage_nics_better_than_round_robin():
              for m in ("round_robin", "dualpath", "basic")}
     assert ratio["dualpath"] < 1.3 < ratio["round_robin"]
     assert ratio["basic"] > 3  # only the 2 prefill nodes of 6 read
+
+
+@pytest.mark.parametrize("streams, expect", [(1, "fifo"), (None, "shared")])
+def test_read_streams_serve_a_node_in_fifo_order_or_share_it(streams, expect):
+    from dualpath.sim.cluster import Simulator
+
+    cfg = replace(DS660B, read_streams=streams,
+                  workload=WorkloadConfig("64k", agents=1, turns=1))
+    sim = Simulator(cfg)
+    done: list[tuple[str, float]] = []
+    tokens = 100_000
+    for name in ("first", "second"):
+        sim._staged_read(0, tokens, lambda n=name: done.append((n, sim.loop.now)))
+    sim.loop.run()
+    one = tokens * sim.kvb / sim.snic[0].bandwidth
+    times = dict(done)
+    assert times["second"] == pytest.approx(2 * one)
+    assert times["first"] == pytest.approx(one if expect == "fifo" else 2 * one)
+    assert sim.read_q[0] == 0 and sim.reads_active[0] == 0
