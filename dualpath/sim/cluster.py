@@ -13,7 +13,9 @@ Only clocks, links and compute are modelled:
   together — a round takes the longest member's predicted forward, members without work
   wait — and the DEs of one EP group step together at the busiest member's step time
   (:class:`LockstepGroup`). MoE all-to-all makes real DP-attention + EP engines do this;
-* a DE's running requests advance one token per step of ``SimConfig.decode_step_s(batch)``;
+* a DE's running requests advance one token per step of ``SimConfig.decode_step_s``: of the
+  DE's batch and its KV tokens in lock step (the slowest DE of the EP group sets the step),
+  of the batch alone otherwise;
 * when an agent's turn has generated its tokens its next turn is submitted at once (zero tool
   latency, PAPER §7.4); JCT is when the last agent finishes. Online runs start agents at
   Poisson arrival times and record TTFT / TTST / TPOT per request.
@@ -114,7 +116,7 @@ class Simulator:
                 if not cfg.ep_lockstep:
                     stepper: RateGroup | LockstepGroup = RateGroup(self.loop, self._step_s)
                 elif n % ep_d == 0 and i == 0:
-                    stepper = LockstepGroup(self.loop, self._step_s, f"ep{n // ep_d}")
+                    stepper = LockstepGroup(self.loop, cfg.decode_step_s, f"ep{n // ep_d}")
                 else:
                     stepper = steppers[-1]
                 steppers.append(stepper)
@@ -408,7 +410,7 @@ class Simulator:
     def _decode(self, rid: int, de: DecodeEngine, turn: Turn) -> None:
         if self.online:
             self._times[rid].append(self.loop.now)
-        de.decode(turn.gen, lambda: self._decoded(rid, de, turn))
+        de.decode(turn.gen, lambda: self._decoded(rid, de, turn), context=turn.prompt)
 
     def _decoded(self, rid: int, de: DecodeEngine, turn: Turn) -> None:
         de.release(turn.prompt, turn.gen)
@@ -467,7 +469,7 @@ class Simulator:
         if self.online:
             from dualpath.sim.online import latency_stats
 
-            result.update(latency_stats(self.latency, self.cfg.decode_step_s(1)))
+            result.update(latency_stats(self.latency, self.cfg.decode_step_s(1, 0)))
         return result
 
 

@@ -120,17 +120,19 @@ class SimConfig:
         per_tok = m.linear_flops + (m.attn_flops_per_key * m.topk if m.topk else 0.0)
         return AttentionCostModel(a=per_key / rate * 1e3, b=per_tok / rate * 1e3)
 
-    def decode_step_s(self, batch: int) -> float:
-        """Time of one decode step with ``batch`` running requests."""
+    def decode_step_s(self, batch: int, tokens: float | None = None) -> float:
+        """Time of one decode step with ``batch`` running requests holding ``tokens`` KV
+        tokens in all (``None``: ``batch × decode_ctx``). Each request is costed at the
+        batch's mean context."""
         if self.testbed:
             base_ms, per_seq_ms = self.testbed.decode_step_ms
             return (base_ms + per_seq_ms * batch) / 1e3 / self.testbed_cpu_share()
         m, hw = self.model_profile(), self.hw()
+        ctx = self.decode_ctx if tokens is None else max(1, round(tokens / max(1, batch)))
         weights = m.weight_bytes / (self.ep_group_nodes()[1] * hw.gpus_per_node)
         kv = self.hbm_kv_bytes()
-        mem = (weights + batch * m.with_kv_bytes(kv).decode_read_bytes(self.decode_ctx)
-               ) / hw.hbm_bps
-        comp = batch * m.flops_per_token(self.decode_ctx) / hw.peak_flops
+        mem = (weights + batch * m.with_kv_bytes(kv).decode_read_bytes(ctx)) / hw.hbm_bps
+        comp = batch * m.flops_per_token(ctx) / hw.peak_flops
         return self.decode_base_s + max(mem, comp) / self.decode_eff
 
     def testbed_cpu_share(self) -> float:

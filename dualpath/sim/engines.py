@@ -91,10 +91,11 @@ class DecodeEngine(_Engine):
         self.reserved += prompt + gen
         self._count(1, prompt)
 
-    def decode(self, gen: int, on_done: Callable[[], None]) -> None:
-        """Generate ``gen`` tokens with the running batch."""
+    def decode(self, gen: int, on_done: Callable[[], None], context: int = 0) -> None:
+        """Generate ``gen`` tokens with the running batch (``context``: the request's KV
+        tokens, which a lock-step group's step time depends on)."""
         if isinstance(self.stepper, LockstepGroup):
-            self.stepper.start_for(self.name, gen, on_done)
+            self.stepper.start_for(self.name, gen, on_done, tokens=context)
         else:
             self.stepper.start(gen, on_done)
 

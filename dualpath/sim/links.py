@@ -145,65 +145,81 @@ class RateGroup(_Shared):
 
 
 class LockstepGroup(_Shared):
-    """Members that step together: a step lasts ``step_time(largest member's batch)``.
+    """Members that step together: a step lasts as long as the slowest member's step.
 
-    Each item belongs to a member (one decode engine); every item advances one unit per
-    step. Member batch sizes are kept in a histogram so the largest is found in O(1).
+    Each item belongs to a member (one decode engine) and carries its KV tokens; every item
+    advances one unit per step. A member's step time is ``step_time(items, tokens)`` of its
+    running items; the slowest member is found through a lazy max-heap (O(log n) per change).
     """
 
-    def __init__(self, loop: EventLoop, step_time: Callable[[int], float],
+    def __init__(self, loop: EventLoop, step_time: Callable[[int, float], float],
                  name: str = "lockstep") -> None:
         super().__init__(loop, name)
         self.step_time = step_time
-        self._member_of: dict[int, Hashable] = {}
-        self._batch: dict[Hashable, int] = {}
-        self._hist: dict[int, int] = {}
-        self._max = 0
-        self._pending: Hashable = None
+        self._item: dict[int, tuple[Hashable, float]] = {}  # key -> (member, tokens)
+        self._load: dict[Hashable, tuple[int, float]] = {}  # member -> (items, tokens)
+        self._stamp: dict[Hashable, int] = {}
+        self._slowest: list[tuple[float, int, Hashable]] = []  # (-step, stamp, member)
+        self._stamps = 0
+        self._pending: tuple[Hashable, float] | None = None
 
     def batch(self, member: Hashable) -> int:
         """Running items of ``member``."""
-        return self._batch.get(member, 0)
+        return self._load.get(member, (0, 0.0))[0]
 
     @property
     def max_batch(self) -> int:
-        """The largest member batch (it sets the step time)."""
-        return self._max
+        """Running items of the slowest member."""
+        top = self._top()
+        return 0 if top is None else self._load[top][0]
+
+    def step_s(self) -> float:
+        """The group's current step time (the slowest member's)."""
+        top = self._top()
+        return self.step_time(1, 0.0) if top is None else -self._slowest[0][0]
 
     def per_item_rate(self, n: int) -> float:
-        """One unit per step of the busiest member."""
-        return 1.0 / self.step_time(max(1, self._max))
+        """One unit per step of the slowest member."""
+        return 1.0 / self.step_s()
 
-    def start_for(self, member: Hashable, amount: float, on_done: Callable[[], None]) -> int:
-        """Add ``amount`` steps of work for one of ``member``'s requests."""
-        self._pending = member
+    def start_for(self, member: Hashable, amount: float, on_done: Callable[[], None],
+                  tokens: float = 0.0) -> int:
+        """Add ``amount`` steps of work for one of ``member``'s requests (``tokens`` of KV)."""
+        self._pending = (member, float(tokens))
         try:
             return self.start(amount, on_done)
         finally:
             self._pending = None
 
-    def _move(self, member: Hashable, delta: int) -> None:
-        old = self._batch.get(member, 0)
-        new = old + delta
-        if old:
-            self._hist[old] -= 1
-            if not self._hist[old]:
-                del self._hist[old]
-        if new:
-            self._hist[new] = self._hist.get(new, 0) + 1
-            self._batch[member] = new
+    def _top(self) -> Hashable:
+        heap = self._slowest
+        while heap and self._stamp.get(heap[0][2]) != heap[0][1]:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+    def _move(self, member: Hashable, items: int, tokens: float) -> None:
+        old_items, old_tokens = self._load.get(member, (0, 0.0))
+        items, tokens = old_items + items, old_tokens + tokens
+        self._stamps += 1
+        if items:
+            self._load[member] = (items, tokens)
+            self._stamp[member] = self._stamps
+            heapq.heappush(self._slowest,
+                           (-self.step_time(items, tokens), self._stamps, member))
         else:
-            self._batch.pop(member, None)
-        if new > self._max:
-            self._max = new
-        elif old == self._max and old not in self._hist:
-            self._max = max(self._hist, default=0)
+            self._load.pop(member, None)
+            self._stamp.pop(member, None)
+        if len(self._slowest) > 4 * len(self._load) + 64:  # drop the stale entries
+            self._slowest = [(-self.step_time(*self._load[m]), self._stamp[m], m)
+                             for m in self._load]
+            heapq.heapify(self._slowest)
 
     def _added(self, key: int) -> None:
         if self._pending is None:
             raise ValueError("LockstepGroup items need a member: use start_for()")
-        self._member_of[key] = self._pending
-        self._move(self._pending, +1)
+        self._item[key] = self._pending
+        self._move(self._pending[0], +1, self._pending[1])
 
     def _removed(self, key: int) -> None:
-        self._move(self._member_of.pop(key), -1)
+        member, tokens = self._item.pop(key)
+        self._move(member, -1, -tokens)

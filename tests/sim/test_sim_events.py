@@ -69,7 +69,7 @@ def test_lockstep_group_steps_at_the_busiest_member():
     from dualpath.sim.links import LockstepGroup
 
     loop, done = EventLoop(), {}
-    group = LockstepGroup(loop, lambda n: 0.01 * n)
+    group = LockstepGroup(loop, lambda n, tokens: 0.01 * n)
     group.start_for("x", 10, lambda: done.__setitem__("x1", loop.now))
     group.start_for("x", 10, lambda: done.__setitem__("x2", loop.now))
     group.start_for("y", 5, lambda: done.__setitem__("y", loop.now))
@@ -81,6 +81,25 @@ def test_lockstep_group_steps_at_the_busiest_member():
     assert group.max_batch == 0
     with pytest.raises(ValueError):
         group.start(1, lambda: None)
+
+
+def test_lockstep_group_steps_at_the_member_with_the_most_kv():
+    from dualpath.sim.links import LockstepGroup
+
+    loop, done = EventLoop(), {}
+    group = LockstepGroup(loop, lambda n, tokens: 0.001 * n + 1e-6 * tokens)
+    group.start_for("x", 10, lambda: done.__setitem__("x", loop.now), tokens=1000)
+    group.start_for("y", 10, lambda: done.__setitem__("y", loop.now), tokens=1000)
+    group.start_for("y", 4, lambda: done.__setitem__("y2", loop.now), tokens=0)
+    group.start_for("z", 2, lambda: done.__setitem__("z", loop.now), tokens=30_000)
+    assert group.max_batch == 1  # z: one request but 30K tokens is the slowest member
+    assert group.step_s() == pytest.approx(0.001 + 0.03)
+    loop.run()
+    assert done["z"] == pytest.approx(2 * 0.031)
+    # then y (2 requests, 1,000 tokens: 3 ms) sets the pace until its short request is done
+    assert done["y2"] == pytest.approx(done["z"] + 2 * 0.003)
+    assert done["x"] == pytest.approx(done["y2"] + 6 * 0.002)  # x moved 4 steps already
+    assert group.max_batch == 0 and len(group._slowest) <= 64 + 4 * 3
 
 
 def test_many_flows_finish_in_size_order_exactly():

@@ -154,7 +154,7 @@ def test_online_run_reports_latencies():
     r = simulate(cfg)
     assert r["requests"] > 0
     assert 0 < r["ttft_s"] < r["ttst_s"]
-    assert r["tpot_s"] >= cfg.decode_step_s(1) * 0.999
+    assert r["tpot_s"] >= cfg.decode_step_s(1, 0) * 0.999
 
 
 def test_trace_workload_runs():
@@ -183,7 +183,7 @@ def test_dualpath_balances_storage_nics_better_than_round_robin():
                                                  context_step=1600.0))
     ratio = {m: simulate(replace(cfg, mode=m))["snic_max_over_avg"]
              for m in ("round_robin", "dualpath", "basic")}
-    assert ratio["dualpath"] < 1.3 < ratio["round_robin"]
+    assert ratio["dualpath"] < 1.4 and ratio["dualpath"] + 0.25 < ratio["round_robin"]
     assert ratio["basic"] > 3  # only the 2 prefill nodes of 6 read
 
 
