@@ -78,6 +78,7 @@ class Simulator:
         self.trajs: list[list[Turn]] = agent_trajectories(cfg.workload)
         self.cost = cfg.prefill_cost()
         self._steps: dict[int, float] = {}
+        self._step_model = cfg.decode_step_model()
         self._build_engines()
         self.params = self._scheduler_params()
         self.sched = GlobalScheduler(self.params)
@@ -116,7 +117,7 @@ class Simulator:
                 if not cfg.ep_lockstep:
                     stepper: RateGroup | LockstepGroup = RateGroup(self.loop, self._step_s)
                 elif n % ep_d == 0 and i == 0:
-                    stepper = LockstepGroup(self.loop, cfg.decode_step_s, f"ep{n // ep_d}")
+                    stepper = LockstepGroup(self.loop, self._step_model, f"ep{n // ep_d}")
                 else:
                     stepper = steppers[-1]
                 steppers.append(stepper)

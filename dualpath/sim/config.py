@@ -27,6 +27,7 @@ together (``ep_nodes`` sets the group sizes; default: one group per side).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dualpath.scheduler.batch import AttentionCostModel
@@ -124,16 +125,29 @@ class SimConfig:
         """Time of one decode step with ``batch`` running requests holding ``tokens`` KV
         tokens in all (``None``: ``batch × decode_ctx``). Each request is costed at the
         batch's mean context."""
+        return self.decode_step_model()(batch, tokens)
+
+    def decode_step_model(self) -> Callable[[int, float | None], float]:
+        """:meth:`decode_step_s` as a closure over the profiles' constants (the simulator
+        calls it on every change of a decode batch)."""
         if self.testbed:
             base_ms, per_seq_ms = self.testbed.decode_step_ms
-            return (base_ms + per_seq_ms * batch) / 1e3 / self.testbed_cpu_share()
+            share = self.testbed_cpu_share()
+            return lambda batch, tokens=None: (base_ms + per_seq_ms * batch) / 1e3 / share
         m, hw = self.model_profile(), self.hw()
-        ctx = self.decode_ctx if tokens is None else max(1, round(tokens / max(1, batch)))
         weights = m.weight_bytes / (self.ep_group_nodes()[1] * hw.gpus_per_node)
-        kv = self.hbm_kv_bytes()
-        mem = (weights + batch * m.with_kv_bytes(kv).decode_read_bytes(ctx)) / hw.hbm_bps
-        comp = batch * m.flops_per_token(ctx) / hw.peak_flops
-        return self.decode_base_s + max(mem, comp) / self.decode_eff
+        kv_b, idx_b, topk = self.hbm_kv_bytes(), m.index_bytes_per_token, m.topk
+        lin, per_key, idx_f = m.linear_flops, m.attn_flops_per_key, m.indexer_flops_per_key
+        hbm_bps, peak = hw.hbm_bps, hw.peak_flops
+        base, eff, default_ctx = self.decode_base_s, self.decode_eff, self.decode_ctx
+
+        def step_s(batch: int, tokens: float | None = None) -> float:
+            ctx = default_ctx if tokens is None else max(1, round(tokens / max(1, batch)))
+            keys = min(ctx, topk) if topk else ctx
+            mem = weights + batch * (keys * kv_b + ctx * idx_b)
+            comp = batch * (lin + per_key * keys + idx_f * ctx)
+            return base + max(mem / hbm_bps, comp / peak) / eff
+        return step_s
 
     def testbed_cpu_share(self) -> float:
         """Testbed: the core share of one engine when all the cluster's engines run."""
