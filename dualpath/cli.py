@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="paper presets: how basic, layerwise and round_robin batch — the "
                       "stock chunked prefill (default, the paper's definition) or DualPath's "
                       "compute quota")
+    simp.add_argument("--read-queue", default=None, choices=("fifo", "shared"),
+                      help="paper presets: a node's storage reads one request at a time in FIFO "
+                      "order (default) or all queued reads sharing the NIC")
     simp.add_argument("--token-budget", type=int, default=None,
                       help="paper presets: new tokens per PE forward of the stock batcher "
                       "(default 8192)")

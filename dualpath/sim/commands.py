@@ -25,10 +25,14 @@ def _write(path: str | None, result: dict[str, Any]) -> None:
 
 
 def _paper_base(args: argparse.Namespace) -> SimConfig:
-    """The DS 660B configuration with ``--baseline-batcher`` / ``--token-budget`` applied."""
+    """The DS 660B configuration with ``--baseline-batcher``, ``--read-queue`` and
+    ``--token-budget`` applied."""
     if args.preset == "testbed":
-        raise ValueError("--baseline-batcher/--token-budget apply to the paper presets")
+        raise ValueError("--baseline-batcher/--read-queue/--token-budget apply to the paper "
+                         "presets")
     base = DS660B_QUOTA_ALL if args.baseline_batcher == "quota" else DS660B
+    if args.read_queue == "shared":
+        base = replace(base, read_streams=None)
     if args.token_budget is not None:
         if args.token_budget <= 0:
             raise ValueError(f"--token-budget must be positive, got {args.token_budget}")
@@ -52,7 +56,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         if args.preset != "testbed":
             raise ValueError("--real goes with --preset testbed")
         kwargs["real"] = args.real
-    if args.baseline_batcher or args.token_budget is not None:
+    if args.baseline_batcher or args.token_budget is not None or args.read_queue:
         kwargs["base"] = _paper_base(args)
     if args.agents and args.preset not in ("paper-fig7", "paper-ablation", "testbed"):
         raise ValueError(f"--agents applies to paper-fig7 and paper-ablation, not {args.preset}")

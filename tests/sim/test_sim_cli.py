@@ -10,7 +10,8 @@ from dualpath.sim.presets import DS660B, DS660B_QUOTA_ALL
 
 
 def _args(**kw):
-    base = {"preset": "paper-fig7", "baseline_batcher": None, "token_budget": None}
+    base = {"preset": "paper-fig7", "baseline_batcher": None, "token_budget": None,
+            "read_queue": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -18,6 +19,8 @@ def test_paper_base_applies_the_batcher_options():
     assert _paper_base(_args(baseline_batcher="stock")) == DS660B
     assert _paper_base(_args(baseline_batcher="quota")) == DS660B_QUOTA_ALL
     assert _paper_base(_args(token_budget=4096)).token_budget == 4096
+    assert _paper_base(_args(read_queue="shared")).read_streams is None
+    assert _paper_base(_args(read_queue="fifo")).read_streams == DS660B.read_streams == 1
 
 
 @pytest.mark.parametrize("argv, needle", [
