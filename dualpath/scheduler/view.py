@@ -51,8 +51,9 @@ class EngineView:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"engine {self.name!r}: role must be one of {ROLES}")
-        _non_negative(f"engine {self.name!r}", seq=self.seq, tok=self.tok,
-                      free_kv_tokens=self.free_kv_tokens)
+        if self.seq < 0 or self.tok < 0 or self.free_kv_tokens < 0:  # the message only then
+            _non_negative(f"engine {self.name!r}", seq=self.seq, tok=self.tok,
+                          free_kv_tokens=self.free_kv_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe fields."""
@@ -73,7 +74,8 @@ class NodeView:
     read_queue_tokens: int = 0
 
     def __post_init__(self) -> None:
-        _non_negative(f"node {self.node_id}", read_queue_tokens=self.read_queue_tokens)
+        if self.read_queue_tokens < 0:
+            _non_negative(f"node {self.node_id}", read_queue_tokens=self.read_queue_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe fields."""
@@ -136,23 +138,30 @@ class ClusterView:
 
     @classmethod
     def from_groups(cls, groups: Mapping[str, Mapping[str, tuple[EngineView, ...]]],
-                    nodes: tuple[NodeView, ...]) -> ClusterView:
+                    nodes: tuple[NodeView, ...],
+                    by_name: Mapping[str, EngineView] | None = None,
+                    group_tok: Mapping[str, int] | None = None) -> ClusterView:
         """A view from an index the caller already keeps: ``{role: {group: engines}}`` with
         groups and engines in name order, every group of one role and each node's engines in
         one group (the rules ``__init__`` checks are the caller's to keep). For callers that
         rebuild a large view many times a second (the simulator); same result as ``cls(...)``.
+        A caller that also keeps the engines by name and each group's tokens (the sums of its
+        engines' ``tok``) passes them; they are copied.
         """
         view = object.__new__(cls)
         index = {role: dict(groups.get(role, {})) for role in ROLES}
         engines = tuple(e for role in ROLES for members in index[role].values() for e in members)
+        if by_name is None:
+            by_name = {e.name: e for e in engines}
+        if group_tok is None:
+            group_tok = {name: sum(e.tok for e in members)
+                         for by_group in index.values() for name, members in by_group.items()}
         object.__setattr__(view, "engines", engines)
         object.__setattr__(view, "nodes", tuple(nodes))
-        object.__setattr__(view, "_by_name", {e.name: e for e in engines})
+        object.__setattr__(view, "_by_name", dict(by_name))
         object.__setattr__(view, "_read_q", {n.node_id: n.read_queue_tokens for n in nodes})
         object.__setattr__(view, "_groups", index)
-        object.__setattr__(view, "_group_tok", {
-            name: sum(e.tok for e in members)
-            for by_group in index.values() for name, members in by_group.items()})
+        object.__setattr__(view, "_group_tok", dict(group_tok))
         return view
 
     def engine(self, name: str) -> EngineView:
@@ -238,8 +247,9 @@ class Assignment:
     def __post_init__(self) -> None:
         if self.read_path not in READ_PATHS:
             raise ValueError(f"read_path must be one of {READ_PATHS}, got {self.read_path!r}")
-        _non_negative(f"assignment {self.req_id}", pe_read_tokens=self.pe_read_tokens,
-                      de_read_tokens=self.de_read_tokens)
+        if self.pe_read_tokens < 0 or self.de_read_tokens < 0:
+            _non_negative(f"assignment {self.req_id}", pe_read_tokens=self.pe_read_tokens,
+                          de_read_tokens=self.de_read_tokens)
         if self.pe_read_tokens + self.de_read_tokens != self.num_hit_tokens:
             raise ValueError(f"assignment {self.req_id}: the two reads must add up to the hit")
 

@@ -152,6 +152,8 @@ class Simulator:
         self._group_views: dict[str, dict[str, tuple[EngineView, ...]]] = {
             role: dict.fromkeys(g, ()) for role, g in self._groups.items()}
         self._dirty_groups = {(role, name) for role, g in self._groups.items() for name in g}
+        self._view_by_name: dict[str, EngineView] = {}
+        self._group_tok: dict[str, int] = {}
         for role, g in self._groups.items():
             for name, members in g.items():
                 for e in members:
@@ -205,19 +207,21 @@ class Simulator:
 
     def _view(self) -> ClusterView:
         """The scheduler's view; engine and node views are rebuilt only where they changed."""
-        groups = self._group_views
+        groups, by_name, group_tok = self._group_views, self._view_by_name, self._group_tok
         for role, name in self._dirty_groups:
             members = self._groups[role][name]
             for e in members:
                 if e.view is None:
-                    e.view = EngineView(e.name, role, e.node, e.group, e.seq, e.tok, e.free_kv)
+                    e.view = by_name[e.name] = EngineView(e.name, role, e.node, e.group, e.seq,
+                                                          e.tok, e.free_kv)
             groups[role][name] = tuple(e.view for e in members)
+            group_tok[name] = sum(e.tok for e in members)
         self._dirty_groups.clear()
         nodes = self._node_views
         for n, q in enumerate(self.read_q):
             if nodes[n].read_queue_tokens != q:
                 nodes[n] = NodeView(n, q)
-        return ClusterView.from_groups(groups, tuple(nodes))
+        return ClusterView.from_groups(groups, tuple(nodes), by_name, group_tok)
 
     def _tick(self) -> None:
         self._tick_pending = False

@@ -162,6 +162,7 @@ class LockstepGroup(_Shared):
         self._slowest: list[tuple[float, int, Hashable]] = []  # (-step, stamp, member)
         self._stamps = 0
         self._pending: tuple[Hashable, float] | None = None
+        self._step: float | None = None  # cached step_s(); None once a member changed
 
     def batch(self, member: Hashable) -> int:
         """Running items of ``member``."""
@@ -175,8 +176,10 @@ class LockstepGroup(_Shared):
 
     def step_s(self) -> float:
         """The group's current step time (the slowest member's)."""
-        top = self._top()
-        return self.step_time(1, 0.0) if top is None else -self._slowest[0][0]
+        if self._step is None:
+            top = self._top()
+            self._step = self.step_time(1, 0.0) if top is None else -self._slowest[0][0]
+        return self._step
 
     def per_item_rate(self, n: int) -> float:
         """One unit per step of the slowest member."""
@@ -198,6 +201,7 @@ class LockstepGroup(_Shared):
         return heap[0][2] if heap else None
 
     def _move(self, member: Hashable, items: int, tokens: float) -> None:
+        self._step = None
         old_items, old_tokens = self._load.get(member, (0, 0.0))
         items, tokens = old_items + items, old_tokens + tokens
         self._stamps += 1
