@@ -46,7 +46,7 @@ class EventLoop:
 
     def after(self, delay: float, callback: Callable[[], None]) -> EventHandle:
         """Run ``callback`` ``delay`` seconds of virtual time from now."""
-        return self.at(self.now + max(0.0, delay), callback)
+        return self.at(self.now + (delay if delay > 0.0 else 0.0), callback)
 
     def __len__(self) -> int:
         """Events still queued (cancelled ones included until popped)."""

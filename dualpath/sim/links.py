@@ -92,15 +92,17 @@ class _Shared:
         if not self._heap:
             return
         rate = self.per_item_rate(len(self._done))
-        self._next = self.loop.after(max(0.0, self._heap[0][0] - self._v) / rate,
+        left = self._heap[0][0] - self._v
+        self._next = self.loop.after((left if left > 0.0 else 0.0) / rate,
                                      self._complete)
 
     def _complete(self) -> None:
         self._next = None
         self._advance()
         callbacks = []
-        while self._heap and self._heap[0][0] - self._v <= _EPS * max(1.0, self._heap[0][0]):
-            _, key = heapq.heappop(self._heap)
+        heap = self._heap
+        while heap and heap[0][0] - self._v <= _EPS * (heap[0][0] if heap[0][0] > 1.0 else 1.0):
+            _, key = heapq.heappop(heap)
             self._removed(key)
             callbacks.append(self._done.pop(key))
         self._reschedule()  # also when the event was early (items were added since)
