@@ -163,7 +163,7 @@ class Simulator:
         """``SimConfig.decode_step_s``, memoised (it is called on every decode event)."""
         step = self._steps.get(batch)
         if step is None:
-            step = self._steps[batch] = self.cfg.decode_step_s(batch)
+            step = self._steps[batch] = self._step_model(batch)
         return step
 
     def _scheduler_params(self) -> SchedulerParams:

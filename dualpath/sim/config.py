@@ -134,19 +134,17 @@ class SimConfig:
             base_ms, per_seq_ms = self.testbed.decode_step_ms
             share = self.testbed_cpu_share()
             return lambda batch, tokens=None: (base_ms + per_seq_ms * batch) / 1e3 / share
-        m, hw = self.model_profile(), self.hw()
+        hw = self.hw()
+        m = self.model_profile().with_kv_bytes(self.hbm_kv_bytes())
         weights = m.weight_bytes / (self.ep_group_nodes()[1] * hw.gpus_per_node)
-        kv_b, idx_b, topk = self.hbm_kv_bytes(), m.index_bytes_per_token, m.topk
-        lin, per_key, idx_f = m.linear_flops, m.attn_flops_per_key, m.indexer_flops_per_key
         hbm_bps, peak = hw.hbm_bps, hw.peak_flops
         base, eff, default_ctx = self.decode_base_s, self.decode_eff, self.decode_ctx
 
         def step_s(batch: int, tokens: float | None = None) -> float:
             ctx = default_ctx if tokens is None else max(1, round(tokens / max(1, batch)))
-            keys = min(ctx, topk) if topk else ctx
-            mem = weights + batch * (keys * kv_b + ctx * idx_b)
-            comp = batch * (lin + per_key * keys + idx_f * ctx)
-            return base + max(mem / hbm_bps, comp / peak) / eff
+            mem = (weights + batch * m.decode_read_bytes(ctx)) / hbm_bps
+            comp = batch * m.flops_per_token(ctx) / peak
+            return base + max(mem, comp) / eff
         return step_s
 
     def testbed_cpu_share(self) -> float:
