@@ -243,7 +243,7 @@ def plot_ablation(result: Result, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     _grouped_bars(ax, groups, sim_bars, paper_marks, fmt="{:+.1f}%")
     ax.axhline(0, color="grey", linewidth=0.8)
-    ax.set_xlabel("agents (concurrent trajectories); paper x: Fig. 13 readings, reported means")
+    ax.set_xlabel("agents (concurrent trajectories); paper x: figure readings, reported means")
     ax.set_ylabel("JCT change vs Basic (%, negative = faster)")
     ax.set_title("Ablation: JCT change vs Basic per mode, simulated (bars) vs paper (x)")
     _legend(ax)

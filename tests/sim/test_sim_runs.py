@@ -64,7 +64,7 @@ def test_ablation_compares_the_mean_over_agent_counts_with_the_paper():
         assert summary["reduction_pct_mean"][mode] == pytest.approx(sum(per_point) / 2)
         assert summary["error_points"][mode] == pytest.approx(sum(per_point) / 2 - paper)
     assert summary["max_abs_error_points"] == max(map(abs, summary["error_points"].values()))
-    assert summary["max_abs_error_points_vs_figure"] is None  # no Fig. 13 readings at 8/16
+    assert summary["max_abs_error_points_vs_figure"] is None  # no figure readings at 8/16
 
 
 def test_paper_batching_only_dualpath_and_oracle_use_the_quota():
