@@ -136,10 +136,14 @@ class GlobalScheduler:
         start = self._turn % len(names)
         self._turn += 1
         read_q = view.read_queues()
+        beta, held = self.params.beta_tokens, self._held_tok
         for group in names[start:] + names[:start]:
             if not self._waiting:
                 break
-            loads = [EngineLoad.of(e, self._held_tok.get(e.name, 0)) for e in groups[group]]
+            members = groups[group]
+            if all(e.tok + held.get(e.name, 0) > beta for e in members):
+                continue  # every engine is over β (C1): Algorithm 1 gives the group nothing
+            loads = [EngineLoad.of(e, held.get(e.name, 0)) for e in members]
             for req, pe in pe_fetch(self._waiting, loads, read_q, self.params):
                 self._waiting.popleft()
                 self._pe_of[req.req_id] = pe
@@ -161,6 +165,9 @@ class GlobalScheduler:
             queue = self._private.get(group)
             if not queue:
                 continue
+            need = queue[0].num_tokens
+            if all(e.free_kv_tokens < need for e in groups[group]):
+                continue  # no DE has memory for the head request: phase 2 places nothing
             loads = [EngineLoad.of(e) for e in groups[group]]
             for req, de in de_phase2(queue, loads, self.params):
                 queue.popleft()

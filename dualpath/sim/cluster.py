@@ -134,6 +134,7 @@ class Simulator:
         snic_bps = hw.snic_bps * cfg.storage_eff
         self.snic = [Link(self.loop, snic_bps, f"snic{n}") for n in range(nodes)]
         self.read_q = [0] * nodes
+        self._dirty_nodes: set[int] = set()  # nodes whose read queue changed since the view
         self._node_views = [NodeView(n, 0) for n in range(nodes)]
         self.dram_tokens = (None if cfg.dram_buffer_gb is None
                             else max(1, int(cfg.dram_buffer_gb * 1e9 // self.kvb)))
@@ -218,9 +219,10 @@ class Simulator:
             group_tok[name] = sum(e.tok for e in members)
         self._dirty_groups.clear()
         nodes = self._node_views
-        for n, q in enumerate(self.read_q):
-            if nodes[n].read_queue_tokens != q:
-                nodes[n] = NodeView(n, q)
+        for n in self._dirty_nodes:
+            if nodes[n].read_queue_tokens != self.read_q[n]:
+                nodes[n] = NodeView(n, self.read_q[n])
+        self._dirty_nodes.clear()
         return ClusterView.from_groups(groups, tuple(nodes), by_name, group_tok)
 
     def _tick(self) -> None:
@@ -242,7 +244,7 @@ class Simulator:
         if de_read:
             self.reads["de"] += 1
         if self.cfg.mode == "basic":  # the whole KV must be in PE HBM before the forward
-            self.read_q[pe.node] += pe_read
+            self._queue_read(pe.node, pe_read)
             if self.cfg.basic_prefetch:
                 pe.admit.append(Job(rid, turn, de, hbm=turn.prompt))
                 self._admit(pe)
@@ -266,8 +268,14 @@ class Simulator:
         """Layerwise modes: read into the node's DRAM staging buffer; the read waits in the
         node's queue until the buffer has room, and the room is given back by
         :meth:`_unstage`."""
-        self.read_q[node] += tokens
+        self._queue_read(node, tokens)
         self._enqueue_read(node, tokens, then, staged=True)
+
+    def _queue_read(self, node: int, tokens: int) -> None:
+        """``tokens`` join (or, negative, leave) ``node``'s read queue, which the next
+        scheduler view reports."""
+        self.read_q[node] += tokens
+        self._dirty_nodes.add(node)
 
     def _read(self, node: int, tokens: int, then: Callable[[], None]) -> None:
         """Read ``tokens`` of KV over ``node``'s storage NIC straight into PE HBM (Basic; the
@@ -296,7 +304,7 @@ class Simulator:
                                      lambda t=tokens, f=then: self._read_done(node, t, f))
 
     def _read_done(self, node: int, tokens: int, then: Callable[[], None]) -> None:
-        self.read_q[node] -= tokens
+        self._queue_read(node, -tokens)
         self.reads_active[node] -= 1
         self._pump_reads(node)
         then()

@@ -65,11 +65,19 @@ class EventLoop:
         return False
 
     def run(self, until: float | None = None) -> float:
-        """Run events (those at or before ``until`` if given); the final virtual time."""
-        while self._heap:
-            if until is not None and self._heap[0][0] > until:
-                self.now = until
+        """Run events (those at or before ``until`` if given); the final virtual time.
+
+        The body of :meth:`step`, inlined: this loop runs once per event of a simulation."""
+        heap, pop = self._heap, heapq.heappop
+        limit = float("inf") if until is None else until
+        while heap:
+            if heap[0][0] > limit:
+                self.now = limit
                 break
-            if not self.step():
-                break
+            time, _, handle = pop(heap)
+            if handle.cancelled:
+                continue
+            self.now = time
+            self.processed += 1
+            handle.callback()
         return self.now
