@@ -206,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     simp.add_argument("--token-budget", type=int, default=None,
                       help="paper presets: new tokens per PE forward of the stock batcher "
                       "(default 8192)")
+    simp.add_argument("--storage-eff", type=float, default=None,
+                      help="paper presets: storage goodput as a fraction of the storage NIC's "
+                      "line rate (default 0.8, 3FS's published peak)")
+    simp.add_argument("--basic-prefetch", action="store_true",
+                      help="paper presets: basic reads KV into PE HBM ahead of its forward as "
+                      "far as HBM allows, instead of reading each forward's KV before it")
     simp.set_defaults(func=_cmd_sim)
 
     planp = sub.add_parser("plan", help="bottleneck-free P/D range (eq. 9) and simulated JCT")

@@ -25,11 +25,11 @@ def _write(path: str | None, result: dict[str, Any]) -> None:
 
 
 def _paper_base(args: argparse.Namespace) -> SimConfig:
-    """The DS 660B configuration with ``--baseline-batcher``, ``--read-queue`` and
-    ``--token-budget`` applied."""
+    """The DS 660B configuration with ``--baseline-batcher``, ``--read-queue``,
+    ``--token-budget``, ``--storage-eff`` and ``--basic-prefetch`` applied."""
     if args.preset == "testbed":
-        raise ValueError("--baseline-batcher/--read-queue/--token-budget apply to the paper "
-                         "presets")
+        raise ValueError("--baseline-batcher/--read-queue/--token-budget/--storage-eff/"
+                         "--basic-prefetch apply to the paper presets")
     base = DS660B_QUOTA_ALL if args.baseline_batcher == "quota" else DS660B
     if args.read_queue == "shared":
         base = replace(base, read_streams=None)
@@ -37,6 +37,12 @@ def _paper_base(args: argparse.Namespace) -> SimConfig:
         if args.token_budget <= 0:
             raise ValueError(f"--token-budget must be positive, got {args.token_budget}")
         base = replace(base, token_budget=args.token_budget)
+    if args.storage_eff is not None:
+        if not 0 < args.storage_eff <= 1:
+            raise ValueError(f"--storage-eff must be in (0, 1], got {args.storage_eff}")
+        base = replace(base, storage_eff=args.storage_eff)
+    if args.basic_prefetch:
+        base = replace(base, basic_prefetch=True)
     return base
 
 
@@ -56,7 +62,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         if args.preset != "testbed":
             raise ValueError("--real goes with --preset testbed")
         kwargs["real"] = args.real
-    if args.baseline_batcher or args.token_budget is not None or args.read_queue:
+    if (args.baseline_batcher or args.token_budget is not None or args.read_queue
+            or args.storage_eff is not None or args.basic_prefetch):
         kwargs["base"] = _paper_base(args)
     if args.agents and args.preset not in ("paper-fig7", "paper-ablation", "testbed"):
         raise ValueError(f"--agents applies to paper-fig7 and paper-ablation, not {args.preset}")

@@ -193,6 +193,7 @@ def ablation(agents: tuple[int, ...] = (1024, 2048), base: SimConfig = DS660B,
             r["error_points_vs_figure"] = r["reduction_pct"] - r["paper_fig_reduction_pct"]
     mean = {m: sum(r["reduction_pct"] for r in rows if r["mode"] == m) / len(agents)
             for m in ABLATION}
+    paper_fig = ABLATION_FIG if workload == "64k" else {}
     error = {m: mean[m] - paper for m, paper in ABLATION.items()}
     vs_fig = [abs(r["error_points_vs_figure"]) for r in rows
               if r["mode"] != "basic" and "error_points_vs_figure" in r]
@@ -205,12 +206,35 @@ def ablation(agents: tuple[int, ...] = (1024, 2048), base: SimConfig = DS660B,
                                           for r in rows},
                         "max_abs_error_points_vs_figure": max(vs_fig, default=None),
                         "paper_fig_jct_s": ABLATION_FIG,
+                        "marginal_jct_s_per_1024_agents": marginal_jct(
+                            {(r["mode"], r["agents"]): r["jct_s"] for r in rows}),
+                        "paper_marginal_jct_s_per_1024_agents": marginal_jct(
+                            {(m, n): v for n, fig in paper_fig.items() for m, v in fig.items()}),
                         "snic_max_over_avg": {f"{r['mode']}@{r['agents']}":
                                               r.get("snic_max_over_avg") for r in rows},
                         "paper_snic_max_over_avg": {"round_robin": 1.53, "dualpath": 1.18},
                         "batching": {"quota_modes": list(base.quota_modes),
                                      "token_budget": base.token_budget},
                         "calibration": CALIBRATION}}
+
+
+def marginal_jct(jct: dict[tuple[str, int], float]) -> dict[str, float]:
+    """Per mode, JCT added per 1,024 more agents between its smallest and largest agent count
+    (``jct``: ``(mode, agents) -> seconds``; modes with one count are left out).
+
+    A mode bound by one resource (the storage NICs, say) adds the same work per agent, so
+    its slope measures that resource's rate; a slope shared by two modes says they are bound
+    by the same resource, whatever their JCT at one point.
+    """
+    counts: dict[str, list[int]] = {}
+    for mode, agents in jct:
+        counts.setdefault(mode, []).append(agents)
+    out = {}
+    for mode, ns in counts.items():
+        lo, hi = min(ns), max(ns)
+        if hi > lo:
+            out[mode] = (jct[mode, hi] - jct[mode, lo]) / (hi - lo) * 1024
+    return out
 
 
 def scale(small: tuple[int, int, int] = (2, 4, 2048), large: tuple[int, int, int] = (48, 96,

@@ -9,7 +9,14 @@ import pytest
 
 from dualpath.sim.cluster import simulate
 from dualpath.sim.config import SimConfig
-from dualpath.sim.presets import ABLATION, DS660B, DS660B_QUOTA_ALL, run_preset
+from dualpath.sim.presets import (
+    ABLATION,
+    ABLATION_FIG,
+    DS660B,
+    DS660B_QUOTA_ALL,
+    marginal_jct,
+    run_preset,
+)
 from dualpath.sim.workload import WorkloadConfig
 
 SMALL = replace(DS660B,
@@ -65,6 +72,7 @@ def test_ablation_compares_the_mean_over_agent_counts_with_the_paper():
         assert summary["error_points"][mode] == pytest.approx(sum(per_point) / 2 - paper)
     assert summary["max_abs_error_points"] == max(map(abs, summary["error_points"].values()))
     assert summary["max_abs_error_points_vs_figure"] is None  # no figure readings at 8/16
+    assert set(summary["marginal_jct_s_per_1024_agents"]) == {"basic", *ABLATION}
 
 
 def test_paper_batching_only_dualpath_and_oracle_use_the_quota():
@@ -204,3 +212,13 @@ def test_read_streams_serve_a_node_in_fifo_order_or_share_it(streams, expect):
     assert times["second"] == pytest.approx(2 * one)
     assert times["first"] == pytest.approx(one if expect == "fifo" else 2 * one)
     assert sim.read_q[0] == 0 and sim.reads_active[0] == 0
+
+
+def test_marginal_jct_is_the_slope_between_the_extreme_agent_counts():
+    jct = {("basic", 1024): 5400.0, ("basic", 2048): 10100.0, ("basic", 4096): 19000.0,
+           ("oracle", 512): 2000.0}
+    slopes = marginal_jct(jct)
+    assert slopes == {"basic": pytest.approx((19000 - 5400) / 3)}  # one count: no slope
+    paper = marginal_jct({(m, n): v for n, fig in ABLATION_FIG.items() for m, v in fig.items()})
+    # the paper's Basic and +layerwise add about the same JCT per 1,024 agents (PAPER §7.8)
+    assert paper["basic"] == pytest.approx(4700) and paper["layerwise"] == pytest.approx(4500)
