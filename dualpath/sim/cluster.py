@@ -37,8 +37,9 @@ others a stock token budget (:func:`build_token_batch`). The scheduler's β is i
 tokens a PE gets through at the workload's mean hit, as ``dualpath profile`` defines it.
 
 Simplifications: decode write-back to storage is not modelled (separate NIC direction); the
-compute NIC carries the KV hops but not the EP all-to-all traffic; reads on one NIC share it
-equally (no per-request storage latency).
+compute NIC carries the KV hops but not the EP all-to-all traffic; a node's reads start in
+FIFO order, ``SimConfig.read_streams`` at a time, and share its NIC equally while in flight
+(no per-request storage latency).
 """
 
 from __future__ import annotations
