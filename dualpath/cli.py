@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     simp.add_argument("--basic-prefetch", action="store_true",
                       help="paper presets: basic reads KV into PE HBM ahead of its forward as "
                       "far as HBM allows, instead of reading each forward's KV before it")
+    simp.add_argument("--lengths", default=None, choices=("same", "varied"),
+                      help="paper presets: every agent replays one trajectory (default) or "
+                      "trajectories of varied length with Table 2's means")
     simp.set_defaults(func=_cmd_sim)
 
     planp = sub.add_parser("plan", help="bottleneck-free P/D range (eq. 9) and simulated JCT")

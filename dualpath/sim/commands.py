@@ -26,10 +26,10 @@ def _write(path: str | None, result: dict[str, Any]) -> None:
 
 def _paper_base(args: argparse.Namespace) -> SimConfig:
     """The DS 660B configuration with ``--baseline-batcher``, ``--read-queue``,
-    ``--token-budget``, ``--storage-eff`` and ``--basic-prefetch`` applied."""
+    ``--token-budget``, ``--storage-eff``, ``--basic-prefetch`` and ``--lengths`` applied."""
     if args.preset == "testbed":
         raise ValueError("--baseline-batcher/--read-queue/--token-budget/--storage-eff/"
-                         "--basic-prefetch apply to the paper presets")
+                         "--basic-prefetch/--lengths apply to the paper presets")
     base = DS660B_QUOTA_ALL if args.baseline_batcher == "quota" else DS660B
     if args.read_queue == "shared":
         base = replace(base, read_streams=None)
@@ -43,6 +43,8 @@ def _paper_base(args: argparse.Namespace) -> SimConfig:
         base = replace(base, storage_eff=args.storage_eff)
     if args.basic_prefetch:
         base = replace(base, basic_prefetch=True)
+    if args.lengths:
+        base = replace(base, workload=replace(base.workload, lengths=args.lengths))
     return base
 
 
@@ -63,7 +65,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError("--real goes with --preset testbed")
         kwargs["real"] = args.real
     if (args.baseline_batcher or args.token_budget is not None or args.read_queue
-            or args.storage_eff is not None or args.basic_prefetch):
+            or args.storage_eff is not None or args.basic_prefetch or args.lengths):
         kwargs["base"] = _paper_base(args)
     if args.agents and args.preset not in ("paper-fig7", "paper-ablation", "testbed"):
         raise ValueError(f"--agents applies to paper-fig7 and paper-ablation, not {args.preset}")

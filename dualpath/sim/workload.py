@@ -12,10 +12,23 @@ context, not the table's 32,721 (long trajectories are truncated at MAL). The pr
 use ``context_step = 2·context / (turns − 1)`` by default, so the mean context over turns — and
 the total hit volume, ≈ turns × context per agent as in PAPER §7.2 — match Table 2, while the
 per-turn append and generation (the compute) stay as the table gives them.
+
+Lengths (``WorkloadConfig.lengths``). ``"same"`` (default): every agent replays that one
+trajectory, so all finish together. ``"varied"``: trajectories of different lengths that
+still match Table 2's means — turns, mean context *and* mean total length (87% of the MAL
+in every row, so most trajectories run to the cap). Each agent's context starts at a first
+prompt and grows by a fixed step per turn until ``prompt + gen`` would pass the MAL; its turn
+count is exponential (Weka's real agentic sessions have a turn-count CV of 1.03), cut at
+that cap, and drawn by stratified quantiles so the mix is the same for any agent count.
+The first prompt, the step and the exponential's mean (:data:`VARIED`) are solved from the
+three means; the paper does not publish the distribution, so this is one consistent
+reading of its table, not its traces.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 
 
@@ -45,6 +58,26 @@ PRESETS: dict[str, TrajectoryPreset] = {
 
 
 @dataclass(frozen=True)
+class VariedLengths:
+    """Varied trajectory lengths for one Table 2 row, solved from its means (module doc)."""
+
+    first_prompt: int  # context of the first turn (all of it computed: no cache yet)
+    step: float  # context growth per turn
+    turns_mean: float  # mean of the exponential turn count before the cap
+    max_turns: int  # turns before ``prompt + gen`` would exceed the MAL
+
+
+# Solved so that mean turns, turn-weighted mean context and mean final length (last prompt +
+# generation) match Table 2 under the MAL (32,768 / 49,152 / 65,536 tokens).
+VARIED: dict[str, VariedLengths] = {
+    "32k": VariedLengths(4006, 407.27, 240.90, 69),
+    "48k": VariedLengths(4198, 359.65, 384.57, 124),
+    "64k": VariedLengths(4153, 329.12, 547.72, 185),
+}
+LENGTHS = ("same", "varied")
+
+
+@dataclass(frozen=True)
 class Turn:
     """One turn of a trajectory, in tokens."""
 
@@ -71,8 +104,11 @@ class WorkloadConfig:
     seed: int = 0  # trace sampling and online arrivals
     max_context: int | None = None  # traces: cut a trajectory where it exceeds this
     aps: float | None = None  # online: agents arrive as a Poisson process (agents/s)
+    lengths: str = "same"  # "same": one trajectory for all; "varied": see the module doc
 
     def __post_init__(self) -> None:
+        if self.lengths not in LENGTHS:
+            raise ValueError(f"lengths must be one of {LENGTHS}, got {self.lengths!r}")
         if self.agents <= 0:
             raise ValueError(f"agents must be > 0, got {self.agents}")
         if self.aps is not None and self.aps <= 0:
@@ -102,11 +138,34 @@ def agent_trajectories(cfg: WorkloadConfig) -> list[list[Turn]]:
     (``weka``, ``mooncake``: :func:`dualpath.sim.traces.trace_trajectories`)."""
     from dualpath.sim.traces import TRACES, trace_trajectories
 
+    if cfg.lengths == "varied":
+        return varied_trajectories(cfg)
     if cfg.preset in TRACES:
         return trace_trajectories(cfg.preset, cfg.agents, seed=cfg.seed,
                                   block_size=cfg.block_size, max_context=cfg.max_context)
     one = trajectory(cfg)
     return [one] * cfg.agents
+
+
+def varied_trajectories(cfg: WorkloadConfig) -> list[list[Turn]]:
+    """``lengths="varied"``: each agent replays the first turns of the longest trajectory
+    (module doc); the turn counts, stratified exponential quantiles, are shuffled by
+    ``random.Random(cfg.seed)`` so that online arrivals do not come sorted by length."""
+    if cfg.preset not in VARIED:
+        raise ValueError(f"lengths='varied' needs a Table 2 preset {sorted(VARIED)}, "
+                         f"not {cfg.preset!r}")
+    p, v = PRESETS[cfg.preset], VARIED[cfg.preset]
+    append = max(1, round(p.append * cfg.append_scale))
+    longest = []
+    for i in range(v.max_turns):
+        context = v.first_prompt + round(i * v.step)
+        hit = 0 if i == 0 else context // cfg.block_size * cfg.block_size
+        longest.append(Turn(prompt=context + append, hit=hit, gen=p.gen))
+    cap = v.max_turns if cfg.turns is None else min(cfg.turns, v.max_turns)
+    counts = [min(cap, max(1, round(-v.turns_mean * math.log(1 - (a + 0.5) / cfg.agents))))
+              for a in range(cfg.agents)]
+    random.Random(cfg.seed).shuffle(counts)
+    return [longest[:n] for n in counts]
 
 
 def arrival_times(cfg: WorkloadConfig) -> list[float]:
@@ -115,8 +174,6 @@ def arrival_times(cfg: WorkloadConfig) -> list[float]:
         return [0.0] * cfg.agents
     if cfg.aps <= 0:
         raise ValueError(f"aps must be > 0, got {cfg.aps}")
-    import random
-
     rng, t, out = random.Random(cfg.seed), 0.0, []
     for _ in range(cfg.agents):
         out.append(t)

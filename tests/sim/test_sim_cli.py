@@ -11,7 +11,8 @@ from dualpath.sim.presets import DS660B, DS660B_QUOTA_ALL
 
 def _args(**kw):
     base = {"preset": "paper-fig7", "baseline_batcher": None, "token_budget": None,
-            "read_queue": None, "storage_eff": None, "basic_prefetch": False}
+            "read_queue": None, "storage_eff": None, "basic_prefetch": False,
+            "lengths": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -27,6 +28,8 @@ def test_paper_base_applies_the_storage_what_ifs():
     assert _paper_base(_args(storage_eff=0.6)).storage_eff == 0.6
     assert DS660B.storage_eff == 0.8 and not DS660B.basic_prefetch
     assert _paper_base(_args(basic_prefetch=True)).basic_prefetch
+    assert _paper_base(_args(lengths="varied")).workload.lengths == "varied"
+    assert DS660B.workload.lengths == "same"
 
 
 @pytest.mark.parametrize("argv, needle", [

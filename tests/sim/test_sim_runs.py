@@ -222,3 +222,13 @@ def test_marginal_jct_is_the_slope_between_the_extreme_agent_counts():
     paper = marginal_jct({(m, n): v for n, fig in ABLATION_FIG.items() for m, v in fig.items()})
     # the paper's Basic and +layerwise add about the same JCT per 1,024 agents (PAPER §7.8)
     assert paper["basic"] == pytest.approx(4700) and paper["layerwise"] == pytest.approx(4500)
+
+
+def test_varied_lengths_run_and_the_longest_agent_sets_the_oracle_jct():
+    varied = replace(SMALL, mode="oracle",
+                     workload=replace(SMALL.workload, lengths="varied", turns=None, agents=16))
+    same = replace(varied, workload=replace(varied.workload, lengths="same"))
+    a, b = simulate(varied), simulate(same)
+    assert a["jct_s"] > 0 and a["agents"] == 16
+    # the longest varied trajectory has 185 turns against the same trajectory's 157
+    assert a["jct_s"] > b["jct_s"]
