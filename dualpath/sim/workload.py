@@ -64,15 +64,15 @@ class VariedLengths:
     first_prompt: int  # context of the first turn (all of it computed: no cache yet)
     step: float  # context growth per turn
     turns_mean: float  # mean of the exponential turn count before the cap
-    max_turns: int  # turns before ``prompt + gen`` would exceed the MAL
+    max_len: int  # the MAL: a trajectory stops before ``prompt + gen`` would exceed it
 
 
 # Solved so that mean turns, turn-weighted mean context and mean final length (last prompt +
 # generation) match Table 2 under the MAL (32,768 / 49,152 / 65,536 tokens).
 VARIED: dict[str, VariedLengths] = {
-    "32k": VariedLengths(4006, 407.27, 240.90, 69),
-    "48k": VariedLengths(4198, 359.65, 384.57, 124),
-    "64k": VariedLengths(4153, 329.12, 547.72, 185),
+    "32k": VariedLengths(4006, 407.27, 240.90, 32_768),
+    "48k": VariedLengths(4198, 359.65, 384.57, 49_152),
+    "64k": VariedLengths(4153, 329.12, 547.72, 65_536),
 }
 LENGTHS = ("same", "varied")
 
@@ -156,12 +156,14 @@ def varied_trajectories(cfg: WorkloadConfig) -> list[list[Turn]]:
                          f"not {cfg.preset!r}")
     p, v = PRESETS[cfg.preset], VARIED[cfg.preset]
     append = max(1, round(p.append * cfg.append_scale))
-    longest = []
-    for i in range(v.max_turns):
-        context = v.first_prompt + round(i * v.step)
-        hit = 0 if i == 0 else context // cfg.block_size * cfg.block_size
+    longest: list[Turn] = []
+    while True:
+        context = v.first_prompt + round(len(longest) * v.step)
+        if longest and context + append + p.gen > v.max_len:
+            break
+        hit = context // cfg.block_size * cfg.block_size if longest else 0
         longest.append(Turn(prompt=context + append, hit=hit, gen=p.gen))
-    cap = v.max_turns if cfg.turns is None else min(cfg.turns, v.max_turns)
+    cap = len(longest) if cfg.turns is None else min(cfg.turns, len(longest))
     counts = [min(cap, max(1, round(-v.turns_mean * math.log(1 - (a + 0.5) / cfg.agents))))
               for a in range(cfg.agents)]
     random.Random(cfg.seed).shuffle(counts)

@@ -51,7 +51,7 @@ def test_varied_lengths_keep_table_2_means_under_the_cap(preset, mal):
         p.total_tokens, rel=0.01)
     assert max(t.prompt + t.gen for t in turns) <= mal  # the MAL cuts every trajectory
     longest = max(trajs, key=len)
-    assert len(longest) == VARIED[preset].max_turns
+    assert VARIED[preset].max_len == mal
     assert longest[-1].prompt + round(VARIED[preset].step) + p.gen > mal  # one more would not fit
     assert len({len(t) for t in trajs}) > 10 and longest[0].hit == 0
 
@@ -65,6 +65,9 @@ def test_varied_lengths_are_deterministic_shuffled_and_truncatable():
     assert counts != sorted(counts)
     short = agent_trajectories(WorkloadConfig("64k", agents=64, lengths="varied", turns=5))
     assert max(len(t) for t in short) == 5
+    longer = agent_trajectories(WorkloadConfig("64k", agents=64, lengths="varied",
+                                               append_scale=3.0))
+    assert max(t.prompt + t.gen for traj in longer for t in traj) <= 65_536  # still cut at MAL
 
 
 def test_varied_lengths_need_a_table_2_preset():
