@@ -24,12 +24,21 @@ def _write(path: str | None, result: dict[str, Any]) -> None:
     plot_result(result, png_path_for(path))
 
 
-def _paper_base(args: argparse.Namespace) -> SimConfig:
-    """The DS 660B configuration with ``--baseline-batcher``, ``--read-queue``,
-    ``--token-budget``, ``--storage-eff``, ``--basic-prefetch`` and ``--lengths`` applied."""
+# ``dualpath sim`` options that change the DS 660B configuration of the paper presets
+PAPER_OPTIONS = ("baseline_batcher", "read_queue", "token_budget", "storage_eff",
+                 "basic_prefetch", "lengths")
+
+
+def _paper_base(args: argparse.Namespace) -> SimConfig | None:
+    """The DS 660B configuration with the :data:`PAPER_OPTIONS` given applied (``None`` when
+    none is given: the presets' own base)."""
+    given = [o for o in PAPER_OPTIONS if getattr(args, o) is not None
+             and getattr(args, o) is not False]  # `is`: a --token-budget of 0 is given
+    if not given:
+        return None
     if args.preset == "testbed":
-        raise ValueError("--baseline-batcher/--read-queue/--token-budget/--storage-eff/"
-                         "--basic-prefetch/--lengths apply to the paper presets")
+        flags = ", ".join("--" + o.replace("_", "-") for o in given)
+        raise ValueError(f"{flags}: these options apply to the paper presets")
     base = DS660B_QUOTA_ALL if args.baseline_batcher == "quota" else DS660B
     if args.read_queue == "shared":
         base = replace(base, read_streams=None)
@@ -64,9 +73,9 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         if args.preset != "testbed":
             raise ValueError("--real goes with --preset testbed")
         kwargs["real"] = args.real
-    if (args.baseline_batcher or args.token_budget is not None or args.read_queue
-            or args.storage_eff is not None or args.basic_prefetch or args.lengths):
-        kwargs["base"] = _paper_base(args)
+    base = _paper_base(args)
+    if base is not None:
+        kwargs["base"] = base
     if args.agents and args.preset not in ("paper-fig7", "paper-ablation", "testbed"):
         raise ValueError(f"--agents applies to paper-fig7 and paper-ablation, not {args.preset}")
     if args.aps and args.preset != "paper-online":

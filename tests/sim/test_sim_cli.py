@@ -24,6 +24,11 @@ def test_paper_base_applies_the_batcher_options():
     assert _paper_base(_args(read_queue="fifo")).read_streams == DS660B.read_streams == 1
 
 
+def test_paper_base_is_none_without_paper_options():
+    assert _paper_base(_args()) is None
+    assert _paper_base(_args(preset="testbed")) is None
+
+
 def test_paper_base_applies_the_storage_what_ifs():
     assert _paper_base(_args(storage_eff=0.6)).storage_eff == 0.6
     assert DS660B.storage_eff == 0.8 and not DS660B.basic_prefetch
