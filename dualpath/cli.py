@@ -223,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     planp.add_argument("--workload", default=None, help="32k, 48k, 64k: also simulate")
     planp.add_argument("--agents", type=int, default=64, help="agents when simulating")
     planp.add_argument("--max-nodes", type=int, default=6, help="largest P + D to consider")
+    planp.add_argument("--beyond", action="store_true",
+                       help="also simulate P/D ratios outside the eq. 9 range")
+    for nic, what in (("dram", "DRAM per node"), ("snic", "storage NIC per node"),
+                      ("cnic", "compute NIC per GPU")):
+        planp.add_argument(f"--{nic}-gbps", type=float, default=None,
+                           help=f"what-if: {what} in GB/s instead of the hardware's")
     planp.add_argument("--json", default=None, help="where to write the plan")
     planp.set_defaults(func=_cmd_plan)
 

@@ -5,10 +5,16 @@ simulated state and :meth:`GlobalScheduler.schedule` places requests and picks r
 each PE forms its forward batches with :func:`build_prefill_batch` under the compute quota.
 Only clocks, links and compute are modelled:
 
-* hit KV is read over the chosen side's storage NIC (one shared :class:`Link` per node); on
-  the DE path it then crosses the DE's compute NIC to the PE; after prefill the prompt's KV
-  (DE path: only the part the DE does not hold yet) crosses the PE's compute NIC to the DE
-  (oracle: no reads, no transfers);
+* hit KV is read over the chosen side's storage NIC (one shared :class:`Link` per node) into
+  that node's DRAM; in the request's first forward it is copied into PE HBM (PE path: PE
+  DRAM → PE compute NIC loopback; DE path: DE DRAM → DE compute NIC → PE compute NIC); after
+  prefill the prompt's KV (DE path: only the part the DE does not hold yet) goes PE HBM →
+  PE NIC → DE NIC → DE DRAM, and the whole prompt DE DRAM → DE NIC → DE HBM before decoding
+  (PAPER §2.2–2.4; oracle: no reads, no transfers). Each node's DRAM (reads and writes
+  summed) and each direction of each GPU's compute NIC is a :class:`PipeLink`; a transfer
+  waits for the last of its hops. KV uses the low lanes of the compute NICs, while EP
+  all-to-all of the running forwards and decode steps takes the high lane
+  (:meth:`ModelProfile.a2a_bytes_per_token`, spread over the forward or step);
 * EP lock step (``SimConfig.ep_lockstep``): the PEs of one EP group run their forwards
   together — a round takes the longest member's predicted forward, members without work
   wait — and the DEs of one EP group step together at the busiest member's step time
@@ -36,10 +42,11 @@ Batching: modes in ``quota_modes`` use the compute quota (:func:`build_prefill_b
 others a stock token budget (:func:`build_token_batch`). The scheduler's β is in prompt
 tokens a PE gets through at the workload's mean hit, as ``dualpath profile`` defines it.
 
-Simplifications: decode write-back to storage is not modelled (separate NIC direction); the
-compute NIC carries the KV hops but not the EP all-to-all traffic; a node's reads start in
-FIFO order, ``SimConfig.read_streams`` at a time, and share its NIC equally while in flight
-(no per-request storage latency).
+Simplifications: decode write-back to storage is not modelled (about 2% of the bytes, in the
+storage NIC's other direction); the PE → DE hop runs after the prefill rather than layer by
+layer under it; a DE's all-to-all demand is updated when its own batch changes; a node's
+reads start in FIFO order, ``SimConfig.read_streams`` at a time, and share its NIC equally
+while in flight (no per-request storage latency).
 """
 
 from __future__ import annotations
@@ -62,8 +69,11 @@ from dualpath.scheduler import (
 from dualpath.sim.config import SimConfig
 from dualpath.sim.engines import DecodeEngine, Job, PrefillEngine
 from dualpath.sim.events import EventLoop
-from dualpath.sim.links import Link, LockstepGroup, RateGroup
+from dualpath.sim.links import DuplexNic, Link, LockstepGroup, PipeLink, RateGroup
 from dualpath.sim.workload import Turn, agent_trajectories, arrival_times
+from dualpath.transfer.lanes import Lane
+
+LOAD, FORWARD = Lane.KV_LOAD, Lane.KV_FORWARD
 
 Batch = list[tuple[int, int, int]]
 
@@ -76,11 +86,15 @@ class Simulator:
         self.cfg = cfg
         self.loop = EventLoop()
         self.progress = progress
-        self.kvb = cfg.model_profile().kv_bytes_per_token
+        model = cfg.model_profile()
+        self.kvb = model.kv_bytes_per_token
+        ep_p, ep_d = cfg.ep_group_nodes()
+        self.a2a_pe, self.a2a_de = model.a2a_bytes_per_token(ep_p), model.a2a_bytes_per_token(ep_d)
         self.trajs: list[list[Turn]] = agent_trajectories(cfg.workload)
         self.cost = cfg.prefill_cost()
         self._steps: dict[int, float] = {}
         self._step_model = cfg.decode_step_model()
+        self.a2a_bytes = 0.0  # EP all-to-all bytes, each way, summed over the NICs
         self._build_engines()
         self.params = self._scheduler_params()
         self.sched = GlobalScheduler(self.params)
@@ -102,8 +116,9 @@ class Simulator:
         g = hw.gpus_per_node
         ep_p, ep_d = cfg.ep_group_nodes()
         pe_cap, de_cap = cfg.kv_capacity_tokens(ep_p), cfg.kv_capacity_tokens(ep_d)
+        lanes = cfg.lanes()
         self.pes = [PrefillEngine(f"p{n:03d}-{i}", n, f"pg{n:03d}", pe_cap,
-                                  Link(self.loop, hw.cnic_bps))
+                                  DuplexNic(hw.cnic_bps, f"p{n:03d}-{i}", lanes))
                     for n in range(cfg.prefill_nodes) for i in range(g)]
         members = ep_p * g if cfg.ep_lockstep else 1
         self.pe_groups = [self.pes[i:i + members] for i in range(0, len(self.pes), members)]
@@ -124,17 +139,21 @@ class Simulator:
                     stepper = steppers[-1]
                 steppers.append(stepper)
                 self.des.append(DecodeEngine(name, cfg.prefill_nodes + n, f"dg{n:03d}", de_cap,
-                                             Link(self.loop, hw.cnic_bps), stepper))
+                                             DuplexNic(hw.cnic_bps, name, lanes), stepper))
+                if self.a2a_de:
+                    self.des[-1].nic.set_high_demand(
+                        lambda de=self.des[-1]: self._de_all_to_all_bps(de))
         self.engines = {e.name: e for e in [*self.pes, *self.des]}
         self._build_nodes()
         self._index_groups()
 
     def _build_nodes(self) -> None:
-        """Per node: the storage NIC, the read queue and the DRAM staging buffer."""
+        """Per node: the storage NIC, DRAM, the read queue and the DRAM staging buffer."""
         cfg, hw = self.cfg, self.cfg.hw()
         nodes = cfg.prefill_nodes + cfg.decode_nodes
         snic_bps = hw.snic_bps * cfg.storage_eff
         self.snic = [Link(self.loop, snic_bps, f"snic{n}") for n in range(nodes)]
+        self.dram = [PipeLink(hw.dram_bps, f"dram{n}") for n in range(nodes)]
         self.read_q = [0] * nodes
         self._dirty_nodes: set[int] = set()  # nodes whose read queue changed since the view
         self._node_views = [NodeView(n, 0) for n in range(nodes)]
@@ -248,12 +267,12 @@ class Simulator:
         if self.cfg.mode == "basic":  # the whole KV must be in PE HBM before the forward
             self._queue_read(pe.node, pe_read)
             if self.cfg.basic_prefetch:
-                pe.admit.append(Job(rid, turn, de, hbm=turn.prompt))
+                pe.admit.append(Job(rid, turn, de, hbm=turn.prompt, h2d_pe=pe_read))
                 self._admit(pe)
             else:
-                self._ready(pe, Job(rid, turn, de, unread=pe_read))
+                self._ready(pe, Job(rid, turn, de, unread=pe_read, h2d_pe=pe_read))
             return
-        job = Job(rid, turn, de, de_holds=de_read, staged=pe_read)
+        job = Job(rid, turn, de, de_holds=de_read, staged=pe_read, h2d_pe=pe_read)
         pending = [int(pe_read > 0) + int(de_read > 0)]
 
         def arrived() -> None:
@@ -263,8 +282,7 @@ class Simulator:
         if pe_read:
             self._staged_read(pe.node, pe_read, arrived)
         if de_read:
-            self._staged_read(de.node, de_read,
-                              lambda: de.cnic.transfer(de_read * self.kvb, arrived))
+            self._staged_read(de.node, de_read, arrived)
 
     def _staged_read(self, node: int, tokens: int, then: Callable[[], None]) -> None:
         """Layerwise modes: read into the node's DRAM staging buffer; the read waits in the
@@ -280,8 +298,9 @@ class Simulator:
         self._dirty_nodes.add(node)
 
     def _read(self, node: int, tokens: int, then: Callable[[], None]) -> None:
-        """Read ``tokens`` of KV over ``node``'s storage NIC straight into PE HBM (Basic; the
-        caller has already counted them in the node's read queue; they leave it when read)."""
+        """Read ``tokens`` of KV over ``node``'s storage NIC into its DRAM, outside the staging
+        buffer (Basic, which copies them into PE HBM next; the caller has already counted
+        them in the node's read queue; they leave it when read)."""
         self._enqueue_read(node, tokens, then, staged=False)
 
     def _enqueue_read(self, node: int, tokens: int, then: Callable[[], None],
@@ -302,14 +321,40 @@ class Simulator:
                 self.dram_free[node] -= tokens
             waiting.popleft()
             self.reads_active[node] += 1
-            self.snic[node].transfer(tokens * self.kvb,
-                                     lambda t=tokens, f=then: self._read_done(node, t, f))
+            nbytes = tokens * self.kvb
+            written = self.dram[node].book(nbytes, self.loop.now)  # storage NIC → DRAM
+            self.snic[node].transfer(
+                nbytes, lambda t=tokens, f=then, w=written: self._read_done(node, t, f, w))
 
-    def _read_done(self, node: int, tokens: int, then: Callable[[], None]) -> None:
+    def _read_done(self, node: int, tokens: int, then: Callable[[], None],
+                   written: float) -> None:
         self._queue_read(node, -tokens)
         self.reads_active[node] -= 1
         self._pump_reads(node)
-        then()
+        self._at(written, then)
+
+    def _at(self, time: float, then: Callable[[], None]) -> None:
+        """Run ``then`` at ``time``: now if that has passed (no event), else as an event."""
+        if time <= self.loop.now:
+            then()
+        else:
+            self.loop.at(time, then)
+
+    def _copy_in(self, pe: PrefillEngine, job: Job) -> float:
+        """Book the copy of ``job``'s hit KV into ``pe``'s HBM (PAPER §2.2 steps 3–4: PE
+        DRAM → PE NIC loopback; §2.3 steps 3–5: DE DRAM → DE NIC → PE NIC); when it ends."""
+        now, end = self.loop.now, self.loop.now
+        if job.h2d_pe:
+            nbytes = job.h2d_pe * self.kvb
+            end = max(end, self.dram[pe.node].book(nbytes, now),
+                      pe.nic.tx.book(nbytes, now, LOAD), pe.nic.rx.book(nbytes, now, LOAD))
+            job.h2d_pe = 0
+        if job.h2d_de:
+            nbytes, de = job.h2d_de * self.kvb, job.de
+            end = max(end, self.dram[de.node].book(nbytes, now),
+                      de.nic.tx.book(nbytes, now, LOAD), pe.nic.rx.book(nbytes, now, LOAD))
+            job.h2d_de = 0
+        return end
 
     def _unstage(self, node: int, tokens: int) -> None:
         if self.dram_free is not None and tokens:
@@ -322,7 +367,9 @@ class Simulator:
         while pe.admit and (pe.hbm_used + pe.admit[0].hbm <= pe.capacity or not pe.hbm_used):
             job = pe.admit.popleft()
             pe.hbm_used += job.hbm
-            self._read(pe.node, job.cached, lambda j=job: self._ready(pe, j))
+            copied = self._copy_in(pe, job)  # on into HBM as the blocks land
+            self._read(pe.node, job.cached, lambda j=job, c=copied: self._at(
+                c, lambda: self._ready(pe, j)))
 
     def _release_hbm(self, pe: PrefillEngine, tokens: int) -> None:
         pe.hbm_used -= tokens
@@ -351,6 +398,8 @@ class Simulator:
         def finish() -> None:
             self._round_busy[ep] = False
             for pe, batch in batches:
+                if self.a2a_pe:
+                    pe.nic.set_high_bps(0.0)
                 self._apply(pe, batch)
             self._round(ep)
 
@@ -359,19 +408,42 @@ class Simulator:
         def compute() -> None:  # every member's reads are in: the forward runs
             pending[0] -= 1
             if not pending[0]:
-                ms = max(self.cost.predict_ms([(c, b) for _, c, b in batch])
-                         for _, batch in batches)
-                self.loop.after(ms / 1e3, finish)
+                self.loop.at(self._forward(batches), finish)
 
         for pe, batch in batches:  # Basic without prefetch: the round reads its batch first
-            unread = 0
+            unread, copied = 0, self.loop.now  # (each block copied on into HBM as it lands)
             for idx, _, _ in batch:
-                unread += pe.fifo[idx].unread
-                pe.fifo[idx].unread = 0
+                job = pe.fifo[idx]
+                if job.unread:
+                    unread += job.unread
+                    job.unread = 0
+                    copied = max(copied, self._copy_in(pe, job))
             if unread:
-                self._read(pe.node, unread, compute)
+                self._read(pe.node, unread, lambda c=copied: self._at(c, compute))
             else:
                 compute()
+
+    def _forward(self, batches: list[tuple[PrefillEngine, Batch]]) -> float:
+        """Start a lock-step forward; when it ends. It computes as long as its slowest
+        member's batch; the hit KV of requests starting in it is copied into HBM layer by
+        layer under it (layerwise modes; Basic copied it with the read), and its EP
+        all-to-all takes the NICs' high lane meanwhile."""
+        now = self.loop.now
+        compute_s = max(self.cost.predict_ms([(c, b) for _, c, b in batch])
+                        for _, batch in batches) / 1e3
+        loaded = now
+        for pe, batch in batches:
+            for idx, _, _ in batch:
+                job = pe.fifo[idx]
+                if job.h2d_pe or job.h2d_de:
+                    loaded = max(loaded, self._copy_in(pe, job))
+        end = max(now + compute_s, loaded)
+        for pe, batch in batches:
+            tokens = sum(bsz for _, _, bsz in batch)
+            self.a2a_bytes += tokens * self.a2a_pe
+            if self.a2a_pe and end > now:
+                pe.nic.set_high_bps(tokens * self.a2a_pe / (end - now))
+        return end
 
     def _apply(self, pe: PrefillEngine, batch: Batch) -> None:
         """A forward of ``batch`` finished on ``pe``: advance its requests, hand off done ones."""
@@ -385,48 +457,64 @@ class Simulator:
         if finished:  # a batch is a head of the FIFO: filter that head only
             cut = max(idx for idx, _, _ in batch) + 1
             pe.fifo[:cut] = [j for j in pe.fifo[:cut] if j.remaining > 0]
+        if not finished:
+            return
+        # the PE's NIC sends the KV of the requests its forward finished together, so they
+        # share it and arrive together (as flows started at once do), not one after another
+        sent = sum(job.turn.prompt - job.de_holds for job in finished) * self.kvb
+        sent_at = (self.loop.now if self.cfg.mode == "oracle"
+                   else pe.nic.tx.book(sent, self.loop.now, FORWARD))
         for job in finished:
             pe.finish(job.turn.prompt)
             if self.online:
                 self._times[job.rid].append(self.loop.now)
-            self._hand_off(pe, job)
-        if finished:
-            self._kick()
+            self._hand_off(pe, job, sent_at)
+        self._kick()
 
-    def _hand_off(self, pe: PrefillEngine, job: Job) -> None:
-        """Move a prefilled request's KV to its DE (by mode and read path), then decode."""
+    def _hand_off(self, pe: PrefillEngine, job: Job, sent_at: float) -> None:
+        """Move a prefilled request's KV to its DE (by mode and read path), then decode;
+        ``sent_at``: when the PE's NIC has sent it."""
         rid, de, turn, de_holds = job.rid, job.de, job.turn, job.de_holds
 
         def start() -> None:
             self._decode(rid, de, turn)
         if self.cfg.mode == "oracle":
             start()
-        elif job.hbm:  # Basic with prefetch: PE HBM is free once the KV reached the DE
+            return
+        end = max(sent_at, self._send_to_de(de, turn.prompt - de_holds, turn.prompt))
+        if job.hbm:  # Basic with prefetch: PE HBM is free once the KV reached the DE
             def sent() -> None:
                 self._release_hbm(pe, job.hbm)
                 start()
-            pe.cnic.transfer(turn.prompt * self.kvb, sent)
+            self.loop.at(end, sent)
         elif not de_holds:  # PE path: the staged KV has been streamed into the forward
             self._unstage(pe.node, job.staged)
-            pe.cnic.transfer(turn.prompt * self.kvb, start)
-        else:  # DE path: the new KV from the PE, the hit KV from the DE's DRAM into HBM
-            left = [2]
-
-            def arrived() -> None:
-                left[0] -= 1
-                if not left[0]:
-                    start()
-
+            self.loop.at(end, start)
+        else:  # DE path: the hit KV leaves the DE's DRAM for its HBM with the new KV
             def loaded() -> None:
                 self._unstage(de.node, de_holds)
-                arrived()
-            pe.cnic.transfer((turn.prompt - de_holds) * self.kvb, arrived)
-            de.cnic.transfer(de_holds * self.kvb, loaded)
+                start()
+            self.loop.at(end, loaded)
+
+    def _send_to_de(self, de: DecodeEngine, sent: int, prompt: int) -> float:
+        """Book the DE's side of the hand-off; when the DE holds the whole prompt in HBM:
+        ``sent`` tokens arrive DE NIC → DE DRAM (PAPER §2.2 steps 6–7, or the DE path's miss
+        tokens), then the ``prompt`` goes DE DRAM → DE NIC loopback → DE HBM (steps 8–9)."""
+        now, sent_b, prompt_b = self.loop.now, sent * self.kvb, prompt * self.kvb
+        return max(de.nic.rx.book(sent_b + prompt_b, now, FORWARD),
+                   self.dram[de.node].book(sent_b + prompt_b, now),
+                   de.nic.tx.book(prompt_b, now, FORWARD))
 
     def _decode(self, rid: int, de: DecodeEngine, turn: Turn) -> None:
         if self.online:
             self._times[rid].append(self.loop.now)
         de.decode(turn.gen, lambda: self._decoded(rid, de, turn), context=turn.prompt)
+        self.a2a_bytes += turn.gen * self.a2a_de
+
+    def _de_all_to_all_bps(self, de: DecodeEngine) -> float:
+        """A DE's EP all-to-all demand now: one token per running request per step."""
+        batch, step_s = de.running()
+        return batch * self.a2a_de / step_s if batch else 0.0
 
     def _decoded(self, rid: int, de: DecodeEngine, turn: Turn) -> None:
         de.release(turn.prompt, turn.gen)
@@ -474,6 +562,30 @@ class Simulator:
             if was_enabled:
                 gc.enable()
 
+    def _hop_stats(self, jct: float) -> dict[str, Any]:
+        """Bytes per hop class over the run and the mean (and busiest) utilisation of each
+        class: DRAM per prefill / decode node, each direction of the PE and DE compute NICs
+        (KV lanes; ``a2a_util``: the high lane)."""
+        hw, p = self.cfg.hw(), self.cfg.prefill_nodes
+        classes = {"dram_prefill": (self.dram[:p], hw.dram_bps),
+                   "dram_decode": (self.dram[p:], hw.dram_bps),
+                   "pe_tx": ([e.nic.tx for e in self.pes], hw.cnic_bps),
+                   "pe_rx": ([e.nic.rx for e in self.pes], hw.cnic_bps),
+                   "de_tx": ([e.nic.tx for e in self.des], hw.cnic_bps),
+                   "de_rx": ([e.nic.rx for e in self.des], hw.cnic_bps)}
+        span = max(jct, 1e-12)
+        out: dict[str, Any] = {"hop_bytes": {}, "hop_util": {}, "hop_util_max": {}}
+        for name, (pipes, bps) in classes.items():
+            util = [pl.kv_bytes / (bps * span) for pl in pipes]
+            out["hop_bytes"][name] = sum(pl.kv_bytes for pl in pipes)
+            out["hop_util"][name] = sum(util) / len(util)
+            out["hop_util_max"][name] = max(util)
+        out["hop_bytes"]["snic_prefill"] = sum(link.work_done for link in self.snic[:p])
+        out["hop_bytes"]["snic_decode"] = sum(link.work_done for link in self.snic[p:])
+        nics = len(self.pes) + len(self.des)
+        out["a2a_util"] = self.a2a_bytes / (hw.cnic_bps * span * nics)
+        return out
+
     def run(self) -> dict[str, Any]:
         """Simulate until every agent has finished; JCT and statistics."""
         for agent, t in enumerate(arrival_times(self.cfg.workload)):
@@ -494,7 +606,7 @@ class Simulator:
                   "snic_util_decode": sum(util[p:]) / max(1, len(util) - p),
                   "snic_max_over_avg": self._snic_balance(),
                   "reads": dict(self.reads), "events": self.loop.processed,
-                  "rounds": self.rounds}
+                  "rounds": self.rounds, **self._hop_stats(jct)}
         if self.online:
             from dualpath.sim.online import latency_stats
 

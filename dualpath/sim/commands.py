@@ -11,6 +11,7 @@ from typing import Any
 from dualpath.sim.config import SimConfig
 from dualpath.sim.planner import plan
 from dualpath.sim.presets import DS660B, DS660B_QUOTA_ALL, run_preset
+from dualpath.sim.profiles import GB, HardwareProfile, get_hardware, get_model
 
 
 def _write(path: str | None, result: dict[str, Any]) -> None:
@@ -101,20 +102,33 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _hardware(args: argparse.Namespace) -> HardwareProfile:
+    """``--hardware`` with the bandwidths given on the command line (GB/s) put in."""
+    hw = get_hardware(args.hardware)
+    given = {field: getattr(args, option) for option, field in
+             (("dram_gbps", "dram_bps"), ("snic_gbps", "snic_bps"), ("cnic_gbps", "cnic_bps"))
+             if getattr(args, option) is not None}
+    for field, gbps in given.items():
+        if not gbps > 0:
+            raise ValueError(f"--{field[:4]}-gbps must be positive, got {gbps}")
+    if not given:
+        return hw
+    return replace(hw, name=f"{hw.name}*", **{f: g * GB for f, g in given.items()})
+
+
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Eq. (9) range for ``--hardware``; with ``--workload``, simulated JCT per candidate."""
     from rich.console import Console
 
     from dualpath.sim.cluster import simulate
-    from dualpath.sim.profiles import get_hardware, get_model
     from dualpath.sim.workload import WorkloadConfig
 
-    hw = get_hardware(args.hardware)
+    hw = _hardware(args)
     get_model(args.model)
     sim = None
 
     def fits(p: int, d: int) -> bool:
-        cfg = replace(DS660B, model=args.model, hardware=args.hardware, prefill_nodes=p,
+        cfg = replace(DS660B, model=args.model, hardware=hw, prefill_nodes=p,
                       decode_nodes=d, kv_bytes_per_token=None, hbm_kv_bytes_per_token=None)
         try:
             cfg.kv_capacity_tokens(min(p, d))
@@ -122,7 +136,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
             return False
         return True
     if args.workload:
-        base = replace(DS660B, model=args.model, hardware=args.hardware,
+        base = replace(DS660B, model=args.model, hardware=hw,
                        kv_bytes_per_token=DS660B.kv_bytes_per_token
                        if args.model == "ds660b" else None,
                        hbm_kv_bytes_per_token=DS660B.hbm_kv_bytes_per_token
@@ -132,7 +146,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
             cfg = replace(base, prefill_nodes=p, decode_nodes=d, mode="dualpath",
                           workload=WorkloadConfig(args.workload, agents=args.agents))
             return float(simulate(cfg)["jct_s"])  # plan() only asks for pairs that fit
-    result = plan(hw, args.max_nodes, sim, fits)
+    result = plan(hw, args.max_nodes, sim, fits, beyond=args.beyond)
     result["model"] = args.model
     _write(args.json, result)
     Console().print_json(json.dumps(result["summary"]))

@@ -39,6 +39,7 @@ from dualpath.sim.profiles import (
     get_model,
 )
 from dualpath.sim.workload import WorkloadConfig
+from dualpath.transfer.lanes import DEFAULT_LANE_WEIGHTS, Lane, weights_from_pairs
 
 MODES = ("basic", "layerwise", "dualpath", "round_robin", "oracle")
 
@@ -48,7 +49,7 @@ class SimConfig:
     """One run: cluster shape, profiles, mode, workload and the few model constants."""
 
     model: str = "ds660b"
-    hardware: str = "hopper"
+    hardware: str | HardwareProfile = "hopper"  # a preset's name or a profile
     prefill_nodes: int = 2
     decode_nodes: int = 4
     mode: str = "dualpath"
@@ -74,6 +75,7 @@ class SimConfig:
     alpha_s: float = 3.0
     beta_s: float = 5.0
     testbed: TestbedProfile | None = None  # measured rates replace hardware/model/cost models
+    lane_weights: tuple[tuple[str, int], ...] | None = None  # compute-NIC lanes (None: default)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +87,7 @@ class SimConfig:
             raise ValueError("efficiencies must be in (0, 1]")
         if self.read_streams is not None and self.read_streams <= 0:
             raise ValueError(f"read_streams must be positive or None, got {self.read_streams}")
+        self.lanes()  # named error for bad lane weights
         ep_p, ep_d = self.ep_group_nodes()
         if self.prefill_nodes % ep_p or self.decode_nodes % ep_d:
             raise ValueError(f"ep_nodes {self.ep_nodes} must divide {self.prefill_nodes}P"
@@ -101,7 +104,17 @@ class SimConfig:
 
     def hw(self) -> HardwareProfile:
         """The hardware profile."""
-        return self.testbed.hardware() if self.testbed else get_hardware(self.hardware)
+        if self.testbed:
+            return self.testbed.hardware()
+        if isinstance(self.hardware, HardwareProfile):
+            return self.hardware
+        return get_hardware(self.hardware)
+
+    def lanes(self) -> dict[Lane, int]:
+        """The compute NICs' lane weights (``transfer/lanes.py``'s defaults unless given)."""
+        if self.lane_weights is None:
+            return dict(DEFAULT_LANE_WEIGHTS)
+        return weights_from_pairs(self.lane_weights)
 
     def model_profile(self) -> ModelProfile:
         """The model profile (with the KV bytes/token override applied)."""

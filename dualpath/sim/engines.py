@@ -10,33 +10,36 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from dualpath.sim.links import Link, LockstepGroup, RateGroup
+from dualpath.sim.links import DuplexNic, LockstepGroup, RateGroup
 
 
 class Job:
     """One request on a PE: tokens computed (``cached``) and ``remaining``, its DE and turn,
     KV tokens it holds in PE HBM (Basic), hit tokens the DE already holds (DE read path), hit
-    tokens still to read before its forward (Basic with reads in the round) and hit tokens in
-    the PE node's DRAM staging buffer (PE read path, layerwise modes)."""
+    tokens still to read before its forward (Basic with reads in the round), hit tokens in
+    the PE node's DRAM staging buffer (PE read path, layerwise modes), and hit tokens still
+    to copy into PE HBM from the PE node's DRAM (``h2d_pe``) or the DE node's (``h2d_de``)."""
 
-    __slots__ = ("cached", "de", "de_holds", "hbm", "remaining", "rid", "staged", "turn",
-                 "unread")
+    __slots__ = ("cached", "de", "de_holds", "h2d_de", "h2d_pe", "hbm", "remaining", "rid",
+                 "staged", "turn", "unread")
 
     def __init__(self, rid: int, turn: Any, de: DecodeEngine, *, de_holds: int = 0,
-                 hbm: int = 0, unread: int = 0, staged: int = 0) -> None:
+                 hbm: int = 0, unread: int = 0, staged: int = 0, h2d_pe: int = 0) -> None:
         self.rid, self.turn, self.de = rid, turn, de
         self.cached, self.remaining = turn.hit, turn.miss
         self.de_holds, self.hbm, self.unread = de_holds, hbm, unread
         self.staged = staged  # hit tokens in the PE node's DRAM staging buffer
+        self.h2d_pe, self.h2d_de = h2d_pe, de_holds
 
 
 class _Engine:
     """What every simulated engine reports: ``seq`` and ``tok``, and its cached view."""
 
-    def __init__(self, name: str, node: int, group: str, kv_capacity: int, cnic: Link) -> None:
+    def __init__(self, name: str, node: int, group: str, kv_capacity: int,
+                 nic: DuplexNic) -> None:
         self.name, self.node, self.group = name, node, group
         self.capacity = kv_capacity
-        self.cnic = cnic
+        self.nic = nic  # this GPU's compute NIC
         self.seq = 0
         self.tok = 0
         self.view: Any = None  # the scheduler's last view of this engine (None: changed)
@@ -54,8 +57,9 @@ class _Engine:
 class PrefillEngine(_Engine):
     """One PE: its FIFO of :class:`Job`, its EP group, and (Basic) its HBM admission queue."""
 
-    def __init__(self, name: str, node: int, group: str, kv_capacity: int, cnic: Link) -> None:
-        super().__init__(name, node, group, kv_capacity, cnic)
+    def __init__(self, name: str, node: int, group: str, kv_capacity: int,
+                 nic: DuplexNic) -> None:
+        super().__init__(name, node, group, kv_capacity, nic)
         self.free_kv = kv_capacity  # reported; the scheduler does not read it for PEs
         self.fifo: list[Job] = []
         self.ep = 0  # index of its EP group (forwards run in lock step within it)
@@ -75,9 +79,9 @@ class DecodeEngine(_Engine):
     """One DE: reserved KV tokens; its running requests step in ``stepper`` — its own
     :class:`RateGroup`, or the :class:`LockstepGroup` of its EP group."""
 
-    def __init__(self, name: str, node: int, group: str, kv_capacity: int, cnic: Link,
+    def __init__(self, name: str, node: int, group: str, kv_capacity: int, nic: DuplexNic,
                  stepper: RateGroup | LockstepGroup) -> None:
-        super().__init__(name, node, group, kv_capacity, cnic)
+        super().__init__(name, node, group, kv_capacity, nic)
         self.reserved = 0
         self.stepper = stepper
 
@@ -98,6 +102,13 @@ class DecodeEngine(_Engine):
             self.stepper.start_for(self.name, gen, on_done, tokens=context)
         else:
             self.stepper.start(gen, on_done)
+
+    def running(self) -> tuple[int, float]:
+        """Running requests and the current step time (s) they advance at."""
+        if isinstance(self.stepper, LockstepGroup):
+            return self.stepper.batch(self.name), self.stepper.step_s()
+        batch = len(self.stepper)
+        return batch, self.stepper.step_time(max(1, batch))
 
     def release(self, prompt: int, gen: int) -> None:
         """The request finished decoding."""

@@ -13,14 +13,20 @@ group's size (a decode engine: every running request advances one token per step
 step time grows with the batch). :class:`LockstepGroup` is a rate group spread over several
 members that step together (the decode engines of one EP group: each step lasts as long as
 the busiest member's step).
+
+:class:`PipeLink` serves the hops that are rarely the bottleneck (a node's DRAM, each
+direction of a compute NIC) in booking order: a booking's finish time is fixed when it is
+made, so a hop costs no event of its own and the caller waits only for the latest finish of
+a transfer's hops. Its lanes follow :mod:`dualpath.transfer.lanes`.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 from dualpath.sim.events import EventHandle, EventLoop
+from dualpath.transfer.lanes import DEFAULT_LANE_WEIGHTS, Lane, validate_weights
 
 _EPS = 1e-9
 
@@ -229,3 +235,81 @@ class LockstepGroup(_Shared):
     def _removed(self, key: int) -> None:
         member, tokens = self._item.pop(key)
         self._move(member, -1, -tokens)
+
+
+class PipeLink:
+    """A link of ``bandwidth`` bytes/s that serves KV bookings in the order they are made.
+
+    In-order service gives the link's throughput exactly (a link that is the bottleneck
+    queues its bookings; one that is not serves each at once) without an event per hop, at
+    the price of per-flow fairness: a later booking waits for the earlier ones instead of
+    sharing with them. Pure: the time is an argument.
+
+    Lanes (the QoS of :mod:`dualpath.transfer.lanes`): the high lane carries latency-critical
+    traffic (EP all-to-all) at ``high_bps`` bytes/s — set by the caller while a forward runs,
+    or asked of ``high_demand`` when set. Weighted round robin gives it what it asks for, up
+    to ``w_high / (w_high + w_lane)`` of the link while a KV lane is busy too, and a KV
+    booking gets the rest as it is when the booking is made.
+    """
+
+    def __init__(self, bandwidth: float, name: str = "pipe",
+                 weights: Mapping[Lane, int] = DEFAULT_LANE_WEIGHTS) -> None:
+        if bandwidth <= 0:
+            raise ValueError(f"{name}: bandwidth must be > 0, got {bandwidth}")
+        self.bandwidth = float(bandwidth)
+        self.name = name
+        self.weights = validate_weights(weights)
+        w_high = self.weights[Lane.HIGH]
+        self._high_cap = {lane: self.bandwidth * w_high / (w_high + w)
+                          for lane, w in self.weights.items() if lane is not Lane.HIGH}
+        self.free_at = 0.0  # when the last booking made so far finishes
+        self.kv_bytes = 0.0  # bytes booked on the KV lanes
+        self.high_bps = 0.0
+        self.high_demand: Callable[[], float] | None = None
+
+    def kv_bps(self, lane: Lane = Lane.KV_LOAD) -> float:
+        """What a booking on ``lane`` gets now: the link less the high lane's share."""
+        try:
+            cap = self._high_cap[lane]
+        except KeyError:
+            raise ValueError(f"{self.name}: book KV lanes only, not {lane!r} (the high lane "
+                             "is a demand: high_bps)") from None
+        high = self.high_bps if self.high_demand is None else self.high_demand()
+        return self.bandwidth - (high if high < cap else cap)
+
+    def book(self, nbytes: float, now: float, lane: Lane = Lane.KV_LOAD) -> float:
+        """Serve ``nbytes`` on ``lane`` after the bookings made before; when it finishes."""
+        if lane is Lane.HIGH:
+            self.kv_bps(lane)  # the named error
+        if nbytes <= 0:
+            return now
+        high = self.high_bps if self.high_demand is None else self.high_demand()
+        if high > 0.0:  # kv_bps(), inlined: this runs for every hop of every transfer
+            cap = self._high_cap[lane]
+            rate = self.bandwidth - (high if high < cap else cap)
+        else:
+            rate = self.bandwidth
+        begin = now if now > self.free_at else self.free_at
+        self.free_at = begin + nbytes / rate
+        self.kv_bytes += nbytes
+        return self.free_at
+
+
+class DuplexNic:
+    """A full-duplex compute NIC seen from PCIe (PAPER §3.3): ``tx`` reads host or GPU memory
+    (it sends, and it is the first half of a loopback copy), ``rx`` writes memory (it
+    receives, and it is the second half of a loopback copy); ``bandwidth`` each way. EP
+    all-to-all asks the same of both (balanced dispatch and combine)."""
+
+    def __init__(self, bandwidth: float, name: str = "cnic",
+                 weights: Mapping[Lane, int] = DEFAULT_LANE_WEIGHTS) -> None:
+        self.tx = PipeLink(bandwidth, f"{name}.tx", weights)
+        self.rx = PipeLink(bandwidth, f"{name}.rx", weights)
+
+    def set_high_bps(self, bps: float) -> None:
+        """The all-to-all demand from now on (bytes/s each way; 0 when idle)."""
+        self.tx.high_bps = self.rx.high_bps = bps
+
+    def set_high_demand(self, demand: Callable[[], float]) -> None:
+        """Ask ``demand()`` for the all-to-all demand at each booking instead."""
+        self.tx.high_demand = self.rx.high_demand = demand

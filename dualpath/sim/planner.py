@@ -3,7 +3,9 @@
 ``pd_ratio_range(g, s, B, M)`` returns ``s/(g−s) ≤ P/D ≤ min{(g−2s)/s, (g−s)/(2s),
 (M/(B·s) − 3)/2}`` as exact fractions where the inputs allow, with every term named, so a
 caller can see which constraint binds. ``plan`` adds candidate (P, D) node counts inside the
-range and, when a simulate function is given, their simulated JCT and a recommendation.
+range (``beyond=True``: outside it too, marked) and, when a simulate function is given, their
+simulated JCT and a recommendation. The simulator models the DRAM and compute-NIC hops the
+range is derived from, so simulating beyond the range shows what breaking it costs.
 """
 
 from __future__ import annotations
@@ -49,15 +51,18 @@ def range_for(hw: HardwareProfile) -> dict[str, Any]:
 
 
 def candidates(lo: Fraction, hi: Fraction, max_nodes: int = 6,
-               fits: Callable[[int, int], bool] | None = None) -> list[tuple[int, int]]:
-    """(P, D) node pairs with P + D ≤ ``max_nodes`` whose ratio lies in [lo, hi], one per
-    ratio: the smallest pair that ``fits`` (the model fits on both sides; default: any)."""
+               fits: Callable[[int, int], bool] | None = None,
+               beyond: bool = False) -> list[tuple[int, int]]:
+    """(P, D) node pairs with P + D ≤ ``max_nodes`` whose ratio lies in [lo, hi] (any ratio
+    with ``beyond``), one per ratio: the smallest pair that ``fits`` (the model fits on both
+    sides; default: any)."""
     seen: dict[Fraction, tuple[int, int]] = {}
     for total in range(2, max_nodes + 1):
         for p in range(1, total):
             d = total - p
             r = Fraction(p, d)
-            if lo <= r <= hi and r not in seen and (fits is None or fits(p, d)):
+            if ((beyond or lo <= r <= hi) and r not in seen
+                    and (fits is None or fits(p, d))):
                 seen[r] = (p, d)
     return sorted(seen.values(), key=lambda pd: Fraction(*pd))
 
@@ -73,28 +78,43 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
+def _cheapest(rows: list[dict[str, Any]]) -> str | None:
+    """``"xPyD"`` of the row with the least node-seconds; None for no rows."""
+    if not rows:
+        return None
+    best = min(rows, key=lambda r: r["node_seconds"])
+    return f"{best['P']}P{best['D']}D"
+
+
 def plan(hw: HardwareProfile, max_nodes: int = 6,
          simulate: Callable[[int, int], float | None] | None = None,
-         fits: Callable[[int, int], bool] | None = None) -> dict[str, Any]:
+         fits: Callable[[int, int], bool] | None = None, beyond: bool = False,
+         ) -> dict[str, Any]:
     """The range, candidate (P, D) pairs and, with ``simulate(P, D) -> JCT``, a recommendation.
 
     The recommendation is the candidate with the least JCT per node (JCT × (P + D)): the
     cheapest way to finish the job for a fixed cluster budget. ``simulate`` returns None for a
     candidate that cannot run (the model does not fit); it is listed but not recommended.
+    With ``beyond`` the ratios outside the range are candidates too (``in_range`` false);
+    ``recommended_in_range`` is then the best of those inside.
     """
     rng = range_for(hw)
-    cands = candidates(rng["lower"], rng["upper"], max_nodes, fits)
+    cands = candidates(rng["lower"], rng["upper"], max_nodes, fits, beyond)
     rows = []
     for p, d in cands:
-        row: dict[str, Any] = {"P": p, "D": d, "ratio": str(Fraction(p, d))}
+        ratio = Fraction(p, d)
+        row: dict[str, Any] = {"P": p, "D": d, "ratio": str(ratio),
+                               "in_range": rng["lower"] <= ratio <= rng["upper"]}
         if simulate is not None:
             jct = simulate(p, d)
             row.update(jct_s=jct, node_seconds=None if jct is None else jct * (p + d))
         rows.append(row)
     ran = [r for r in rows if r.get("node_seconds") is not None]
-    best = min(ran, key=lambda r: r["node_seconds"]) if ran else None
+    best = _cheapest(ran)
     summary = {"pd_min": float(rng["lower"]), "pd_max": float(rng["upper"]),
                "pd_range": f"{rng['lower']} .. {rng['upper']}", "feasible": rng["feasible"],
-               "recommended": None if best is None else f"{best['P']}P{best['D']}D"}
+               "recommended": best}
+    if beyond:
+        summary["recommended_in_range"] = _cheapest([r for r in ran if r["in_range"]])
     return jsonable({"summary": summary, "range": rng, "candidates": rows,
                      "hardware": hw.to_dict()})

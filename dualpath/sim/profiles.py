@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from math import comb
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,11 @@ class ModelProfile:
     indexer_flops_per_key: float = 0.0  # DSA lightning indexer, all layers
     weight_bytes: float = 0.0
     index_bytes_per_token: float = 0.0  # DSA indexer key bytes/token, all layers
+    moe_layers: int = 0  # layers with routed experts (0: a dense model, no EP all-to-all)
+    hidden: int = 0
+    routed_experts: int = 0
+    active_experts: int = 0
+    node_limit: int = 0  # most nodes a token is routed to (0: no limit)
     notes: str = ""
 
     def flops_per_token(self, ctx: int) -> float:
@@ -94,6 +100,25 @@ class ModelProfile:
         flops *= append / len(range(0, append, max(1, append // 16)))
         return ctx * self.kv_bytes_per_token / GB / (flops / 1e15)
 
+    def a2a_bytes_per_token(self, ep_nodes: int) -> float:
+        """EP all-to-all bytes one token puts on its GPU's compute NIC, each way, with the
+        experts spread evenly over ``ep_nodes`` nodes (traffic inside a node uses NVLink).
+
+        Per MoE layer and remote node the token is dispatched once in FP8 (``hidden`` bytes
+        plus a 4-byte scale per 128 values) and its result combined once in BF16
+        (``2·hidden``), as DeepEP's inter-node kernels do. Its ``k`` experts out of ``E``
+        reach ``N·(1 − C(E − E/N, k)/C(E, k))`` distinct nodes on average, at most
+        ``node_limit`` of them, and a fraction ``(N − 1)/N`` of those is remote. Balanced
+        dispatch makes what a NIC receives for other GPUs' tokens equal what it sends."""
+        n = ep_nodes
+        if not self.moe_layers or n <= 1:
+            return 0.0
+        e, k = self.routed_experts, self.active_experts
+        hit_one = 1 - comb(e - e // n, k) / comb(e, k)
+        nodes = n * hit_one if not self.node_limit else min(n * hit_one, self.node_limit)
+        per_node = self.hidden + self.hidden // 128 * 4 + 2 * self.hidden
+        return self.moe_layers * per_node * nodes * (n - 1) / n
+
     def with_kv_bytes(self, kv_bytes_per_token: float) -> ModelProfile:
         """The same model with another KV bytes/token (e.g. BF16 latent)."""
         return replace(self, kv_bytes_per_token=kv_bytes_per_token)
@@ -111,11 +136,14 @@ class ModelProfile:
 # 1.70e7, on at most top-k = 2,048 keys. Indexer: 64 heads × 128 dims × 2 × 61 = 1.0e6/key.
 # Indexer keys read by every decode step: FP8 128 dims + 4 B scale per layer = 8,052 B/token.
 # At 32.7K context and 429 appended tokens this gives ≈ 21 GB/PFLOP (PAPER Table 1: ~22).
+# EP: 58 MoE layers (3 dense), hidden 7,168, 8 of 256 routed experts, at most 4 nodes per
+# token (DeepSeek-V3's node-limited routing): ≈ 1.26 MB/token each way over 2 nodes.
 DS_V32 = ModelProfile(
     "ds660b", layers=61, kv_bytes_per_token=656 * 61, linear_flops=2 * 37e9,
     attn_flops_per_key=2 * 128 * (576 + 512) * 61, topk=2048,
     indexer_flops_per_key=64 * 128 * 2 * 61, weight_bytes=671e9,
-    index_bytes_per_token=(128 + 4) * 61,
+    index_bytes_per_token=(128 + 4) * 61, moe_layers=58, hidden=7168, routed_experts=256,
+    active_experts=8, node_limit=4,
     notes="DeepSeek-V3.2 660B; FP8 MLA latent 656 B x 61 layers = 40,016 B/token "
     "(alternatives: ~48 KB with indexer keys, 70,272 B BF16 latent)")
 
@@ -128,12 +156,13 @@ DS_27B = ModelProfile(
     "ds27b", layers=30, kv_bytes_per_token=656 * 30, linear_flops=2 * 4.13e9,
     attn_flops_per_key=2 * 32 * (576 + 512) * 30, topk=1024,
     indexer_flops_per_key=32 * 64 * 2 * 30, weight_bytes=27e9,
-    index_bytes_per_token=(64 + 4) * 30,
+    index_bytes_per_token=(64 + 4) * 30, moe_layers=29, hidden=2560, routed_experts=72,
+    active_experts=6, node_limit=4,
     notes="DS 27B (A.2); FP8 MLA latent 656 B x 30 layers = 19,680 B/token")
 
 # Qwen2.5-32B: 64 layers, GQA 40 query / 8 KV heads of 128, FP16 KV: 2·8·128·2 B × 64 =
 # 262,144 B = 256 KiB/token. Linear 2 × 32.5B. Dense attention: QK + PV = 2·2·40·128 per key
-# per layer × 64 = 1.31e6 FLOPs/key.
+# per layer × 64 = 1.31e6 FLOPs/key. Dense and served DP only (PAPER §7.3): no all-to-all.
 QWEN_32B = ModelProfile(
     "qwen32b", layers=64, kv_bytes_per_token=2 * 8 * 128 * 2 * 64, linear_flops=2 * 32.5e9,
     attn_flops_per_key=2 * 2 * 40 * 128 * 64, weight_bytes=65e9,

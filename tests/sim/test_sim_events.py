@@ -111,3 +111,46 @@ def test_many_flows_finish_in_size_order_exactly():
     # 3 flows share: size 1 at t=3, then 2 share: size 2 at 3+2=5, then size 3 at 6
     assert done == [(1.0, pytest.approx(3.0)), (2.0, pytest.approx(5.0)),
                     (3.0, pytest.approx(6.0))]
+
+
+# --- in-order links with QoS lanes (DRAM, compute NICs) ---
+
+
+def test_pipe_link_serves_bookings_in_order():
+    from dualpath.sim.links import PipeLink
+
+    pipe = PipeLink(100.0)
+    assert pipe.book(100.0, 0.0) == pytest.approx(1.0)
+    assert pipe.book(50.0, 0.2) == pytest.approx(1.5)  # waits for the first
+    assert pipe.book(100.0, 3.0) == pytest.approx(4.0)  # idle link: served at once
+    assert pipe.book(0.0, 3.5) == 3.5  # nothing to move
+    assert pipe.kv_bytes == pytest.approx(250.0)
+
+
+def test_pipe_link_kv_gets_what_the_high_lane_leaves():
+    from dualpath.sim.links import PipeLink
+    from dualpath.transfer.lanes import DEFAULT_LANE_WEIGHTS, Lane
+
+    pipe = PipeLink(100.0)
+    pipe.high_bps = 30.0  # all-to-all of a running forward
+    assert pipe.book(70.0, 0.0) == pytest.approx(1.0)
+    pipe.high_bps = 1e9  # more than the link: the weights still give KV 1 share in 100
+    assert pipe.kv_bps(Lane.KV_FORWARD) == pytest.approx(100.0 / 100)
+    weights = {**DEFAULT_LANE_WEIGHTS, Lane.HIGH: 3, Lane.KV_LOAD: 1}
+    fair = PipeLink(100.0, weights=weights)
+    fair.high_demand = lambda: 1e9  # asked at each booking
+    assert fair.book(25.0, 0.0) == pytest.approx(1.0)  # 1 share in 4
+    with pytest.raises(ValueError, match="high lane"):
+        pipe.book(1.0, 0.0, Lane.HIGH)
+    with pytest.raises(ValueError, match="bandwidth"):
+        PipeLink(0.0)
+
+
+def test_duplex_nic_directions_are_independent():
+    from dualpath.sim.links import DuplexNic
+
+    nic = DuplexNic(10.0)
+    assert nic.tx.book(10.0, 0.0) == pytest.approx(1.0)
+    assert nic.rx.book(10.0, 0.0) == pytest.approx(1.0)
+    nic.set_high_bps(5.0)
+    assert nic.tx.book(5.0, 1.0) == pytest.approx(2.0) and nic.rx.high_bps == 5.0

@@ -46,3 +46,30 @@ def test_candidates_skip_pairs_the_model_does_not_fit_and_plan_skips_failed_runs
     out = plan(get_hardware("hopper"), 8, lambda p, d: None if p == 2 else 100.0 * p, fits)
     assert out["summary"]["recommended"] is not None
     assert not out["summary"]["recommended"].startswith("2P")
+
+
+def test_plan_beyond_the_range_marks_and_recommends_separately():
+    hw = get_hardware("hopper")
+    # a simulator that prefers ever more prefill: the best ratio lies past 7/2
+    out = plan(hw, 6, simulate=lambda p, d: 100.0 / (p + 0.1 * d), beyond=True)
+    rows = {(c["P"], c["D"]): c for c in out["candidates"]}
+    assert rows[(5, 1)]["in_range"] is False and rows[(1, 2)]["in_range"] is True
+    assert out["summary"]["recommended"] == "5P1D"
+    assert out["summary"]["recommended_in_range"] == "3P1D"
+    inside = plan(hw, 6, simulate=lambda p, d: 100.0 / (p + 0.1 * d))
+    assert all(c["in_range"] for c in inside["candidates"])
+    assert "recommended_in_range" not in inside["summary"]
+
+
+def test_plan_cli_what_if_bandwidths(tmp_path, capsys):
+    import json
+
+    from dualpath.cli import main
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--dram-gbps", "200", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["summary"]["pd_range"] == "1/7 .. 1/2"  # eq. (8) binds
+    assert data["hardware"]["dram_bps"] == 200e9 and data["hardware"]["name"] == "hopper*"
+    assert main(["plan", "--cnic-gbps", "0"]) == 2
+    assert "--cnic-gbps must be positive" in capsys.readouterr().err
