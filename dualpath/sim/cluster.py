@@ -6,15 +6,11 @@ each PE forms its forward batches with :func:`build_prefill_batch` under the com
 Only clocks, links and compute are modelled:
 
 * hit KV is read over the chosen side's storage NIC (one shared :class:`Link` per node) into
-  that node's DRAM; in the request's first forward it is copied into PE HBM (PE path: PE
-  DRAM → PE compute NIC loopback; DE path: DE DRAM → DE compute NIC → PE compute NIC); after
-  prefill the prompt's KV (DE path: only the part the DE does not hold yet) goes PE HBM →
-  PE NIC → DE NIC → DE DRAM, and the whole prompt DE DRAM → DE NIC → DE HBM before decoding
-  (PAPER §2.2–2.4; oracle: no reads, no transfers). Each node's DRAM (reads and writes
-  summed) and each direction of each GPU's compute NIC is a :class:`PipeLink`; a transfer
-  waits for the last of its hops. KV uses the low lanes of the compute NICs, while EP
-  all-to-all of the running forwards and decode steps takes the high lane
-  (:meth:`ModelProfile.a2a_bytes_per_token`, spread over the forward or step);
+  that node's DRAM, copied into PE HBM under the request's first forward, and after the
+  prefill sent to the DE's DRAM and HBM: the hops of :mod:`dualpath.sim.hops` (PAPER
+  §2.2–2.4; oracle: no reads, no transfers). EP all-to-all of the running forwards and
+  decode steps takes the compute NICs' high lane (:meth:`ModelProfile.a2a_bytes_per_token`,
+  spread over the forward or step);
 * EP lock step (``SimConfig.ep_lockstep``): the PEs of one EP group run their forwards
   together — a round takes the longest member's predicted forward, members without work
   wait — and the DEs of one EP group step together at the busiest member's step time
@@ -69,11 +65,9 @@ from dualpath.scheduler import (
 from dualpath.sim.config import SimConfig
 from dualpath.sim.engines import DecodeEngine, Job, PrefillEngine
 from dualpath.sim.events import EventLoop
-from dualpath.sim.links import DuplexNic, Link, LockstepGroup, PipeLink, RateGroup
+from dualpath.sim.hops import Hops
+from dualpath.sim.links import DuplexNic, Link, LockstepGroup, RateGroup
 from dualpath.sim.workload import Turn, agent_trajectories, arrival_times
-from dualpath.transfer.lanes import Lane
-
-LOAD, FORWARD = Lane.KV_LOAD, Lane.KV_FORWARD
 
 Batch = list[tuple[int, int, int]]
 
@@ -153,7 +147,7 @@ class Simulator:
         nodes = cfg.prefill_nodes + cfg.decode_nodes
         snic_bps = hw.snic_bps * cfg.storage_eff
         self.snic = [Link(self.loop, snic_bps, f"snic{n}") for n in range(nodes)]
-        self.dram = [PipeLink(hw.dram_bps, f"dram{n}") for n in range(nodes)]
+        self.hops = Hops(hw, nodes, self.kvb)
         self.read_q = [0] * nodes
         self._dirty_nodes: set[int] = set()  # nodes whose read queue changed since the view
         self._node_views = [NodeView(n, 0) for n in range(nodes)]
@@ -321,10 +315,9 @@ class Simulator:
                 self.dram_free[node] -= tokens
             waiting.popleft()
             self.reads_active[node] += 1
-            nbytes = tokens * self.kvb
-            written = self.dram[node].book(nbytes, self.loop.now)  # storage NIC → DRAM
-            self.snic[node].transfer(
-                nbytes, lambda t=tokens, f=then, w=written: self._read_done(node, t, f, w))
+            written = self.hops.into_dram(node, tokens, self.loop.now)
+            self.snic[node].transfer(tokens * self.kvb, lambda t=tokens, f=then, w=written:
+                                     self._read_done(node, t, f, w))
 
     def _read_done(self, node: int, tokens: int, then: Callable[[], None],
                    written: float) -> None:
@@ -340,22 +333,6 @@ class Simulator:
         else:
             self.loop.at(time, then)
 
-    def _copy_in(self, pe: PrefillEngine, job: Job) -> float:
-        """Book the copy of ``job``'s hit KV into ``pe``'s HBM (PAPER §2.2 steps 3–4: PE
-        DRAM → PE NIC loopback; §2.3 steps 3–5: DE DRAM → DE NIC → PE NIC); when it ends."""
-        now, end = self.loop.now, self.loop.now
-        if job.h2d_pe:
-            nbytes = job.h2d_pe * self.kvb
-            end = max(end, self.dram[pe.node].book(nbytes, now),
-                      pe.nic.tx.book(nbytes, now, LOAD), pe.nic.rx.book(nbytes, now, LOAD))
-            job.h2d_pe = 0
-        if job.h2d_de:
-            nbytes, de = job.h2d_de * self.kvb, job.de
-            end = max(end, self.dram[de.node].book(nbytes, now),
-                      de.nic.tx.book(nbytes, now, LOAD), pe.nic.rx.book(nbytes, now, LOAD))
-            job.h2d_de = 0
-        return end
-
     def _unstage(self, node: int, tokens: int) -> None:
         if self.dram_free is not None and tokens:
             self.dram_free[node] += tokens
@@ -367,7 +344,7 @@ class Simulator:
         while pe.admit and (pe.hbm_used + pe.admit[0].hbm <= pe.capacity or not pe.hbm_used):
             job = pe.admit.popleft()
             pe.hbm_used += job.hbm
-            copied = self._copy_in(pe, job)  # on into HBM as the blocks land
+            copied = self.hops.copy_in(pe, job, self.loop.now)  # on as the blocks land
             self._read(pe.node, job.cached, lambda j=job, c=copied: self._at(
                 c, lambda: self._ready(pe, j)))
 
@@ -417,7 +394,7 @@ class Simulator:
                 if job.unread:
                     unread += job.unread
                     job.unread = 0
-                    copied = max(copied, self._copy_in(pe, job))
+                    copied = max(copied, self.hops.copy_in(pe, job, self.loop.now))
             if unread:
                 self._read(pe.node, unread, lambda c=copied: self._at(c, compute))
             else:
@@ -436,7 +413,7 @@ class Simulator:
             for idx, _, _ in batch:
                 job = pe.fifo[idx]
                 if job.h2d_pe or job.h2d_de:
-                    loaded = max(loaded, self._copy_in(pe, job))
+                    loaded = max(loaded, self.hops.copy_in(pe, job, now))
         end = max(now + compute_s, loaded)
         for pe, batch in batches:
             tokens = sum(bsz for _, _, bsz in batch)
@@ -454,16 +431,15 @@ class Simulator:
             job.remaining -= bsz
             if job.remaining <= 0:
                 finished.append(job)
-        if finished:  # a batch is a head of the FIFO: filter that head only
-            cut = max(idx for idx, _, _ in batch) + 1
-            pe.fifo[:cut] = [j for j in pe.fifo[:cut] if j.remaining > 0]
         if not finished:
             return
+        cut = max(idx for idx, _, _ in batch) + 1  # a batch is a head of the FIFO
+        pe.fifo[:cut] = [j for j in pe.fifo[:cut] if j.remaining > 0]
         # the PE's NIC sends the KV of the requests its forward finished together, so they
         # share it and arrive together (as flows started at once do), not one after another
-        sent = sum(job.turn.prompt - job.de_holds for job in finished) * self.kvb
+        sent = sum(job.turn.prompt - job.de_holds for job in finished)
         sent_at = (self.loop.now if self.cfg.mode == "oracle"
-                   else pe.nic.tx.book(sent, self.loop.now, FORWARD))
+                   else self.hops.send(pe, sent, self.loop.now))
         for job in finished:
             pe.finish(job.turn.prompt)
             if self.online:
@@ -481,7 +457,8 @@ class Simulator:
         if self.cfg.mode == "oracle":
             start()
             return
-        end = max(sent_at, self._send_to_de(de, turn.prompt - de_holds, turn.prompt))
+        end = max(sent_at, self.hops.receive(de, turn.prompt - de_holds, turn.prompt,
+                                             self.loop.now))
         if job.hbm:  # Basic with prefetch: PE HBM is free once the KV reached the DE
             def sent() -> None:
                 self._release_hbm(pe, job.hbm)
@@ -495,15 +472,6 @@ class Simulator:
                 self._unstage(de.node, de_holds)
                 start()
             self.loop.at(end, loaded)
-
-    def _send_to_de(self, de: DecodeEngine, sent: int, prompt: int) -> float:
-        """Book the DE's side of the hand-off; when the DE holds the whole prompt in HBM:
-        ``sent`` tokens arrive DE NIC → DE DRAM (PAPER §2.2 steps 6–7, or the DE path's miss
-        tokens), then the ``prompt`` goes DE DRAM → DE NIC loopback → DE HBM (steps 8–9)."""
-        now, sent_b, prompt_b = self.loop.now, sent * self.kvb, prompt * self.kvb
-        return max(de.nic.rx.book(sent_b + prompt_b, now, FORWARD),
-                   self.dram[de.node].book(sent_b + prompt_b, now),
-                   de.nic.tx.book(prompt_b, now, FORWARD))
 
     def _decode(self, rid: int, de: DecodeEngine, turn: Turn) -> None:
         if self.online:
@@ -563,27 +531,11 @@ class Simulator:
                 gc.enable()
 
     def _hop_stats(self, jct: float) -> dict[str, Any]:
-        """Bytes per hop class over the run and the mean (and busiest) utilisation of each
-        class: DRAM per prefill / decode node, each direction of the PE and DE compute NICs
-        (KV lanes; ``a2a_util``: the high lane)."""
-        hw, p = self.cfg.hw(), self.cfg.prefill_nodes
-        classes = {"dram_prefill": (self.dram[:p], hw.dram_bps),
-                   "dram_decode": (self.dram[p:], hw.dram_bps),
-                   "pe_tx": ([e.nic.tx for e in self.pes], hw.cnic_bps),
-                   "pe_rx": ([e.nic.rx for e in self.pes], hw.cnic_bps),
-                   "de_tx": ([e.nic.tx for e in self.des], hw.cnic_bps),
-                   "de_rx": ([e.nic.rx for e in self.des], hw.cnic_bps)}
-        span = max(jct, 1e-12)
-        out: dict[str, Any] = {"hop_bytes": {}, "hop_util": {}, "hop_util_max": {}}
-        for name, (pipes, bps) in classes.items():
-            util = [pl.kv_bytes / (bps * span) for pl in pipes]
-            out["hop_bytes"][name] = sum(pl.kv_bytes for pl in pipes)
-            out["hop_util"][name] = sum(util) / len(util)
-            out["hop_util_max"][name] = max(util)
-        out["hop_bytes"]["snic_prefill"] = sum(link.work_done for link in self.snic[:p])
-        out["hop_bytes"]["snic_decode"] = sum(link.work_done for link in self.snic[p:])
+        """:meth:`Hops.stats` and ``a2a_util``: EP all-to-all bytes over the compute NICs'
+        capacity (each way)."""
+        out = self.hops.stats(self.pes, self.des, self.snic, self.cfg.prefill_nodes, jct)
         nics = len(self.pes) + len(self.des)
-        out["a2a_util"] = self.a2a_bytes / (hw.cnic_bps * span * nics)
+        out["a2a_util"] = self.a2a_bytes / (self.cfg.hw().cnic_bps * max(jct, 1e-12) * nics)
         return out
 
     def run(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import pytest
 
 MODULES = ["dualpath.sim", "dualpath.sim.cluster", "dualpath.sim.presets",
            "dualpath.sim.commands", "dualpath.sim.planner", "dualpath.sim.profiles",
-           "dualpath.sim.online"]
+           "dualpath.sim.online", "dualpath.sim.hops", "dualpath.sim.links"]
 ENGINE = ("torch", "dualpath.engine", "dualpath.model")
 
 
