@@ -38,11 +38,12 @@ Batching: modes in ``quota_modes`` use the compute quota (:func:`build_prefill_b
 others a stock token budget (:func:`build_token_batch`). The scheduler's β is in prompt
 tokens a PE gets through at the workload's mean hit, as ``dualpath profile`` defines it.
 
-Simplifications: decode write-back to storage is not modelled (about 2% of the bytes, in the
-storage NIC's other direction); the PE → DE hop runs after the prefill rather than layer by
-layer under it; a DE's all-to-all demand is updated when its own batch changes; a node's
-reads start in FIFO order, ``SimConfig.read_streams`` at a time, and share its NIC equally
-while in flight (no per-request storage latency).
+Simplifications: the write-back of a turn's new blocks is booked as its decode ends and
+nothing waits for it (the next turn may read them before they are stored); the PE → DE hop
+runs after the prefill rather than layer by layer under it; a DE's all-to-all demand is its
+batch at the current step time when a booking is made; a node's reads start in FIFO order,
+``SimConfig.read_streams`` at a time, and share its NIC equally while in flight (no
+per-request storage latency).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class Simulator:
         nodes = cfg.prefill_nodes + cfg.decode_nodes
         snic_bps = hw.snic_bps * cfg.storage_eff
         self.snic = [Link(self.loop, snic_bps, f"snic{n}") for n in range(nodes)]
-        self.hops = Hops(hw, nodes, self.kvb)
+        self.hops = Hops(hw, nodes, self.kvb, cfg.storage_eff)
         self.read_q = [0] * nodes
         self._dirty_nodes: set[int] = set()  # nodes whose read queue changed since the view
         self._node_views = [NodeView(n, 0) for n in range(nodes)]
@@ -487,6 +488,9 @@ class Simulator:
     def _decoded(self, rid: int, de: DecodeEngine, turn: Turn) -> None:
         de.release(turn.prompt, turn.gen)
         agent = self.req_agent.pop(rid)
+        traj, nxt = self.trajs[agent], self.agent_turn[agent] + 1
+        if self.cfg.mode != "oracle" and nxt < len(traj):  # what the next turn reads anew
+            self.hops.save(de, traj[nxt].hit - turn.hit, self.loop.now)
         if self.online:
             submit, prefilled, decode_start = self._times.pop(rid)
             self.latency.append((submit, prefilled, decode_start, self.loop.now, turn.gen))

@@ -9,10 +9,12 @@ once and completes when the last one does — one event per transfer, not per ho
   loopback → PE HBM (steps 3–4), DE path DE DRAM → DE NIC → PE NIC → PE HBM (steps 3–5);
 * :meth:`Hops.send` + :meth:`Hops.receive` after the prefill: the prompt's KV (DE path: its
   miss tokens) PE HBM → PE NIC → DE NIC → DE DRAM (steps 5–7), then the whole prompt DE DRAM
-  → DE NIC loopback → DE HBM (steps 8–9).
+  → DE NIC loopback → DE HBM (steps 8–9);
+* :meth:`Hops.save` as a turn's decode ends: its new full blocks DE HBM → DE NIC loopback →
+  DE DRAM → the storage NIC's write direction (§2.4), which nothing waits for.
 
-KV takes the low lanes (loads: ``kv_load``; the hand-off: ``kv_forward``); the simulator sets
-the high lane's EP all-to-all demand on the NICs.
+KV takes the low lanes (loads: ``kv_load``; the hand-off: ``kv_forward``; saves:
+``kv_save``); the simulator sets the high lane's EP all-to-all demand on the NICs.
 """
 
 from __future__ import annotations
@@ -24,15 +26,18 @@ from dualpath.sim.links import Link, PipeLink
 from dualpath.sim.profiles import HardwareProfile
 from dualpath.transfer.lanes import Lane
 
-LOAD, FORWARD = Lane.KV_LOAD, Lane.KV_FORWARD
+LOAD, FORWARD, SAVE = Lane.KV_LOAD, Lane.KV_FORWARD, Lane.KV_SAVE
 
 
 class Hops:
     """The DRAM of every node and the bookings of the KV hops (``kvb`` bytes per token)."""
 
-    def __init__(self, hw: HardwareProfile, nodes: int, kvb: float) -> None:
+    def __init__(self, hw: HardwareProfile, nodes: int, kvb: float,
+                 storage_eff: float = 1.0) -> None:
         self.hw, self.kvb = hw, kvb
         self.dram = [PipeLink(hw.dram_bps, f"dram{n}") for n in range(nodes)]
+        self.snic_write = [PipeLink(hw.snic_bps * storage_eff, f"snic{n}.write")
+                           for n in range(nodes)]
 
     def into_dram(self, node: int, tokens: int, now: float) -> float:
         """A storage read lands in ``node``'s DRAM (booked as it starts); when it is written."""
@@ -66,6 +71,15 @@ class Hops:
                    self.dram[de.node].book(sent_b + prompt_b, now),
                    de.nic.tx.book(prompt_b, now, FORWARD))
 
+    def save(self, de: DecodeEngine, tokens: int, now: float) -> float:
+        """Persist ``tokens`` of new full blocks from ``de``'s HBM; when they are stored."""
+        if tokens <= 0:
+            return now
+        nbytes = tokens * self.kvb
+        return max(de.nic.tx.book(nbytes, now, SAVE), de.nic.rx.book(nbytes, now, SAVE),
+                   self.dram[de.node].book(2 * nbytes, now),
+                   self.snic_write[de.node].book(nbytes, now))
+
     def stats(self, pes: list[PrefillEngine], des: list[DecodeEngine], snic: list[Link],
               prefill_nodes: int, jct: float) -> dict[str, Any]:
         """Bytes per hop class over a run of ``jct`` seconds and the mean (and busiest)
@@ -87,4 +101,7 @@ class Hops:
             out["hop_util_max"][name] = max(util)
         out["hop_bytes"]["snic_prefill"] = sum(link.work_done for link in snic[:p])
         out["hop_bytes"]["snic_decode"] = sum(link.work_done for link in snic[p:])
+        out["hop_bytes"]["snic_write"] = sum(pl.kv_bytes for pl in self.snic_write)
+        writes = [pl.kv_bytes / (pl.bandwidth * span) for pl in self.snic_write[p:]]
+        out["hop_util"]["snic_write_decode"] = sum(writes) / max(1, len(writes))
         return out

@@ -15,9 +15,14 @@ from dualpath.sim.workload import WorkloadConfig
 SMALL = replace(DS660B, workload=WorkloadConfig("64k", agents=32, turns=20))
 
 
-def _prompt_bytes(cfg):
+def _workload_bytes(cfg):
+    """Hit and prompt bytes of every turn, and the bytes written back: each turn's new full
+    blocks that the agent's next turn reads (its hit less this turn's)."""
     sim = Simulator(cfg)
-    return sum(t.prompt for traj in sim.trajs for t in traj) * sim.kvb
+    hit = sum(t.hit for traj in sim.trajs for t in traj)
+    prompt = sum(t.prompt for traj in sim.trajs for t in traj)
+    saved = sum(traj[-1].hit - traj[0].hit for traj in sim.trajs)
+    return hit * sim.kvb, prompt * sim.kvb, saved * sim.kvb
 
 
 @pytest.mark.parametrize("mode", ["dualpath", "layerwise", "basic"])
@@ -26,18 +31,21 @@ def test_hop_bytes_follow_the_papers_traffic_model(mode):
     loopback (PE DRAM 2×, PE NIC read + write); the DE path reads into DE DRAM and sends it
     DE NIC → PE NIC; every prompt goes PE → DE DRAM (the DE path: only its miss tokens), then
     DE DRAM → DE HBM by loopback. So DE DRAM carries 3× the DE reads + 2× the PE reads (plus
-    the miss tokens twice): eq. (8)'s ``(3 + 2·P/D)·s·B``."""
+    the miss tokens twice): eq. (8)'s ``(3 + 2·P/D)·s·B``. The write-back of new blocks (§2.4,
+    which eq. 8 leaves out) adds DE HBM → DE NIC loopback → DE DRAM → storage."""
     cfg = replace(SMALL, mode=mode)
     result = simulate(cfg)
-    hops, prompt = result["hop_bytes"], _prompt_bytes(cfg)
+    hops, (hit, prompt, saved) = result["hop_bytes"], _workload_bytes(cfg)
     h_pe, h_de = hops["snic_prefill"], hops["snic_decode"]
     assert h_pe > 0 and (h_de > 0) == (mode == "dualpath")
+    assert h_pe + h_de == pytest.approx(hit)  # each turn rereads every block, once
+    assert hops["snic_write"] == pytest.approx(saved)
     assert hops["dram_prefill"] == pytest.approx(2 * h_pe)
-    assert hops["dram_decode"] == pytest.approx(h_de + 2 * prompt)
+    assert hops["dram_decode"] == pytest.approx(h_de + 2 * prompt + 2 * saved)
     assert hops["pe_tx"] == pytest.approx(h_pe + prompt - h_de)  # steps 3 and 5
     assert hops["pe_rx"] == pytest.approx(h_pe + h_de)  # PE step 4, DE step 5
-    assert hops["de_tx"] == pytest.approx(h_de + prompt)  # PE step 8, DE steps 3 and 6
-    assert hops["de_rx"] == pytest.approx(2 * prompt - h_de)  # PE steps 7 and 9, DE step 7
+    assert hops["de_tx"] == pytest.approx(h_de + prompt + saved)  # PE 8, DE 3 and 6, saves
+    assert hops["de_rx"] == pytest.approx(2 * prompt - h_de + saved)  # PE 7, 9, DE 7, saves
     assert 0 < result["hop_util"]["dram_decode"] <= result["hop_util_max"]["dram_decode"] < 1
 
 
