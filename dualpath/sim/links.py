@@ -279,16 +279,9 @@ class PipeLink:
 
     def book(self, nbytes: float, now: float, lane: Lane = Lane.KV_LOAD) -> float:
         """Serve ``nbytes`` on ``lane`` after the bookings made before; when it finishes."""
-        if lane is Lane.HIGH:
-            self.kv_bps(lane)  # the named error
+        rate = self.kv_bps(lane)
         if nbytes <= 0:
             return now
-        high = self.high_bps if self.high_demand is None else self.high_demand()
-        if high > 0.0:  # kv_bps(), inlined: this runs for every hop of every transfer
-            cap = self._high_cap[lane]
-            rate = self.bandwidth - (high if high < cap else cap)
-        else:
-            rate = self.bandwidth
         begin = now if now > self.free_at else self.free_at
         self.free_at = begin + nbytes / rate
         self.kv_bytes += nbytes
