@@ -102,18 +102,22 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# ``dualpath plan`` what-if options (GB/s) and the hardware fields they replace (bytes/s)
+WHAT_IF_BANDWIDTHS = {"dram_gbps": "dram_bps", "snic_gbps": "snic_bps", "cnic_gbps": "cnic_bps"}
+
+
 def _hardware(args: argparse.Namespace) -> HardwareProfile:
-    """``--hardware`` with the bandwidths given on the command line (GB/s) put in."""
+    """``--hardware`` with the :data:`WHAT_IF_BANDWIDTHS` given put in (named ``name*``)."""
     hw = get_hardware(args.hardware)
-    given = {field: getattr(args, option) for option, field in
-             (("dram_gbps", "dram_bps"), ("snic_gbps", "snic_bps"), ("cnic_gbps", "cnic_bps"))
-             if getattr(args, option) is not None}
-    for field, gbps in given.items():
+    changes = {}
+    for option, field in WHAT_IF_BANDWIDTHS.items():
+        gbps = getattr(args, option)
+        if gbps is None:
+            continue
         if not gbps > 0:
-            raise ValueError(f"--{field[:4]}-gbps must be positive, got {gbps}")
-    if not given:
-        return hw
-    return replace(hw, name=f"{hw.name}*", **{f: g * GB for f, g in given.items()})
+            raise ValueError(f"--{option.replace('_', '-')} must be positive, got {gbps}")
+        changes[field] = gbps * GB
+    return replace(hw, name=f"{hw.name}*", **changes) if changes else hw
 
 
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
