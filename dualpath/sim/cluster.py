@@ -49,7 +49,6 @@ per-request storage latency).
 from __future__ import annotations
 
 import gc
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +56,6 @@ from dualpath.scheduler import (
     ClusterView,
     EngineView,
     GlobalScheduler,
-    NodeView,
     PendingRequest,
     SchedulerParams,
     build_prefill_batch,
@@ -67,7 +65,8 @@ from dualpath.sim.config import SimConfig
 from dualpath.sim.engines import DecodeEngine, Job, PrefillEngine
 from dualpath.sim.events import EventLoop
 from dualpath.sim.hops import Hops
-from dualpath.sim.links import DuplexNic, Link, LockstepGroup, RateGroup
+from dualpath.sim.links import DuplexNic, LockstepGroup, RateGroup
+from dualpath.sim.reads import StorageReads
 from dualpath.sim.workload import Turn, agent_trajectories, arrival_times
 
 Batch = list[tuple[int, int, int]]
@@ -143,21 +142,15 @@ class Simulator:
         self._index_groups()
 
     def _build_nodes(self) -> None:
-        """Per node: the storage NIC, DRAM, the read queue and the DRAM staging buffer."""
+        """Per node: DRAM and the other KV hops, and the storage reads."""
         cfg, hw = self.cfg, self.cfg.hw()
         nodes = cfg.prefill_nodes + cfg.decode_nodes
-        snic_bps = hw.snic_bps * cfg.storage_eff
-        self.snic = [Link(self.loop, snic_bps, f"snic{n}") for n in range(nodes)]
         self.hops = Hops(hw, nodes, self.kvb, cfg.storage_eff)
-        self.read_q = [0] * nodes
-        self._dirty_nodes: set[int] = set()  # nodes whose read queue changed since the view
-        self._node_views = [NodeView(n, 0) for n in range(nodes)]
-        self.dram_tokens = (None if cfg.dram_buffer_gb is None
-                            else max(1, int(cfg.dram_buffer_gb * 1e9 // self.kvb)))
-        self.dram_free = None if self.dram_tokens is None else [self.dram_tokens] * nodes
-        self.read_wait: list[deque[tuple[int, Callable[[], None], bool]]] = [
-            deque() for _ in range(nodes)]  # (tokens, then, staged) in FIFO order
-        self.reads_active = [0] * nodes
+        buffer = (None if cfg.dram_buffer_gb is None
+                  else max(1, int(cfg.dram_buffer_gb * 1e9 // self.kvb)))
+        self.storage = StorageReads(self.loop, self.hops, nodes,
+                                    hw.snic_bps * cfg.storage_eff, cfg.read_streams, buffer)
+        self.snic = self.storage.snic
 
     def _index_groups(self) -> None:
         """Engines by role and scheduling group, and the cached per-group views."""
@@ -234,12 +227,7 @@ class Simulator:
             groups[role][name] = tuple(e.view for e in members)
             group_tok[name] = sum(e.tok for e in members)
         self._dirty_groups.clear()
-        nodes = self._node_views
-        for n in self._dirty_nodes:
-            if nodes[n].read_queue_tokens != self.read_q[n]:
-                nodes[n] = NodeView(n, self.read_q[n])
-        self._dirty_nodes.clear()
-        return ClusterView.from_groups(groups, tuple(nodes), by_name, group_tok)
+        return ClusterView.from_groups(groups, self.storage.node_views(), by_name, group_tok)
 
     def _tick(self) -> None:
         self._tick_pending = False
@@ -260,7 +248,7 @@ class Simulator:
         if de_read:
             self.reads["de"] += 1
         if self.cfg.mode == "basic":  # the whole KV must be in PE HBM before the forward
-            self._queue_read(pe.node, pe_read)
+            self.storage.queue(pe.node, pe_read)
             if self.cfg.basic_prefetch:
                 pe.admit.append(Job(rid, turn, de, hbm=turn.prompt, h2d_pe=pe_read))
                 self._admit(pe)
@@ -275,69 +263,9 @@ class Simulator:
             if not pending[0]:
                 self._ready(pe, job)
         if pe_read:
-            self._staged_read(pe.node, pe_read, arrived)
+            self.storage.staged(pe.node, pe_read, arrived)
         if de_read:
-            self._staged_read(de.node, de_read, arrived)
-
-    def _staged_read(self, node: int, tokens: int, then: Callable[[], None]) -> None:
-        """Layerwise modes: read into the node's DRAM staging buffer; the read waits in the
-        node's queue until the buffer has room, and the room is given back by
-        :meth:`_unstage`."""
-        self._queue_read(node, tokens)
-        self._enqueue_read(node, tokens, then, staged=True)
-
-    def _queue_read(self, node: int, tokens: int) -> None:
-        """``tokens`` join (or, negative, leave) ``node``'s read queue, which the next
-        scheduler view reports."""
-        self.read_q[node] += tokens
-        self._dirty_nodes.add(node)
-
-    def _read(self, node: int, tokens: int, then: Callable[[], None]) -> None:
-        """Read ``tokens`` of KV over ``node``'s storage NIC into its DRAM, outside the staging
-        buffer (Basic, which copies them into PE HBM next; the caller has already counted
-        them in the node's read queue; they leave it when read)."""
-        self._enqueue_read(node, tokens, then, staged=False)
-
-    def _enqueue_read(self, node: int, tokens: int, then: Callable[[], None],
-                      staged: bool) -> None:
-        self.read_wait[node].append((tokens, then, staged))
-        self._pump_reads(node)
-
-    def _pump_reads(self, node: int) -> None:
-        """Start queued reads in FIFO order while fewer than ``read_streams`` are in flight
-        (``None``: no limit) and, for staged reads, the DRAM buffer has room (a read larger
-        than the buffer goes alone)."""
-        waiting, limit = self.read_wait[node], self.cfg.read_streams
-        while waiting and (limit is None or self.reads_active[node] < limit):
-            tokens, then, staged = waiting[0]
-            if staged and self.dram_free is not None:
-                if tokens > self.dram_free[node] and self.dram_free[node] != self.dram_tokens:
-                    return
-                self.dram_free[node] -= tokens
-            waiting.popleft()
-            self.reads_active[node] += 1
-            written = self.hops.into_dram(node, tokens, self.loop.now)
-            self.snic[node].transfer(tokens * self.kvb, lambda t=tokens, f=then, w=written:
-                                     self._read_done(node, t, f, w))
-
-    def _read_done(self, node: int, tokens: int, then: Callable[[], None],
-                   written: float) -> None:
-        self._queue_read(node, -tokens)
-        self.reads_active[node] -= 1
-        self._pump_reads(node)
-        self._at(written, then)
-
-    def _at(self, time: float, then: Callable[[], None]) -> None:
-        """Run ``then`` at ``time``: now if that has passed (no event), else as an event."""
-        if time <= self.loop.now:
-            then()
-        else:
-            self.loop.at(time, then)
-
-    def _unstage(self, node: int, tokens: int) -> None:
-        if self.dram_free is not None and tokens:
-            self.dram_free[node] += tokens
-            self._pump_reads(node)
+            self.storage.staged(de.node, de_read, arrived)
 
     def _admit(self, pe: PrefillEngine) -> None:
         """Basic with prefetch: read the head requests' KV into PE HBM while it has room for
@@ -346,7 +274,7 @@ class Simulator:
             job = pe.admit.popleft()
             pe.hbm_used += job.hbm
             copied = self.hops.copy_in(pe, job, self.loop.now)  # on as the blocks land
-            self._read(pe.node, job.cached, lambda j=job, c=copied: self._at(
+            self.storage.read(pe.node, job.cached, lambda j=job, c=copied: self.loop.when(
                 c, lambda: self._ready(pe, j)))
 
     def _release_hbm(self, pe: PrefillEngine, tokens: int) -> None:
@@ -397,7 +325,7 @@ class Simulator:
                     job.unread = 0
                     copied = max(copied, self.hops.copy_in(pe, job, self.loop.now))
             if unread:
-                self._read(pe.node, unread, lambda c=copied: self._at(c, compute))
+                self.storage.read(pe.node, unread, lambda c=copied: self.loop.when(c, compute))
             else:
                 compute()
 
@@ -466,11 +394,11 @@ class Simulator:
                 start()
             self.loop.at(end, sent)
         elif not de_holds:  # PE path: the staged KV has been streamed into the forward
-            self._unstage(pe.node, job.staged)
+            self.storage.unstage(pe.node, job.staged)
             self.loop.at(end, start)
         else:  # DE path: the hit KV leaves the DE's DRAM for its HBM with the new KV
             def loaded() -> None:
-                self._unstage(de.node, de_holds)
+                self.storage.unstage(de.node, de_holds)
                 start()
             self.loop.at(end, loaded)
 

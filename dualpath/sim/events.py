@@ -48,6 +48,13 @@ class EventLoop:
         """Run ``callback`` ``delay`` seconds of virtual time from now."""
         return self.at(self.now + (delay if delay > 0.0 else 0.0), callback)
 
+    def when(self, time: float, callback: Callable[[], None]) -> None:
+        """Run ``callback`` at ``time``: at once if that is not later than now (no event)."""
+        if time <= self.now:
+            callback()
+        else:
+            self.at(time, callback)
+
     def __len__(self) -> int:
         """Events still queued (cancelled ones included until popped)."""
         return len(self._heap)

@@ -154,3 +154,12 @@ def test_duplex_nic_directions_are_independent():
     assert nic.rx.book(10.0, 0.0) == pytest.approx(1.0)
     nic.set_high_bps(5.0)
     assert nic.tx.book(5.0, 1.0) == pytest.approx(2.0) and nic.rx.high_bps == 5.0
+
+
+def test_when_runs_now_or_later():
+    loop, seen = EventLoop(), []
+    loop.at(1.0, lambda: loop.when(0.5, lambda: seen.append(("past", loop.now))))
+    loop.at(1.0, lambda: loop.when(2.0, lambda: seen.append(("later", loop.now))))
+    processed = loop.run()
+    assert seen == [("past", 1.0), ("later", 2.0)] and processed == 2.0
+    assert loop.processed == 3  # the past one ran inline, without an event of its own

@@ -8,7 +8,8 @@ import pytest
 
 MODULES = ["dualpath.sim", "dualpath.sim.cluster", "dualpath.sim.presets",
            "dualpath.sim.commands", "dualpath.sim.planner", "dualpath.sim.profiles",
-           "dualpath.sim.online", "dualpath.sim.hops", "dualpath.sim.links"]
+           "dualpath.sim.online", "dualpath.sim.hops", "dualpath.sim.links",
+           "dualpath.sim.reads"]
 ENGINE = ("torch", "dualpath.engine", "dualpath.model")
 
 

@@ -207,13 +207,13 @@ def test_read_streams_serve_a_node_in_fifo_order_or_share_it(streams, expect):
     done: list[tuple[str, float]] = []
     tokens = 100_000
     for name in ("first", "second"):
-        sim._staged_read(0, tokens, lambda n=name: done.append((n, sim.loop.now)))
+        sim.storage.staged(0, tokens, lambda n=name: done.append((n, sim.loop.now)))
     sim.loop.run()
     one = tokens * sim.kvb / sim.snic[0].bandwidth
     times = dict(done)
     assert times["second"] == pytest.approx(2 * one)
     assert times["first"] == pytest.approx(one if expect == "fifo" else 2 * one)
-    assert sim.read_q[0] == 0 and sim.reads_active[0] == 0
+    assert sim.storage.queued[0] == 0 and sim.storage.active[0] == 0
 
 
 def test_marginal_jct_is_the_slope_between_the_extreme_agent_counts():
