@@ -59,22 +59,9 @@ class EventLoop:
         """Events still queued (cancelled ones included until popped)."""
         return len(self._heap)
 
-    def step(self) -> bool:
-        """Run the next live event; False when none is left."""
-        while self._heap:
-            time, _, handle = heapq.heappop(self._heap)
-            if handle.cancelled:
-                continue
-            self.now = time
-            self.processed += 1
-            handle.callback()
-            return True
-        return False
-
     def run(self, until: float | None = None) -> float:
-        """Run events (those at or before ``until`` if given); the final virtual time.
-
-        The body of :meth:`step`, inlined: this loop runs once per event of a simulation."""
+        """Run events in time order, skipping cancelled ones (those at or before ``until`` if
+        given); the final virtual time. Kept in one loop: it runs once per simulated event."""
         heap, pop = self._heap, heapq.heappop
         limit = float("inf") if until is None else until
         while heap:
