@@ -77,8 +77,20 @@ class ClusterConfig:
     profile_path: str | None = None  # `dualpath profile` output: α, β and the PE cost model
     prefill_quota_ms: float = 300.0  # predicted time per PE forward batch (PAPER §5.5)
     host_pool_blocks: int = 512  # full-block slots of each engine's DRAM buffer
+    save_staging_blocks: int = 8  # of those, slots a DE keeps for persisting blocks
+    heartbeat_s: float = 0.5  # engines report their state this often
+    engine_timeout_s: float = 5.0  # an engine silent this long is lost (hung, dead, cut off)
+    router_timeout_s: float = 10.0  # an engine whose router is silent this long stops
     num_prefill: int = 1
     num_decode: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 < self.save_staging_blocks < self.host_pool_blocks:
+            raise ValueError("save_staging_blocks must be > 0 and below host_pool_blocks "
+                             f"({self.save_staging_blocks} of {self.host_pool_blocks})")
+        if not 0 < self.heartbeat_s < min(self.engine_timeout_s, self.router_timeout_s):
+            raise ValueError("heartbeat_s must be > 0 and below engine_timeout_s and "
+                             "router_timeout_s")
 
 
 def cluster_config_to_json(config: ClusterConfig) -> str:

@@ -20,6 +20,7 @@ class ProtocolError(DualPathError):
 
 
 _TYPES: dict[str, type[Message]] = {}
+HEARTBEAT_SUFFIX = "/hb"  # an engine's heartbeat socket is its name plus this
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Prefilled(Message):
     req_id: int
     first_token: int
     num_hit_blocks: int  # hit blocks actually used (after any read failure)
+    num_computed_tokens: int = 0  # prompt tokens the PE's forwards really computed
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,28 @@ class Failed(Message):
     type: ClassVar[str] = "failed"
     req_id: int
     error: str
+
+
+@dataclass(frozen=True)
+class Aborted(Message):
+    """Any engine: it dropped a request it was told to abort and freed what it held."""
+
+    type: ClassVar[str] = "aborted"
+    req_id: int
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Any engine, every ``heartbeat_s``: alive, and its real state (the router checks its own
+    accounting against it)."""
+
+    type: ClassVar[str] = "heartbeat"
+    name: str
+    free_kv_blocks: int  # device KV blocks not in use
+    free_host_slots: int  # host-pool slots not in use
+    read_queue_tokens: int  # the storage client's unfinished reads
+    running: tuple[int, ...] = ()  # req ids this engine holds in any phase
+    loop_age_s: float = 0.0  # seconds since the engine's work loop last went round
 
 
 @dataclass(frozen=True)
@@ -175,11 +199,21 @@ class Decode(Message):
 
 
 @dataclass(frozen=True)
-class Release(Message):
-    """DE: free a request's host slots (its prefill failed)."""
+class Abort(Message):
+    """Any engine: stop a request in whatever phase it is, free what it holds, answer
+    ``Aborted`` (a request the engine does not know is answered too)."""
 
-    type: ClassVar[str] = "release"
+    type: ClassVar[str] = "abort"
     req_id: int
+
+
+@dataclass(frozen=True)
+class HeartbeatAck(Message):
+    """The router heard a heartbeat. ``known`` is False when the router has declared this
+    engine lost: the engine drops every request it holds and says hello again."""
+
+    type: ClassVar[str] = "heartbeat_ack"
+    known: bool = True
 
 
 @dataclass(frozen=True)

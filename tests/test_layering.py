@@ -25,7 +25,8 @@ FORBIDDEN = frozenset(
     {"torch", "zmq", "socket", "time", "datetime", "asyncio", "threading", "multiprocessing"}
 )
 
-REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/model/spec.py")
+REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/model/spec.py",
+                 "dualpath/server/router_state.py")
 OPTIONAL_PURE = ("dualpath/transfer/lanes.py", "dualpath/kv/layout.py")
 PURE_TREES = ("dualpath/scheduler",)
 

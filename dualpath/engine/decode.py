@@ -6,11 +6,18 @@ rest, ``Decode`` copies the buffer into the paged cache, frees the slots and joi
 batch. Every full block the sequence completes beyond what storage already holds — the prompt
 tail and generated tokens — is gathered into a staging slot and written to storage; a trailing
 partial block is not stored (the next turn recomputes it).
+
+Nothing here fails for lack of room: an ``AllocBuffer`` that finds no contiguous run, or a
+``Decode`` that finds no free KV blocks, waits (FIFO) until earlier requests free theirs; a block
+that finds no free staging slot is saved at a later step, or dropped and counted if its sequence
+ended. ``abort`` drops a request in any phase; slots a storage read still fills are freed only
+when that read ends.
 """
 
 from __future__ import annotations
 
 import queue
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -18,9 +25,10 @@ import torch
 
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.traffic import TrafficManager
+from dualpath.errors import HostPoolExhaustedError, OutOfBlocksError
 from dualpath.kv.hashing import extend_block_hashes
 from dualpath.kv.host_pool import HostPool
-from dualpath.protocol import AllocBuffer, BufferReady, Decode, Finished, Message
+from dualpath.protocol import Aborted, AllocBuffer, BufferReady, Decode, Failed, Finished, Message
 from dualpath.request import SamplingParams, Sequence
 from dualpath.storage.client import StorageClient
 from dualpath.transfer.lanes import Lane
@@ -38,39 +46,87 @@ class DecodeWorker:
     """Host buffer management, continuous-batching decode and KV persistence."""
 
     def __init__(self, engine: LLMEngine, host_pool: HostPool, traffic: TrafficManager,
-                 storage: StorageClient) -> None:
+                 storage: StorageClient, staging_blocks: int = 8) -> None:
         self.engine = engine
         self.host_pool = host_pool
         self.traffic = traffic
         self.storage = storage
+        self.staging_blocks = staging_blocks  # most slots in flight to storage at once
         self.block_size = engine.config.block_size
         self.layout = engine.layout
         self._buffers: dict[int, list[int]] = {}  # req_id -> host slots
+        self._reading: set[int] = set()  # req_ids whose DE-path read is in flight
+        self._orphans: set[int] = set()  # aborted while reading: free the slots when it ends
+        self._pending_allocs: deque[AllocBuffer] = deque()  # waiting for a contiguous run
+        self._pending_decodes: deque[Decode] = deque()  # waiting for device KV blocks
         self._active: dict[int, _Active] = {}  # seq_id -> request
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._staging_in_use = 0
         self.num_saved_blocks = 0
+        self.num_saves_dropped = 0  # full blocks not persisted (no staging room, or a failure)
+        self.num_waits = 0  # allocations and decodes that had to wait for room
 
     # -- buffer ---------------------------------------------------------------------------------
     def alloc_buffer(self, msg: AllocBuffer) -> list[Message]:
-        """Take a contiguous region; start the DE-path read if asked (reply when done).
+        """Take a contiguous region (or wait for one); start the DE-path read if asked (reply
+        when done).
 
         Storage holds full blocks, the buffer is layer-major: each block's file is scattered
         straight into its 30-odd layer slices by one vectored read.
         """
-        slots = self.host_pool.alloc_run(msg.num_blocks)
-        self._buffers[msg.req_id] = slots
+        if msg.num_blocks > self.host_pool.num_slots:
+            return [Failed(msg.req_id, f"the prompt needs {msg.num_blocks} host slots, the "
+                                       f"pool has {self.host_pool.num_slots}")]
+        self._pending_allocs.append(msg)
+        if len(self._pending_allocs) > 1:
+            self.num_waits += 1
+        return self._start_allocs()
+
+    def _start_allocs(self) -> list[Message]:
+        out: list[Message] = []
+        while self._pending_allocs:
+            msg = self._pending_allocs[0]
+            try:
+                slots = self.host_pool.alloc_run(msg.num_blocks)
+            except HostPoolExhaustedError:
+                self.num_waits += len(out) == 0
+                return out
+            self._pending_allocs.popleft()
+            self._buffers[msg.req_id] = slots
+            out.extend(self._start_read(msg, slots))
+        return out
+
+    def _start_read(self, msg: AllocBuffer, slots: list[int]) -> list[Message]:
         if msg.num_read_blocks == 0:
             return [self._ready(msg.req_id, 0)]
         keys = self.engine.key_space.keys(msg.prompt_ids)[: msg.num_read_blocks]
         layers = self._layer_major(slots)  # [layers, n, layer_block_bytes]
         parts = [list(layers[:, b].unbind(0)) for b in range(msg.num_read_blocks)]
+        self._reading.add(msg.req_id)
         future = self.storage.submit_read(keys, parts)
         future.add_done_callback(lambda f, r=msg.req_id: self._events.put(("read", (r, f))))
         return []
 
-    def release(self, req_id: int) -> None:
-        """Free a request's slots (its prefill failed)."""
-        self.host_pool.free(self._buffers.pop(req_id, []))
+    def abort(self, req_id: int) -> list[Message]:
+        """Drop a request in any phase and free what it holds; answers ``Aborted``."""
+        self._pending_allocs = deque(m for m in self._pending_allocs if m.req_id != req_id)
+        self._pending_decodes = deque(m for m in self._pending_decodes if m.req_id != req_id)
+        if req_id in self._reading:
+            self._orphans.add(req_id)  # the read still fills the slots
+        elif req_id in self._buffers:
+            self.host_pool.free(self._buffers.pop(req_id))
+        for seq_id, active in list(self._active.items()):
+            if active.req_id == req_id:
+                self.engine.abort(active.seq)
+                del self._active[seq_id]
+        return [Aborted(req_id), *self._start_allocs()]
+
+    def held_requests(self) -> tuple[int, ...]:
+        """Req ids this engine holds in any phase."""
+        ids = {m.req_id for m in self._pending_allocs} | set(self._buffers)
+        ids |= {m.req_id for m in self._pending_decodes}
+        ids |= {a.req_id for a in self._active.values()}
+        return tuple(sorted(ids - self._orphans))
 
     def _ready(self, req_id: int, num_loaded: int) -> BufferReady:
         slots = self._buffers[req_id]
@@ -84,19 +140,34 @@ class DecodeWorker:
 
     # -- decode ---------------------------------------------------------------------------------
     def start_decode(self, msg: Decode) -> list[Message]:
-        """Move the assembled prompt KV into the cache and start decoding."""
-        slots = self._buffers.pop(msg.req_id)
-        params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature,
-                                top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos,
-                                stop=tuple(msg.stop))
-        fill = (lambda table: None) if msg.oracle else (lambda table: self._copy_in(slots, table))
-        try:
-            seq = self.engine.add_prefilled(list(msg.prompt_ids), msg.first_token, params, fill)
-        finally:
-            self.host_pool.free(slots)
-        self._active[seq.seq_id] = _Active(msg.req_id, seq, msg.num_stored_blocks,
-                                           persist=not msg.oracle)
-        return self._after_step([seq] if seq.is_finished else [])
+        """Move the assembled prompt KV into the cache and start decoding (or wait for room)."""
+        if msg.req_id not in self._buffers:
+            return [Failed(msg.req_id, "no prompt buffer for this request")]
+        self._pending_decodes.append(msg)
+        return self._start_decodes()
+
+    def _start_decodes(self) -> list[Message]:
+        out: list[Message] = []
+        while self._pending_decodes:
+            msg = self._pending_decodes[0]
+            slots = self._buffers[msg.req_id]
+            params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature,
+                                    top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos,
+                                    stop=tuple(msg.stop))
+            fill = ((lambda table: None) if msg.oracle
+                    else (lambda table, s=slots: self._copy_in(s, table)))
+            try:
+                seq = self.engine.add_prefilled(list(msg.prompt_ids), msg.first_token, params,
+                                                fill)
+            except OutOfBlocksError:
+                self.num_waits += 1
+                return out  # running sequences free blocks as they finish
+            self._pending_decodes.popleft()
+            self.host_pool.free(self._buffers.pop(msg.req_id))
+            self._active[seq.seq_id] = _Active(msg.req_id, seq, msg.num_stored_blocks,
+                                               persist=not msg.oracle)
+            out.extend(self._after_step([seq] if seq.is_finished else []))
+        return out + self._start_allocs()
 
     def _copy_in(self, slots: list[int], table: list[int]) -> None:
         data = self.engine.runner.cache.data
@@ -106,13 +177,30 @@ class DecodeWorker:
             self.traffic.copy(data[:, block], layer_major[:, b], Lane.KV_LOAD)  # host -> device
 
     @property
+    def free_kv_blocks(self) -> int:
+        """Device KV blocks not in use."""
+        return self.engine.pool.num_free_blocks
+
+    @property
     def has_work(self) -> bool:
         """True while sequences decode."""
         return self.engine.has_unfinished
 
     def step(self) -> list[Message]:
-        """One decode step of every running sequence; returns Finished messages."""
-        return self._after_step(self.engine.step())
+        """One decode step of every running sequence; returns Finished messages (and, when
+        the step itself fails, a Failed for every running request)."""
+        try:
+            finished = self.engine.step()
+        except Exception as exc:  # a broken step must not leave requests waiting forever
+            return self._fail_all(f"decode step failed: {type(exc).__name__}: {exc}")
+        return self._after_step(finished) + self._start_decodes()
+
+    def _fail_all(self, error: str) -> list[Message]:
+        out: list[Message] = []
+        for active in list(self._active.values()):
+            out.extend(m for m in self.abort(active.req_id) if not isinstance(m, Aborted))
+            out.append(Failed(active.req_id, error))
+        return out
 
     def _after_step(self, finished: list[Sequence]) -> list[Message]:
         for active in list(self._active.values()):
@@ -136,12 +224,18 @@ class DecodeWorker:
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids[: num_full * self.block_size],
                                      self.block_size, space.seed)
         for k in range(active.num_saved_blocks, num_full):
+            if self._staging_in_use >= self.staging_blocks or not self.host_pool.num_free:
+                if seq.is_finished:  # its blocks are reused after this step: too late
+                    self.num_saves_dropped += num_full - k
+                    active.num_saved_blocks = num_full
+                return  # saved at a later step, when writes have freed staging slots
             slot = self.host_pool.alloc(1)[0]
+            self._staging_in_use += 1
             self._gather(seq.block_table[k], slot)
             key = space.key(hashes[k], hashes[k - 1] if k else None)
             future = self.storage.submit_write([key], [self.host_pool.buffer(slot)])
             future.add_done_callback(lambda f, s=slot: self._events.put(("saved", (s, f))))
-        active.num_saved_blocks = num_full
+            active.num_saved_blocks = k + 1
 
     def _gather(self, block: int, slot: int) -> None:
         data = self.engine.runner.cache.data
@@ -159,16 +253,25 @@ class DecodeWorker:
                 return out
             if kind == "read":
                 req_id, future = payload  # type: ignore[misc]
-                out.append(self._read_done(req_id, future))
+                out.extend(self._read_done(req_id, future))
             else:
                 slot, future = payload  # type: ignore[misc]
                 self.host_pool.free([slot])
+                self._staging_in_use -= 1
                 if future.exception() is None and all(future.result()):
                     self.num_saved_blocks += 1
+                else:
+                    self.num_saves_dropped += 1
+                out.extend(self._start_allocs())
 
-    def _read_done(self, req_id: int, future: Future[list[bool]]) -> BufferReady:
+    def _read_done(self, req_id: int, future: Future[list[bool]]) -> list[Message]:
+        self._reading.discard(req_id)
+        if req_id in self._orphans:  # aborted while reading: the slots are free now
+            self._orphans.discard(req_id)
+            self.host_pool.free(self._buffers.pop(req_id))
+            return self._start_allocs()
         ok = future.result() if future.exception() is None else []
         loaded = next((i for i, good in enumerate(ok) if not good), len(ok))
-        return self._ready(req_id, loaded)
+        return [self._ready(req_id, loaded)]
 
 

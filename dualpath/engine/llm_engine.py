@@ -90,6 +90,18 @@ class LLMEngine:
         self._append(seq, first_token)
         return seq
 
+    def abort(self, seq: Sequence) -> None:
+        """Stop a waiting or running sequence and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq in self.batcher.waiting:
+            self.batcher.waiting.remove(seq)
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = "abort"
+        else:
+            self.batcher.finish(seq, "abort")
+        self.sampler.release(seq.seq_id)
+
     @property
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""

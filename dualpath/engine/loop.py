@@ -4,12 +4,20 @@
 ZeroMQ DEALER socket (msgpack control messages), and in between messages it does the role's
 work: the PE prefills the oldest request whose storage read is done; the DE finishes storage
 reads and writes and runs one decode step of its running batch.
+
+A heartbeat thread, on a socket of its own (so a long forward does not silence it), reports the
+engine's real state every ``heartbeat_s``. If the router declares the engine lost (it answers
+``known=False``, say after a SIGSTOP) the loop drops every request and says hello again; if the
+router falls silent for ``router_timeout_s`` the engine stops its work and exits.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,15 +31,18 @@ from dualpath.engine.prefill import PrefillWorker
 from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import (
+    HEARTBEAT_SUFFIX,
+    Abort,
     AllocBuffer,
     Decode,
     Failed,
     GetMetrics,
+    Heartbeat,
+    HeartbeatAck,
     Hello,
     Message,
     Metrics,
     Prefill,
-    Release,
     Shutdown,
     decode,
     encode,
@@ -78,12 +89,17 @@ class EngineProcess:
             self.worker = PrefillWorker(*args, cost_model=_cost_model(config),
                                         quota_ms=config.prefill_quota_ms)
         else:
-            self.worker = DecodeWorker(*args)
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, identity.name.encode())
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(router_address)
+            self.worker = DecodeWorker(*args, staging_blocks=config.save_staging_blocks)
+        self.config = config
+        self.socket = _dealer(identity.name, router_address)
         self._running = True
+        self._loop_at_s = time.monotonic()  # when the work loop last went round
+        self._held: tuple[int, ...] = ()  # req ids held, as the loop last saw them
+        self._rejoin = threading.Event()  # the router forgot us: drop everything, say hello
+        self._heart = threading.Thread(target=self._heartbeat,
+                                       args=(_dealer(identity.name + HEARTBEAT_SUFFIX,
+                                                     router_address),),
+                                       name="heartbeat", daemon=True)
 
     def send(self, messages: list[Message]) -> None:
         """Send control messages to the router."""
@@ -91,19 +107,61 @@ class EngineProcess:
             self.socket.send(encode(message))
 
     def serve(self) -> None:
-        """Announce this engine, then loop until told to shut down."""
-        ident = self.identity
-        self.send([Hello(ident.name, ident.role, ident.node_id, self.backend.endpoint)])
+        """Announce this engine, then loop until told to shut down (or the router is gone)."""
+        self._hello()
+        self._heart.start()
         while self._running:
             timeout = 0 if self._has_work() else IDLE_POLL_MS
             while self.socket.poll(timeout):
-                self._handle(decode(self.socket.recv()))
+                self._handle(self.socket.recv())
                 timeout = 0
+            if self._rejoin.is_set():
+                self._drop_everything()
             try:
                 self._work()
-            except Exception:  # the engine keeps serving; the failure is in its log
+            except Exception:  # the workers fail their own requests; this is a bug to log
                 log.exception("engine work failed")
+            self._held = self.worker.held_requests()
+            self._loop_at_s = time.monotonic()
         self.close()
+
+    def _hello(self) -> None:
+        ident = self.identity
+        self.send([Hello(ident.name, ident.role, ident.node_id, self.backend.endpoint)])
+
+    def _drop_everything(self) -> None:
+        """The router declared this engine lost: drop its requests and join afresh."""
+        log.warning("the router lost track of this engine: dropping %d requests, rejoining",
+                    len(self.worker.held_requests()))
+        for req_id in self.worker.held_requests():
+            self.worker.abort(req_id)  # the router forgot them: no answer is sent
+        self._rejoin.clear()
+        self._hello()
+
+    def _heartbeat(self, socket: zmq.Socket) -> None:
+        """Report state every ``heartbeat_s``; stop the engine when the router is gone."""
+        config, heard_s = self.config, time.monotonic()
+        while self._running:
+            socket.send(encode(self._state()))
+            deadline = time.monotonic() + config.heartbeat_s
+            while (wait_ms := int(1000 * (deadline - time.monotonic()))) > 0:
+                if not socket.poll(wait_ms):
+                    break
+                ack = decode(socket.recv())
+                heard_s = time.monotonic()
+                if isinstance(ack, HeartbeatAck) and not ack.known:
+                    self._rejoin.set()
+            if time.monotonic() - heard_s > config.router_timeout_s:
+                log.error("no word from the router for %.0f s: stopping", config.router_timeout_s)
+                self._running = False
+                time.sleep(config.router_timeout_s)  # the loop may be stuck in a transfer
+                os._exit(3)
+        socket.close(0)
+
+    def _state(self) -> Heartbeat:
+        return Heartbeat(self.identity.name, self.worker.free_kv_blocks, self.host_pool.num_free,
+                         self.storage.read_queue_tokens, self._held,
+                         round(time.monotonic() - self._loop_at_s, 3))
 
     def _has_work(self) -> bool:
         if isinstance(self.worker, PrefillWorker):
@@ -112,6 +170,7 @@ class EngineProcess:
 
     def _work(self) -> None:
         if isinstance(self.worker, PrefillWorker):
+            self.worker.start_reads()
             if self.worker.has_ready_job:
                 self.send(self.worker.run_next())
             return
@@ -119,7 +178,12 @@ class EngineProcess:
         if self.worker.has_work:
             self.send(self.worker.step())
 
-    def _handle(self, msg: Message) -> None:
+    def _handle(self, raw: bytes) -> None:
+        try:
+            msg = decode(raw)
+        except Exception:  # a message we cannot read is logged, never the end of the engine
+            log.exception("undecodable control message")
+            return
         req_id = getattr(msg, "req_id", -1)
         try:
             self.send(self._dispatch(msg))
@@ -136,9 +200,8 @@ class EngineProcess:
             return worker.alloc_buffer(msg)
         if isinstance(msg, Decode) and isinstance(worker, DecodeWorker):
             return worker.start_decode(msg)
-        if isinstance(msg, Release) and isinstance(worker, DecodeWorker):
-            worker.release(msg.req_id)
-            return []
+        if isinstance(msg, Abort):
+            return worker.abort(msg.req_id)
         if isinstance(msg, GetMetrics):
             return [Metrics(self.identity.name, self.metrics())]
         if isinstance(msg, Shutdown):
@@ -152,7 +215,8 @@ class EngineProcess:
         values.update(self.traffic.metrics())
         values.update({f"storage_{k}": v for k, v in self.storage.metrics().items()})
         for name in ("num_prefilled", "num_forwards", "num_chunks", "num_hit_tokens",
-                     "num_computed_tokens", "num_saved_blocks"):
+                     "num_computed_tokens", "num_saved_blocks", "num_saves_dropped",
+                     "num_waits"):
             if hasattr(self.worker, name):
                 values[name] = getattr(self.worker, name)
         return values
@@ -162,6 +226,14 @@ class EngineProcess:
         self.storage.close()
         self.traffic.close()
         self.socket.close(0)
+
+
+def _dealer(identity: str, router_address: str) -> zmq.Socket:
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, identity.encode())
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(router_address)
+    return socket
 
 
 def _cost_model(config: ClusterConfig) -> AttentionCostModel | None:

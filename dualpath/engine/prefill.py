@@ -8,6 +8,9 @@ while the predicted time fits, then the largest chunk of the next one; the rest 
 request goes into later batches. Without a cost model (no profile) each forward takes one whole
 request. The forward computes only the miss tokens; per request, ``PrefillHooks`` load its hit
 KV (first chunk) and forward each layer's new blocks to its DE buffer.
+
+A read that finds the host pool full waits (FIFO) for earlier requests to free their slots;
+``abort`` drops a request between forwards, keeping its slots until its read has ended.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dualpath.engine.traffic import TrafficManager
 from dualpath.errors import RequestError
 from dualpath.kv.host_pool import HostPool
 from dualpath.model.hooks import ComposedHooks
-from dualpath.protocol import Failed, Message, Prefill, Prefilled, ReadDone
+from dualpath.protocol import Aborted, Failed, Message, Prefill, Prefilled, ReadDone
 from dualpath.request import SamplingParams, Sequence
 from dualpath.scheduler.batch import AttentionCostModel, build_prefill_batch
 from dualpath.storage.client import StorageClient
@@ -37,10 +40,12 @@ class _Job:
     read_reported: bool = False
     seq: Sequence | None = None  # set when first scheduled; KV in PE cache blocks
     loaded: bool = False  # its hit KV is in the PE cache (first chunk done)
+    num_computed_tokens: int = 0  # prompt tokens its forwards computed
+    waiting_slots: bool = False  # its read waits for host-pool room
 
     @property
     def ready(self) -> bool:
-        return self.read is None or self.read.done()
+        return not self.waiting_slots and (self.read is None or self.read.done())
 
 
 class _BlockRuns:
@@ -64,6 +69,10 @@ class _BlockRuns:
         for b in blocks:
             self.free[b] = True
 
+    @property
+    def num_free(self) -> int:
+        return sum(self.free)
+
 
 class PrefillWorker:
     """Turns ``Prefill`` requests into prompt KV in DE buffers plus a first token."""
@@ -80,6 +89,7 @@ class PrefillWorker:
         self.block_size = engine.config.block_size
         self._runs = _BlockRuns(engine.runner.cache.num_blocks)
         self._jobs: deque[_Job] = deque()
+        self._orphan_reads: list[tuple[Future[list[bool]], list[int]]] = []  # aborted, reading
         self.num_prefilled = 0
         self.num_forwards = 0
         self.num_chunks = 0  # request chunks computed (> requests when chunking happened)
@@ -92,17 +102,72 @@ class PrefillWorker:
         if num_blocks > len(self._runs.free):
             raise RequestError(f"the prompt needs {num_blocks} KV blocks, the PE cache has "
                                f"{len(self._runs.free)}")
-        job = _Job(msg, num_hit_blocks=msg.num_hit_blocks)
-        if msg.read_path == "pe" and msg.num_hit_blocks and msg.mode != "oracle":
-            job.slots = self.host_pool.alloc(msg.num_hit_blocks)
-            keys = self.engine.key_space.keys(msg.prompt_ids)[: msg.num_hit_blocks]
-            job.read = self.storage.submit_read(keys, [self.host_pool.buffer(s) for s in job.slots])
+        job = _Job(msg, num_hit_blocks=min(msg.num_hit_blocks, self.host_pool.num_slots))
+        if msg.read_path == "pe" and job.num_hit_blocks and msg.mode != "oracle":
+            job.waiting_slots = True
         self._jobs.append(job)
+        self.start_reads()
+
+    def start_reads(self) -> None:
+        """Start the reads of waiting jobs, in order, while the host pool has room."""
+        self._free_orphans()
+        for job in self._jobs:
+            if not job.waiting_slots:
+                continue
+            if job.num_hit_blocks > self.host_pool.num_free:
+                return
+            job.waiting_slots = False
+            job.slots = self.host_pool.alloc(job.num_hit_blocks)
+            keys = self.engine.key_space.keys(job.msg.prompt_ids)[: job.num_hit_blocks]
+            job.read = self.storage.submit_read(keys, [self.host_pool.buffer(s) for s in job.slots])
+
+    def abort(self, req_id: int) -> list[Message]:
+        """Drop a request between forwards and free what it holds; answers ``Aborted``."""
+        for job in [j for j in self._jobs if j.msg.req_id == req_id]:
+            self._jobs.remove(job)
+            self._let_go(job)
+        self.start_reads()
+        return [Aborted(req_id)]
+
+    def held_requests(self) -> tuple[int, ...]:
+        """Req ids this engine holds."""
+        return tuple(job.msg.req_id for job in self._jobs)
+
+    def _let_go(self, job: _Job) -> None:
+        """Free a job's cache blocks and host slots (the slots once its read has ended)."""
+        if job.seq is not None:
+            self.engine.sampler.release(job.seq.seq_id)
+            self._runs.give_back(job.seq.block_table)
+            job.seq = None
+        if job.read is not None and not job.read.done():
+            self._orphan_reads.append((job.read, job.slots))
+        else:
+            self.host_pool.free(job.slots)
+        job.slots = []
+
+    def _free_orphans(self) -> None:
+        still = []
+        for read, slots in self._orphan_reads:
+            if read.done():
+                self.host_pool.free(slots)
+            else:
+                still.append((read, slots))
+        self._orphan_reads = still
 
     @property
     def has_ready_job(self) -> bool:
         """True when the oldest request can be computed now."""
         return bool(self._jobs) and self._jobs[0].ready
+
+    @property
+    def free_kv_blocks(self) -> int:
+        """PE cache blocks not held by a request."""
+        return self._runs.num_free
+
+    @property
+    def has_waiting_reads(self) -> bool:
+        """True while reads wait for host-pool room or aborted reads still hold slots."""
+        return bool(self._orphan_reads) or any(j.waiting_slots for j in self._jobs)
 
     @property
     def num_pending(self) -> int:
@@ -123,16 +188,15 @@ class PrefillWorker:
             out.extend(self._forward(batch))
         except Exception as exc:  # e.g. its DE died mid-transfer: fail these, keep serving
             out.extend(self._fail(batch, f"{type(exc).__name__}: {exc}"))
+        self.start_reads()
         return out
 
     def _fail(self, batch: list[tuple[_Job, int]], error: str) -> list[Message]:
         out: list[Message] = []
         for job, _ in batch:
-            if job.seq is not None:
-                self.engine.sampler.release(job.seq.seq_id)
-                self._runs.give_back(job.seq.block_table)
-            self.host_pool.free(job.slots)
-            self._jobs.remove(job)
+            if job in self._jobs:
+                self._jobs.remove(job)
+                self._let_go(job)
             out.append(Failed(job.msg.req_id, error))
         return out
 
@@ -192,6 +256,7 @@ class PrefillWorker:
         for job, bsz in batch:
             job.seq.num_computed_tokens += bsz  # type: ignore[union-attr]
             job.loaded = True
+            job.num_computed_tokens += bsz
             self.num_computed_tokens += bsz
         return self._complete(done, hidden) if done else []
 
@@ -220,5 +285,6 @@ class PrefillWorker:
             self.host_pool.free(job.slots)
             self._jobs.remove(job)
             self.num_prefilled += 1
-            out.append(Prefilled(job.msg.req_id, token, job.num_hit_blocks))
+            out.append(Prefilled(job.msg.req_id, token, job.num_hit_blocks,
+                                 job.num_computed_tokens))
         return out

@@ -108,6 +108,22 @@ class GlobalScheduler:
         if self.log is not None:
             self._new.append(request)
 
+    def cancel(self, req_id: int) -> bool:
+        """Drop a queued request wherever it waits; returns whether it was queued."""
+        if self._order.pop(req_id, None) is None:
+            return False
+        self._new = [r for r in self._new if r.req_id != req_id]
+        queue, req = next((q, r) for q in (self._waiting, self._global, *self._private.values())
+                          for r in q if r.req_id == req_id)
+        queue.remove(req)
+        self._private_tok = {g: sum(r.num_tokens for r in q) for g, q in self._private.items()}
+        pe = self._pe_of.pop(req_id, None)
+        if pe is not None:
+            self._held_tok[pe] -= req.num_tokens
+            if not self._held_tok[pe]:
+                del self._held_tok[pe]
+        return True
+
     def schedule(self, view: ClusterView,
                  fetching: Collection[str] | None = None) -> list[Assignment]:
         """Let the groups in ``fetching`` (default: all) fetch; the completed assignments.

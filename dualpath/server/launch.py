@@ -12,13 +12,14 @@ import subprocess
 import sys
 import tempfile
 import threading
-from concurrent.futures import Future
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from dualpath.config import ClusterConfig, cluster_config_to_json
 from dualpath.errors import DualPathError
 from dualpath.request import SamplingParams
-from dualpath.server.router import ClusterOutput, Router
+from dualpath.server.router import ClusterOutput, RequestFuture, Router
 
 STARTUP_TIMEOUT_S = 180.0
 WATCH_INTERVAL_S = 0.2
@@ -81,17 +82,30 @@ class LocalCluster:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, mode: str | None = None,
-               read_path: str | None = None) -> Future[ClusterOutput]:
+               read_path: str | None = None) -> RequestFuture:
         """Start one request."""
         assert self.router is not None, "start() the cluster first"
         return self.router.submit(prompt_ids, params, mode, read_path)
 
+    def abort(self, future: RequestFuture) -> None:
+        """Cancel a submitted request wherever it is; its future fails with RequestAborted."""
+        assert self.router is not None, "start() the cluster first"
+        self.router.abort(future.req_id)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  mode: str | None = None, read_path: str | None = None,
                  timeout_s: float = 600.0) -> list[ClusterOutput]:
-        """Run prompts concurrently; outputs in prompt order."""
+        """Run prompts concurrently; outputs in prompt order. Requests not done within
+        ``timeout_s`` are aborted on their engines and ``TimeoutError`` is raised."""
         futures = [self.submit(p, params, mode, read_path) for p in prompts]
-        return [f.result(timeout_s) for f in futures]
+        deadline = time.monotonic() + timeout_s
+        try:
+            return [f.result(max(0.0, deadline - time.monotonic())) for f in futures]
+        except FutureTimeout as exc:
+            for f in futures:
+                if not f.done():
+                    self.abort(f)
+            raise TimeoutError(f"requests not done within {timeout_s:g} s were aborted") from exc
 
     def process(self, name: str) -> subprocess.Popen:
         """The OS process of engine ``name`` (e.g. to stop it in a failure test)."""

@@ -1,0 +1,563 @@
+"""The router's state machine: every request's phase and what it holds (pure: no sockets, no
+clock reads — time is an argument).
+
+A request goes QUEUED (in the global scheduler) → BUFFERING (its DE allocates the prompt buffer
+and, on the DE read path, reads the hit) → PREFILLING (its PE computes the miss and fills the
+buffer) → DECODING → done. Each placement is an *attempt* with its own wire id, so a late
+message of an earlier attempt can never move a later one. What a request holds — engine load,
+the DE's KV and buffer reservations, the PE's host-pool slots, its node's read-queue tokens —
+is recorded in one :class:`Holds` and released by one function on every terminal path:
+finished, failed, aborted, engine lost. Every call returns :class:`Effects` (messages to send,
+requests to complete) for the I/O loop (``server/router.py``) to carry out.
+
+Faults: a request whose engine is lost before decoding started is placed again (up to
+``MAX_ATTEMPTS``); one decoding on a lost DE fails with a clear error; one decoding while its
+PE is lost goes on. A request aborted while its PE may still write into the DE buffer waits in
+DRAINING until the PE lets go, so the buffer is never reused under a live writer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from dualpath.errors import DualPathError, RequestError
+from dualpath.protocol import (
+    Abort,
+    Aborted,
+    AllocBuffer,
+    BufferReady,
+    Decode,
+    Failed,
+    Finished,
+    Heartbeat,
+    HeartbeatAck,
+    Hello,
+    Message,
+    Prefill,
+    Prefilled,
+    ReadDone,
+)
+from dualpath.request import SamplingParams
+from dualpath.scheduler.global_scheduler import GlobalScheduler
+from dualpath.scheduler.view import Assignment, ClusterView, EngineView, NodeView, PendingRequest
+
+MAX_ATTEMPTS = 4  # placements of one request before an engine problem fails it
+
+
+class Mode(StrEnum):
+    """The ablation ladder (DESIGN §7) plus ``recompute`` (no cache at all)."""
+
+    BASIC = "basic"
+    LAYERWISE = "layerwise"
+    DUALPATH = "dualpath"
+    ORACLE = "oracle"
+    RECOMPUTE = "recompute"
+
+
+class ReadPath(StrEnum):
+    """Where a request's hit is read: the scheduler's choice, or forced to one side."""
+
+    AUTO = "auto"
+    PE = "pe"
+    DE = "de"
+
+
+class Phase(StrEnum):
+    """Where a request is in its life."""
+
+    QUEUED = "queued"
+    BUFFERING = "buffering"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    DRAINING = "draining"  # ended for the caller; the PE may still write the DE buffer
+
+
+class RequestFailed(DualPathError):
+    """An engine could not serve a request."""
+
+
+class RequestAborted(DualPathError):
+    """A request was cancelled (by the caller or its deadline)."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """A registered engine."""
+
+    name: str
+    role: str
+    node_id: int
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class ClusterOutput:
+    """A finished request and how it was served."""
+
+    req_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+    num_hit_tokens: int
+    read_path: str
+    prefill_engine: str
+    decode_engine: str
+    num_computed_tokens: int = 0  # prompt tokens its prefill engine computed
+    num_attempts: int = 1  # placements it took (> 1 after an engine was lost)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Per-engine sizes the router admits against (every engine is configured alike)."""
+
+    block_size: int
+    kv_tokens: int  # device KV of one engine
+    host_pool_blocks: int  # host-pool slots of one engine
+    save_staging_blocks: int  # slots a DE keeps for persisting blocks
+
+    @property
+    def buffer_blocks(self) -> int:
+        """Slots a DE can give prompt buffers."""
+        return self.host_pool_blocks - self.save_staging_blocks
+
+
+@dataclass
+class Load:
+    """What the router has placed on one engine and not yet seen released."""
+
+    seq: int = 0
+    tok: int = 0
+    kv_tokens: int = 0  # DE: device KV reserved (prompt + max_tokens)
+    buffer_blocks: int = 0  # DE: prompt-buffer slots reserved until decoding starts
+    pool_blocks: int = 0  # PE: host-pool slots reserved for its reads
+
+    def is_zero(self) -> bool:
+        """True when nothing is counted on the engine."""
+        return not (self.seq or self.tok or self.kv_tokens or self.buffer_blocks
+                    or self.pool_blocks)
+
+
+@dataclass
+class Holds:
+    """Everything one attempt of a request holds; released exactly once."""
+
+    pe_load: bool = False
+    de_load: bool = False
+    de_kv_tokens: int = 0
+    de_buffer_blocks: int = 0
+    pe_pool_blocks: int = 0
+    read_node: int | None = None
+    read_tokens: int = 0
+
+
+@dataclass
+class RequestState:
+    """One request as the router tracks it."""
+
+    req_id: int
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    mode: Mode
+    read_path: ReadPath  # as requested
+    num_hit_blocks: int = 0  # storage's hit at submission (then what the engines used)
+    phase: Phase = Phase.QUEUED
+    wire_id: int = 0  # the current attempt's id on the engines
+    pe: str = ""
+    de: str = ""
+    path: str = ""  # the chosen read path of this attempt ("pe" | "de")
+    attempts: int = 0
+    num_computed_tokens: int = 0
+    holds: Holds = field(default_factory=Holds)
+
+    @property
+    def reads(self) -> bool:
+        """Whether this request reads its hit from storage at all."""
+        return self.mode != Mode.ORACLE and self.num_hit_blocks > 0
+
+
+@dataclass
+class Effects:
+    """What a transition asks the I/O loop to do."""
+
+    sends: list[tuple[str, Message]] = field(default_factory=list)
+    done: list[tuple[int, ClusterOutput | DualPathError]] = field(default_factory=list)
+
+    def send(self, engine: str, msg: Message) -> None:
+        """Queue a message to an engine."""
+        self.sends.append((engine, msg))
+
+    def finish(self, req_id: int, result: ClusterOutput | DualPathError) -> None:
+        """Complete a request for its caller."""
+        self.done.append((req_id, result))
+
+
+@dataclass
+class EngineState:
+    """A registered engine, its load and its last report."""
+
+    info: EngineInfo
+    last_heard_s: float
+    load: Load = field(default_factory=Load)
+    report: Heartbeat | None = None
+
+
+class RouterState:
+    """Requests, engines, nodes and reservations, with every transition between them."""
+
+    def __init__(self, scheduler: GlobalScheduler, capacity: Capacity,
+                 engine_timeout_s: float) -> None:
+        self.scheduler = scheduler
+        self.capacity = capacity
+        self.engine_timeout_s = engine_timeout_s
+        self.engines: dict[str, EngineState] = {}
+        self.lost: set[str] = set()
+        self.read_queue_tokens: dict[int, int] = {}  # node -> tokens being read for us
+        self.requests: dict[int, RequestState] = {}  # every request not yet completed
+        self.draining: dict[int, RequestState] = {}  # completed, the PE not yet let go
+        self.decisions: list[tuple[int, str, str, str, int]] = []  # req, pe, de, path, hit
+        self.dropped_messages = 0  # late, duplicated or unknown messages ignored
+        self.drift: dict[str, int] = {}  # engine -> requests it and the router disagree on
+        self._by_wire: dict[int, RequestState] = {}
+        self._next_wire = 1
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def submit(self, req: RequestState, now_s: float) -> Effects:
+        """Admit a new request (its hit already looked up) or refuse one that can never fit."""
+        out = Effects()
+        error = self._never_fits(req)
+        if error is not None:
+            out.finish(req.req_id, RequestError(error))
+            return out
+        most = (len(req.prompt_ids) - 1) // self.capacity.block_size  # compute >= 1 token
+        req.num_hit_blocks = min(req.num_hit_blocks, most, self.capacity.host_pool_blocks)
+        self.requests[req.req_id] = req
+        self._enqueue(req)
+        self._schedule(out)
+        return out
+
+    def abort(self, req_id: int, reason: str) -> Effects:
+        """Cancel a request in any phase; its engines are told to drop it."""
+        out = Effects()
+        req = self.requests.get(req_id)
+        if req is not None:
+            self._end(req, out, RequestAborted(reason))
+            self._schedule(out)
+        return out
+
+    def on_message(self, engine: str, msg: Message, now_s: float) -> Effects:
+        """Apply one engine message; late, duplicated or unknown ones are counted and dropped."""
+        out = Effects()
+        if isinstance(msg, Hello):
+            self._hello(msg, now_s, out)
+        elif isinstance(msg, Heartbeat):
+            self._heartbeat(engine, msg, now_s, out)
+        elif engine not in self.engines:
+            self.dropped_messages += 1  # a lost engine speaking: it hears so at its heartbeat
+        else:
+            self.engines[engine].last_heard_s = now_s
+            self._request_message(engine, msg, out)
+        self._schedule(out)
+        return out
+
+    def tick(self, now_s: float) -> Effects:
+        """Declare engines lost whose heartbeats stopped more than the timeout ago."""
+        out = Effects()
+        for name, engine in list(self.engines.items()):
+            if now_s - engine.last_heard_s > self.engine_timeout_s:
+                self._lose(name, f"engine {name} silent for over {self.engine_timeout_s:g} s", out)
+        self._schedule(out)
+        return out
+
+    def lose(self, name: str, reason: str) -> Effects:
+        """An engine is gone (its process exited, or it stopped answering)."""
+        out = Effects()
+        self._lose(name, reason, out)
+        self._schedule(out)
+        return out
+
+    # -- observers ------------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """Sums the router holds; all zero on an idle cluster with nothing lost track of."""
+        loads = [e.load for e in self.engines.values()]
+        return {"read_queue_tokens": sum(self.read_queue_tokens.values()),
+                "seq": sum(x.seq for x in loads), "tok": sum(x.tok for x in loads),
+                "kv_tokens": sum(x.kv_tokens for x in loads),
+                "buffer_blocks": sum(x.buffer_blocks for x in loads),
+                "pool_blocks": sum(x.pool_blocks for x in loads),
+                "requests": len(self.requests), "draining": len(self.draining),
+                "queued": len(self.scheduler), "wire_ids": len(self._by_wire)}
+
+    def view(self) -> ClusterView:
+        """The scheduler's snapshot of engines and node read queues."""
+        cap = self.capacity
+        engines = []
+        for name, e in self.engines.items():
+            info, load = e.info, e.load
+            free_buffer_tokens = (cap.buffer_blocks - load.buffer_blocks) * cap.block_size
+            free = max(0, min(cap.kv_tokens - load.kv_tokens, free_buffer_tokens))
+            engines.append(EngineView(name, info.role, info.node_id,
+                                      f"{info.role}-node{info.node_id}", load.seq, load.tok, free))
+        nodes = tuple(NodeView(n, max(0, q)) for n, q in sorted(self.read_queue_tokens.items()))
+        return ClusterView(tuple(engines), nodes)
+
+    # -- engines --------------------------------------------------------------------------------
+    def _hello(self, msg: Hello, now_s: float, out: Effects) -> None:
+        if msg.name in self.engines:  # restarted under the same name: its old work is gone
+            self._lose(msg.name, f"engine {msg.name} restarted", out)
+        self.lost.discard(msg.name)
+        self.engines[msg.name] = EngineState(EngineInfo(msg.name, msg.role, msg.node_id,
+                                                        msg.endpoint), now_s)
+        self.read_queue_tokens.setdefault(msg.node_id, 0)
+
+    def _heartbeat(self, engine: str, msg: Heartbeat, now_s: float, out: Effects) -> None:
+        state = self.engines.get(engine)
+        if state is None:
+            out.send(engine, HeartbeatAck(known=False))  # drop everything and say hello again
+            return
+        state.last_heard_s = now_s
+        state.report = msg
+        mine = {r.wire_id for r in self._placed_on(engine)}
+        self.drift[engine] = len(mine.symmetric_difference(msg.running))
+        out.send(engine, HeartbeatAck(known=True))
+
+    def _lose(self, name: str, reason: str, out: Effects) -> None:
+        if self.engines.pop(name, None) is None:
+            return
+        self.lost.add(name)
+        self.drift.pop(name, None)
+        for req in list(self.draining.values()):
+            if name in (req.pe, req.de):
+                self._drained(req, out)
+        for req in [r for r in self.requests.values() if name in (r.pe, r.de)]:
+            if req.phase == Phase.DECODING and name == req.pe:
+                continue  # its prefill is done: it decodes on a live DE
+            if req.phase == Phase.DECODING:
+                self._end(req, out, RequestFailed(f"{reason} while decoding the request"))
+            else:
+                self._retry(req, out, reason)
+
+    def _placed_on(self, engine: str) -> list[RequestState]:
+        placed = [*self.requests.values(), *self.draining.values()]
+        return [r for r in placed if r.phase != Phase.QUEUED and engine in (r.pe, r.de)]
+
+    # -- request messages -----------------------------------------------------------------------
+    def _request_message(self, engine: str, msg: Message, out: Effects) -> None:
+        req = self._by_wire.get(getattr(msg, "req_id", -1))
+        if req is None:
+            self.dropped_messages += 1
+            return
+        if req.phase == Phase.DRAINING:
+            if engine == req.pe and isinstance(msg, Aborted | Prefilled | Failed):
+                self._drained(req, out)
+            else:
+                self.dropped_messages += 1
+            return
+        if isinstance(msg, Failed) and engine in (req.pe, req.de):
+            self._failed(req, engine, msg.error, out)
+        elif isinstance(msg, BufferReady) and engine == req.de and req.phase == Phase.BUFFERING:
+            self._buffer_ready(req, msg, out)
+        elif isinstance(msg, ReadDone) and engine == req.pe and req.phase == Phase.PREFILLING:
+            self._release_read(req)
+        elif isinstance(msg, Prefilled) and engine == req.pe and req.phase == Phase.PREFILLING:
+            self._prefilled(req, msg, out)
+        elif isinstance(msg, Finished) and engine == req.de and req.phase == Phase.DECODING:
+            self._finished(req, msg, out)
+        else:
+            self.dropped_messages += 1
+
+    def _buffer_ready(self, req: RequestState, msg: BufferReady, out: Effects) -> None:
+        if req.path == ReadPath.DE:
+            self._release_read(req)
+            if req.reads:
+                req.num_hit_blocks = msg.num_loaded_blocks
+        req.phase = Phase.PREFILLING
+        p, de = req.params, self.engines[req.de].info
+        out.send(req.pe, Prefill(req.wire_id, req.prompt_ids, req.num_hit_blocks, req.path,
+                                 de.endpoint, msg.buffer_addr, _pe_mode(req.mode),
+                                 p.temperature, p.top_p, p.seed))
+
+    def _prefilled(self, req: RequestState, msg: Prefilled, out: Effects) -> None:
+        req.num_hit_blocks = msg.num_hit_blocks
+        req.num_computed_tokens = msg.num_computed_tokens
+        h, pe, de = req.holds, self.engines[req.pe].load, self.engines[req.de].load
+        self._release_read(req)
+        _count(pe, req, -1)
+        pe.pool_blocks -= h.pe_pool_blocks
+        de.buffer_blocks -= h.de_buffer_blocks  # the DE frees the buffer as decoding starts
+        h.pe_load, h.pe_pool_blocks, h.de_buffer_blocks = False, 0, 0
+        req.phase = Phase.DECODING
+        p = req.params
+        out.send(req.de, Decode(req.wire_id, req.prompt_ids, msg.first_token, msg.num_hit_blocks,
+                                p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos,
+                                oracle=req.mode == Mode.ORACLE, stop=p.stop))
+
+    def _finished(self, req: RequestState, msg: Finished, out: Effects) -> None:
+        result = ClusterOutput(req.req_id, list(req.prompt_ids), list(msg.output_ids),
+                               msg.finish_reason, req.num_hit_blocks * self.capacity.block_size,
+                               req.path, req.pe, req.de, req.num_computed_tokens, req.attempts)
+        self._release(req)
+        self._forget(req)
+        out.finish(req.req_id, result)
+
+    def _failed(self, req: RequestState, engine: str, error: str, out: Effects) -> None:
+        if req.phase == Phase.DECODING:
+            self._end(req, out, RequestFailed(f"{engine}: {error}"))
+        else:
+            self._retry(req, out, f"{engine}: {error}", failed_on=engine)
+
+    # -- placement ------------------------------------------------------------------------------
+    def _enqueue(self, req: RequestState) -> None:
+        req.phase = Phase.QUEUED
+        req.pe = req.de = req.path = ""
+        self.scheduler.submit(PendingRequest(req.req_id, len(req.prompt_ids),
+                                             self._read_tokens(req)))
+
+    def _schedule(self, out: Effects) -> None:
+        if not len(self.scheduler) or not self.engines:
+            return
+        roles = {e.info.role for e in self.engines.values()}
+        if roles != {"prefill", "decode"}:
+            return
+        for assignment in self.scheduler.schedule(self.view()):
+            self._dispatch(self.requests[assignment.req_id], assignment, out)
+
+    def _dispatch(self, req: RequestState, a: Assignment, out: Effects) -> None:
+        req.attempts += 1
+        req.wire_id, self._next_wire = self._next_wire, self._next_wire + 1
+        self._by_wire[req.wire_id] = req
+        req.pe, req.de = a.prefill, a.decode
+        req.path = self._choose_path(req, a.read_path)
+        req.phase = Phase.BUFFERING
+        self._hold(req)
+        self.decisions.append((req.req_id, req.pe, req.de, req.path, req.num_hit_blocks))
+        num_blocks = -(-len(req.prompt_ids) // self.capacity.block_size)
+        de_reads = req.num_hit_blocks if req.path == ReadPath.DE and req.reads else 0
+        out.send(req.de, AllocBuffer(req.wire_id, req.prompt_ids, num_blocks, de_reads))
+
+    def _choose_path(self, req: RequestState, scheduled: str) -> str:
+        """basic/layerwise read on the PE; a forced path wins; else the scheduler's choice,
+        moved to the DE when the PE's host pool cannot take the hit now."""
+        if req.mode in (Mode.BASIC, Mode.LAYERWISE):
+            return ReadPath.PE
+        if req.read_path != ReadPath.AUTO:
+            return str(req.read_path)
+        if scheduled not in (ReadPath.PE, ReadPath.DE):
+            raise DualPathError(f"read path {scheduled!r} is not supported by the engines")
+        pe = self.engines[req.pe].load
+        if scheduled == ReadPath.PE and req.reads and (
+                pe.pool_blocks + req.num_hit_blocks > self.capacity.host_pool_blocks):
+            return ReadPath.DE
+        return scheduled
+
+    def _hold(self, req: RequestState) -> None:
+        h, pe, de = req.holds, self.engines[req.pe].load, self.engines[req.de].load
+        _count(pe, req, +1)
+        _count(de, req, +1)
+        h.pe_load = h.de_load = True
+        h.de_kv_tokens = len(req.prompt_ids) + req.params.max_tokens
+        h.de_buffer_blocks = -(-len(req.prompt_ids) // self.capacity.block_size)
+        de.kv_tokens += h.de_kv_tokens
+        de.buffer_blocks += h.de_buffer_blocks
+        if req.path == ReadPath.PE and req.reads:
+            h.pe_pool_blocks = req.num_hit_blocks
+            pe.pool_blocks += h.pe_pool_blocks
+        if req.reads:
+            reader = self.engines[req.pe if req.path == ReadPath.PE else req.de]
+            h.read_node, h.read_tokens = reader.info.node_id, self._read_tokens(req)
+            self.read_queue_tokens[h.read_node] += h.read_tokens
+
+    # -- endings --------------------------------------------------------------------------------
+    def _retry(self, req: RequestState, out: Effects, reason: str,
+               failed_on: str | None = None) -> None:
+        """Take an attempt back from its engines and queue the request again (or fail it)."""
+        if req.attempts >= MAX_ATTEMPTS:
+            self._end(req, out, RequestFailed(f"{reason} (after {req.attempts} attempts)"))
+            return
+        self._tell_engines(req, out, skip=failed_on)
+        self._release(req)
+        self._by_wire.pop(req.wire_id, None)
+        self._enqueue(req)
+
+    def _end(self, req: RequestState, out: Effects, error: DualPathError) -> None:
+        """Complete a request with an error, freeing what it holds on live engines."""
+        if req.phase == Phase.QUEUED:
+            self.scheduler.cancel(req.req_id)
+            self._forget(req)
+        elif req.phase == Phase.PREFILLING and req.pe in self.engines and req.de in self.engines:
+            out.send(req.pe, Abort(req.wire_id))  # the DE buffer stays until the PE lets go
+            req.phase = Phase.DRAINING
+            del self.requests[req.req_id]
+            self.draining[req.wire_id] = req
+        else:
+            self._tell_engines(req, out)
+            self._release(req)
+            self._forget(req)
+        out.finish(req.req_id, error)
+
+    def _tell_engines(self, req: RequestState, out: Effects, skip: str | None = None) -> None:
+        for name in dict.fromkeys((req.pe, req.de)):
+            if name and name != skip and name in self.engines:
+                if req.phase == Phase.DECODING and name == req.pe:
+                    continue  # the PE let go at Prefilled
+                out.send(name, Abort(req.wire_id))
+
+    def _drained(self, req: RequestState, out: Effects) -> None:
+        if req.de in self.engines:
+            out.send(req.de, Abort(req.wire_id))
+        self._release(req)
+        self.draining.pop(req.wire_id, None)
+        self._by_wire.pop(req.wire_id, None)
+
+    def _forget(self, req: RequestState) -> None:
+        self.requests.pop(req.req_id, None)
+        self._by_wire.pop(req.wire_id, None)
+
+    def _release(self, req: RequestState) -> None:
+        """Give back every hold of the current attempt (on engines still registered)."""
+        h = req.holds
+        self._release_read(req)
+        pe, de = self.engines.get(req.pe), self.engines.get(req.de)
+        if pe is not None:
+            if h.pe_load:
+                _count(pe.load, req, -1)
+            pe.load.pool_blocks -= h.pe_pool_blocks
+        if de is not None:
+            if h.de_load:
+                _count(de.load, req, -1)
+            de.load.kv_tokens -= h.de_kv_tokens
+            de.load.buffer_blocks -= h.de_buffer_blocks
+        req.holds = Holds()
+
+    def _release_read(self, req: RequestState) -> None:
+        h = req.holds
+        if h.read_node is not None:
+            self.read_queue_tokens[h.read_node] -= h.read_tokens
+            h.read_node, h.read_tokens = None, 0
+
+    # -- rules ----------------------------------------------------------------------------------
+    def _never_fits(self, req: RequestState) -> str | None:
+        cap, n = self.capacity, len(req.prompt_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n + req.params.max_tokens > cap.kv_tokens:
+            return (f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) exceeds an "
+                    f"engine's KV cache ({cap.kv_tokens} tokens)")
+        blocks = -(-n // cap.block_size)
+        if blocks > cap.buffer_blocks:
+            return (f"the prompt needs {blocks} host-buffer blocks; a decode engine has "
+                    f"{cap.buffer_blocks} for prompts")
+        return None
+
+    def _read_tokens(self, req: RequestState) -> int:
+        return req.num_hit_blocks * self.capacity.block_size if req.reads else 0
+
+
+def _count(load: Load, req: RequestState, sign: int) -> None:
+    load.seq += sign
+    load.tok += sign * len(req.prompt_ids)
+
+
+def _pe_mode(mode: Mode) -> str:
+    """What the PE does with the KV: all at once (basic), per layer, or nothing (oracle)."""
+    return {Mode.BASIC: "basic", Mode.ORACLE: "oracle"}.get(mode, "layerwise")

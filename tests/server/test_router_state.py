@@ -1,0 +1,307 @@
+"""The router's state machine without processes: transitions, faults, and a property test.
+
+Engines are played by a small model that answers each message as a real engine would, and
+the property test interleaves those answers with duplicated, late and unknown messages,
+engine losses, rejoins, silences and aborts. Whatever the order, nothing raises, every request
+completes exactly once, and once idle every counter is back to zero.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dualpath.errors import RequestError
+from dualpath.protocol import (
+    Abort,
+    Aborted,
+    AllocBuffer,
+    BufferReady,
+    Decode,
+    Failed,
+    Finished,
+    Heartbeat,
+    HeartbeatAck,
+    Hello,
+    Message,
+    Prefill,
+    Prefilled,
+    ReadDone,
+)
+from dualpath.request import SamplingParams
+from dualpath.scheduler.global_scheduler import GlobalScheduler, SchedulerParams
+from dualpath.server.router_state import (
+    MAX_ATTEMPTS,
+    Capacity,
+    ClusterOutput,
+    Mode,
+    Phase,
+    ReadPath,
+    RequestAborted,
+    RequestFailed,
+    RequestState,
+    RouterState,
+)
+
+BLOCK = 16
+ENGINES = [("pe0", "prefill", 0), ("pe1", "prefill", 1), ("de2", "decode", 2),
+           ("de3", "decode", 3)]
+
+
+def make_state(kv_tokens: int = 4096, pool: int = 64, staging: int = 8) -> RouterState:
+    params = SchedulerParams(alpha_tokens=1 << 40, beta_tokens=1 << 40, block_size=BLOCK)
+    return RouterState(GlobalScheduler(params), Capacity(BLOCK, kv_tokens, pool, staging),
+                       engine_timeout_s=5.0)
+
+
+def hello_all(state: RouterState, now: float = 0.0) -> None:
+    for name, role, node in ENGINES:
+        state.on_message(name, Hello(name, role, node, f"ep-{name}"), now)
+
+
+def request(req_id: int, n: int = 40, hit_blocks: int = 1, mode: Mode = Mode.DUALPATH,
+            max_tokens: int = 4, path: ReadPath = ReadPath.AUTO) -> RequestState:
+    return RequestState(req_id, tuple(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens),
+                        mode, path, num_hit_blocks=hit_blocks)
+
+
+def zero(state: RouterState) -> dict[str, int]:
+    return {k: v for k, v in state.counters().items() if v}
+
+
+class EngineModel:
+    """Answers the router's messages the way an engine does (no compute)."""
+
+    def __init__(self) -> None:
+        self.alive = {name for name, _, _ in ENGINES}
+
+    def answer(self, engine: str, msg: Message) -> list[Message]:
+        if engine not in self.alive:
+            return []
+        if isinstance(msg, AllocBuffer):
+            return [BufferReady(msg.req_id, 4096, msg.num_blocks, msg.num_read_blocks)]
+        if isinstance(msg, Prefill):
+            read = [ReadDone(msg.req_id, msg.num_hit_blocks)] if msg.read_path == "pe" else []
+            computed = len(msg.prompt_ids) - msg.num_hit_blocks * BLOCK
+            return [*read, Prefilled(msg.req_id, 7, msg.num_hit_blocks, computed)]
+        if isinstance(msg, Decode):
+            return [Finished(msg.req_id, (msg.first_token, 8), "length")]
+        if isinstance(msg, Abort):
+            return [Aborted(msg.req_id)]
+        return []
+
+
+def run_to_quiet(state: RouterState, model: EngineModel, done: dict, sends: list,
+                 now: float) -> None:
+    """Deliver every message, in order, until nothing moves."""
+    while sends:
+        engine, msg = sends.pop(0)
+        for reply in model.answer(engine, msg):
+            apply(state.on_message(engine, reply, now), done, sends)
+
+
+def apply(effects, done: dict, sends: list) -> None:
+    sends.extend(effects.sends)
+    for req_id, result in effects.done:
+        assert req_id not in done, f"request {req_id} completed twice"
+        done[req_id] = result
+
+
+# -- transitions ----------------------------------------------------------------------------------
+
+
+def test_a_request_flows_through_both_engines_and_releases_everything():
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1, hit_blocks=2), 0.0), done, sends)
+    assert state.counters()["read_queue_tokens"] == 2 * BLOCK
+    run_to_quiet(state, model, done, sends, 0.0)
+    out = done[1]
+    assert isinstance(out, ClusterOutput) and out.output_ids == [7, 8]
+    assert out.num_computed_tokens == 40 - 2 * BLOCK and out.num_hit_tokens == 2 * BLOCK
+    assert zero(state) == {}
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once():
+    state, done, sends = make_state(kv_tokens=256), {}, []
+    hello_all(state)
+    apply(state.submit(request(1, n=300, hit_blocks=0), 0.0), done, sends)
+    assert isinstance(done[1], RequestError) and "KV cache" in str(done[1])
+    state2, done2 = make_state(pool=8, staging=4), {}
+    apply(state2.submit(request(2, n=5 * BLOCK, hit_blocks=0, max_tokens=1), 0.0), done2, [])
+    assert isinstance(done2[2], RequestError) and "host-buffer" in str(done2[2])
+    assert zero(state) == {} and zero(state2) == {}
+
+
+def test_a_request_decoding_survives_its_prefill_engines_loss():
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends)
+    while sends and not isinstance(sends[0][1], Decode):
+        engine, msg = sends.pop(0)
+        for reply in model.answer(engine, msg):
+            apply(state.on_message(engine, reply, 0.0), done, sends)
+    req = state.requests[1]
+    assert req.phase == Phase.DECODING
+    apply(state.lose(req.pe, "killed"), done, sends)
+    assert 1 not in done
+    run_to_quiet(state, model, done, sends, 0.0)
+    assert isinstance(done[1], ClusterOutput)
+    assert zero(state) == {}
+
+
+def test_a_request_whose_decode_engine_is_lost_before_decoding_is_placed_again():
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends)
+    first_de = state.requests[1].de
+    sends.clear()  # the AllocBuffer went to an engine that is about to die
+    model.alive.discard(first_de)
+    apply(state.lose(first_de, "killed"), done, sends)
+    run_to_quiet(state, model, done, sends, 0.0)
+    out = done[1]
+    assert isinstance(out, ClusterOutput) and out.decode_engine != first_de
+    assert out.num_attempts == 2 and zero(state) == {}
+
+
+def test_a_request_decoding_on_a_lost_decode_engine_fails_clearly():
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends)
+    while not isinstance(sends[0][1], Decode):
+        engine, msg = sends.pop(0)
+        for reply in model.answer(engine, msg):
+            apply(state.on_message(engine, reply, 0.0), done, sends)
+    de = state.requests[1].de
+    apply(state.lose(de, "killed"), done, sends)
+    assert isinstance(done[1], RequestFailed) and "decoding" in str(done[1])
+    assert zero(state) == {}
+
+
+def test_silent_engines_are_lost_and_hear_so_when_they_speak_again():
+    state, done, sends = make_state(), {}, []
+    hello_all(state, now=0.0)
+    for name, _, _ in ENGINES[1:]:
+        state.on_message(name, Heartbeat(name, 10, 10, 0), 4.0)
+    apply(state.tick(6.0), done, sends)
+    assert "pe0" not in state.engines and "pe1" in state.engines
+    effects = state.on_message("pe0", Heartbeat("pe0", 10, 10, 0), 7.0)
+    assert effects.sends == [("pe0", HeartbeatAck(known=False))]
+    state.on_message("pe0", Hello("pe0", "prefill", 0, "ep"), 7.1)
+    assert "pe0" in state.engines
+
+
+def test_aborting_during_prefill_keeps_the_buffer_until_the_prefill_engine_lets_go():
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends)
+    engine, alloc = sends.pop(0)
+    for reply in model.answer(engine, alloc):
+        apply(state.on_message(engine, reply, 0.0), done, sends)
+    assert isinstance(sends[0][1], Prefill)
+    sends.clear()  # the PE is computing
+    apply(state.abort(1, "client left"), done, sends)
+    assert isinstance(done[1], RequestAborted)
+    pe, de = state.draining[next(iter(state.draining))].pe, engine
+    assert sends == [(pe, Abort(alloc.req_id))]  # the DE is not told yet
+    assert state.counters()["buffer_blocks"] > 0
+    apply(state.on_message(pe, Aborted(alloc.req_id), 0.0), done, sends)
+    assert sends[-1] == (de, Abort(alloc.req_id))
+    assert zero(state) == {}
+
+
+def test_a_failing_engine_costs_attempts_then_a_clear_error():
+    state, done, sends = make_state(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends)
+    for _ in range(MAX_ATTEMPTS):
+        engine, msg = next((e, m) for e, m in reversed(sends) if isinstance(m, AllocBuffer))
+        apply(state.on_message(engine, Failed(msg.req_id, "disk on fire"), 0.0), done, sends)
+    assert isinstance(done[1], RequestFailed) and "disk on fire" in str(done[1])
+    assert zero(state) == {}
+
+
+def test_messages_of_an_earlier_attempt_cannot_move_a_later_one():
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends)
+    engine, first = sends.pop(0)
+    apply(state.on_message(engine, Failed(first.req_id, "transient"), 0.0), done, sends)
+    late = model.answer(engine, first)[0]  # the first attempt's BufferReady, arriving late
+    before = state.dropped_messages
+    apply(state.on_message(engine, late, 0.0), done, sends)
+    assert state.dropped_messages == before + 1 and state.requests[1].phase == Phase.BUFFERING
+
+
+# -- the property ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_faults_never_raise_and_always_end_at_zero(seed):
+    rng = random.Random(seed)
+    state, model, done, sends = make_state(kv_tokens=1024, pool=24, staging=4), EngineModel(), {}, []
+    inbox: list[tuple[str, Message]] = []  # engine -> router, delivered in random order
+    now, submitted = 0.0, 0
+    hello_all(state)
+    for _ in range(400):
+        now += rng.random() * 0.3
+        action = rng.random()
+        if action < 0.2 and submitted < 30:
+            submitted += 1
+            req = request(submitted, n=rng.randint(1, 120), hit_blocks=rng.randint(0, 6),
+                          mode=rng.choice(list(Mode)), max_tokens=rng.randint(1, 300),
+                          path=rng.choice(list(ReadPath)))
+            apply(state.submit(req, now), done, sends)
+        elif action < 0.5 and sends:
+            engine, msg = sends.pop(rng.randrange(len(sends)))
+            inbox.extend((engine, reply) for reply in model.answer(engine, msg))
+        elif action < 0.8 and inbox:
+            engine, msg = inbox.pop(rng.randrange(len(inbox)))
+            if rng.random() < 0.1:
+                inbox.append((engine, msg))  # duplicated
+            apply(state.on_message(engine, msg, now), done, sends)
+        elif action < 0.84:
+            junk = rng.choice([Failed(rng.randint(0, 99), "junk"), Aborted(rng.randint(0, 99)),
+                               Finished(rng.randint(0, 99), (1,), "stop"),
+                               BufferReady(rng.randint(0, 99), 0, 1, 0),
+                               Prefilled(rng.randint(0, 99), 1, 0, 1),
+                               ReadDone(rng.randint(0, 99), 0)])
+            apply(state.on_message(rng.choice(ENGINES)[0], junk, now), done, sends)
+        elif action < 0.88:
+            name = rng.choice(ENGINES)[0]
+            model.alive.discard(name)
+            apply(state.lose(name, "killed"), done, sends)
+        elif action < 0.92:
+            name, role, node = rng.choice(ENGINES)
+            model.alive.add(name)
+            apply(state.on_message(name, Hello(name, role, node, "ep"), now), done, sends)
+        elif action < 0.96 and submitted:
+            apply(state.abort(rng.randint(1, submitted), "cancelled"), done, sends)
+        else:
+            for name, _, _ in ENGINES:
+                if name in model.alive and rng.random() < 0.8:
+                    apply(state.on_message(name, Heartbeat(name, 1, 1, 0), now), done, sends)
+            apply(state.tick(now), done, sends)
+        _check_non_negative(state)
+    # every engine back, every message delivered, whatever remains aborted
+    for name, role, node in ENGINES:
+        if name not in state.engines:
+            model.alive.add(name)
+            apply(state.on_message(name, Hello(name, role, node, "ep"), now), done, sends)
+    for engine, msg in inbox:
+        apply(state.on_message(engine, msg, now), done, sends)
+    run_to_quiet(state, model, done, sends, now)
+    for req_id in list(state.requests):
+        apply(state.abort(req_id, "end of test"), done, sends)
+    run_to_quiet(state, model, done, sends, now)
+    assert sorted(done) == list(range(1, submitted + 1))
+    assert zero(state) == {}
+
+
+def _check_non_negative(state: RouterState) -> None:
+    negative = {k: v for k, v in state.counters().items() if v < 0}
+    assert not negative, negative
+    for name, engine in state.engines.items():
+        load = engine.load
+        assert min(load.seq, load.tok, load.kv_tokens, load.buffer_blocks, load.pool_blocks) >= 0, name
