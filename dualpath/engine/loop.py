@@ -139,19 +139,25 @@ class EngineProcess:
         self._hello()
 
     def _heartbeat(self, socket: zmq.Socket) -> None:
-        """Report state every ``heartbeat_s``; stop the engine when the router is gone."""
-        config, heard_s = self.config, time.monotonic()
+        """Report state every ``heartbeat_s``; stop the engine when the router is gone.
+
+        The router counts as gone after ``router_timeout_s`` worth of heartbeats went
+        unanswered — counted in heartbeats, not wall time, so an engine that was itself stopped
+        (SIGSTOP) does not mistake its own pause for the router's silence.
+        """
+        config, unanswered = self.config, 0
         while self._running:
             socket.send(encode(self._state()))
+            unanswered += 1
             deadline = time.monotonic() + config.heartbeat_s
             while (wait_ms := int(1000 * (deadline - time.monotonic()))) > 0:
                 if not socket.poll(wait_ms):
                     break
                 ack = decode(socket.recv())
-                heard_s = time.monotonic()
+                unanswered = 0
                 if isinstance(ack, HeartbeatAck) and not ack.known:
                     self._rejoin.set()
-            if time.monotonic() - heard_s > config.router_timeout_s:
+            if unanswered * config.heartbeat_s > config.router_timeout_s:
                 log.error("no word from the router for %.0f s: stopping", config.router_timeout_s)
                 self._running = False
                 time.sleep(config.router_timeout_s)  # the loop may be stuck in a transfer

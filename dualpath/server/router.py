@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
@@ -33,6 +34,7 @@ from dualpath.model.spec import load_spec, model_id, resolve_dtype, resolve_kv_d
 from dualpath.protocol import (
     HEARTBEAT_SUFFIX,
     GetMetrics,
+    Heartbeat,
     HeartbeatAck,
     Hello,
     Message,
@@ -61,6 +63,7 @@ log = logging.getLogger("dualpath.router")
 __all__ = ["ClusterOutput", "EngineInfo", "RequestAborted", "RequestFailed", "RequestFuture",
            "Router", "scheduler_params"]
 
+T = TypeVar("T")
 HEARTBEAT_TICK_S = 0.1  # how often the loop checks engine silence
 
 
@@ -143,10 +146,24 @@ class Router:
 
     def counters(self) -> dict[str, int]:
         """The router's own accounting (all zero once idle) plus its fault counters."""
-        result: Future[dict[str, int]] = Future()
-        self._inbox.put(lambda: result.set_result(
-            {**self.state.counters(), "dropped_messages": self.state.dropped_messages,
-             "bad_messages": self.bad_messages, "drift": sum(self.state.drift.values())}))
+        return self._ask(lambda: {**self.state.counters(),
+                                  "dropped_messages": self.state.dropped_messages,
+                                  "bad_messages": self.bad_messages,
+                                  "drift": sum(self.state.drift.values())})
+
+    def phases(self) -> dict[int, tuple[str, str, str]]:
+        """Every request not yet completed: ``req_id -> (phase, PE, DE)``."""
+        return self._ask(lambda: {r.req_id: (str(r.phase), r.pe, r.de)
+                                  for r in self.state.requests.values()})
+
+    def reports(self) -> dict[str, Heartbeat | None]:
+        """Each registered engine's last heartbeat (its own view of its state)."""
+        return self._ask(lambda: {n: e.report for n, e in self.state.engines.items()})
+
+    def _ask(self, query: Callable[[], T]) -> T:
+        """Run ``query`` on the router thread (which owns the state) and return its answer."""
+        result: Future[T] = Future()
+        self._inbox.put(lambda: result.set_result(query()))
         return result.result(10)
 
     def collect_metrics(self, timeout_s: float = 30.0) -> dict[str, dict]:

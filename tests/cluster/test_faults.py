@@ -1,0 +1,348 @@
+"""The fault suite: real local clusters, a multi-agent workload, and one fault per case.
+
+Every case checks the same three things: no request is lost (each ends with the fault-free
+greedy tokens of the single-process engine, or — only where it was mid-stream on a decode
+engine that died — with a clear error, after which the agent retries the turn), the cluster
+serves the turns after the fault, and once idle every router counter is back to zero and every
+engine's host pool is free again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+from multiturn import make_conversations, reference_outputs
+
+from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
+from dualpath.engine.llm_engine import LLMEngine
+from dualpath.errors import RequestError
+from dualpath.request import SamplingParams
+from dualpath.server.launch import LocalCluster
+from dualpath.server.router import RequestAborted, RequestFailed
+from dualpath.storage.block_file import HEADER_BYTES
+
+pytestmark = pytest.mark.faults
+
+ENGINE = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=256)
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(max_tokens=900, ignore_eos=True)  # decodes for a few seconds
+CONVS = make_conversations(300, first_lengths=[45, 70, 101, 60], append_lengths=[19, 27, 13],
+                           seed=11)
+VICTIM_PROMPT = list(range(5, 60))
+
+
+def config(tmp_path: Path, **overrides) -> ClusterConfig:
+    base = dict(engine=ENGINE, storage=StorageConfig(root=str(tmp_path / "kv")),
+                host_pool_blocks=64, heartbeat_s=0.2, engine_timeout_s=2.0,
+                router_timeout_s=6.0)
+    base.update(overrides)
+    return ClusterConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def want(tiny_chaotic_dir) -> list[list[list[int]]]:
+    return reference_outputs(tiny_chaotic_dir, ENGINE, CONVS, PARAMS)
+
+
+@pytest.fixture(scope="module")
+def victim_want(tiny_chaotic_dir) -> list[int]:
+    return LLMEngine(tiny_chaotic_dir, ENGINE).generate([VICTIM_PROMPT], LONG)[0].output_ids
+
+
+# -- the workload and the checks ------------------------------------------------------------------
+
+
+class Agents:
+    """The conversations, turn by turn; a turn that died mid-stream is retried once."""
+
+    def __init__(self, cluster: LocalCluster, want: list[list[list[int]]]) -> None:
+        self.cluster = cluster
+        self.want = want
+        self.prompts = [c.first for c in CONVS]
+        self.turn = 0
+        self.mid_stream_errors: list[str] = []
+        self.outputs = []
+
+    def submit_turn(self) -> list[Future]:
+        return [self.cluster.submit(p, PARAMS) for p in self.prompts]
+
+    def finish_turn(self, futures: list[Future]) -> None:
+        results = []
+        for i, future in enumerate(futures):
+            try:
+                out = future.result(120)
+            except RequestFailed as exc:  # only a decode engine lost mid-stream may do this
+                assert "while decoding" in str(exc), f"agent {i} lost its turn: {exc}"
+                self.mid_stream_errors.append(str(exc))
+                out = self.cluster.submit(self.prompts[i], PARAMS).result(120)
+            assert out.output_ids == self.want[i][self.turn], f"agent {i} turn {self.turn} differs"
+            results.append(out)
+        self.outputs.extend(results)
+        if self.turn + 1 < len(self.want[0]):
+            self.prompts = [p + o.output_ids + c.appended[self.turn]
+                            for p, o, c in zip(self.prompts, results, CONVS, strict=True)]
+        self.turn += 1
+
+    def run_turn(self) -> None:
+        self.finish_turn(self.submit_turn())
+
+    def run_rest(self) -> None:
+        while self.turn < len(self.want[0]):
+            self.run_turn()
+
+
+def wait_for(condition, timeout_s: float = 30.0, what: str = "condition"):
+    """Poll ``condition`` (a cheap query of the router) until it returns something truthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def in_phase(cluster: LocalCluster, req_id: int, phase: str) -> tuple[str, str, str] | None:
+    state = cluster.router.phases().get(req_id)
+    return state if state and state[0] == phase else None
+
+
+def assert_idle(cluster: LocalCluster, host_pool_blocks: int = 64) -> None:
+    """Router counters at zero; each engine's own report shows its host pool free."""
+    def idle():
+        counters = cluster.router.counters()
+        busy = {k: v for k, v in counters.items()
+                if v and k not in ("dropped_messages", "bad_messages")}
+        reports = cluster.router.reports()
+        pools = {n: r.free_host_slots for n, r in reports.items() if r is not None}
+        leaks = {n: free for n, free in pools.items() if free != host_pool_blocks}
+        return (busy, leaks) if busy or leaks or len(pools) < len(reports) else "idle"
+    deadline = time.monotonic() + 20
+    state = idle()
+    while state != "idle" and time.monotonic() < deadline:
+        time.sleep(0.1)
+        state = idle()
+    assert state == "idle", f"not idle: {state}"
+    assert cluster.router.counters()["bad_messages"] == 0
+
+
+# -- engines dying --------------------------------------------------------------------------------
+
+
+def test_killing_a_decode_engine_mid_decode_fails_only_that_stream(tiny_chaotic_dir, tmp_path,
+                                                                   want):
+    with LocalCluster(tiny_chaotic_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        agents.run_turn()
+        victim = cluster.submit(VICTIM_PROMPT, LONG)
+        _, _, de = wait_for(lambda: in_phase(cluster, victim.req_id, "decoding"), what="decode")
+        turn = agents.submit_turn()
+        cluster.process(de).send_signal(signal.SIGKILL)
+        with pytest.raises(RequestFailed, match="while decoding"):
+            victim.result(60)
+        agents.finish_turn(turn)
+        agents.run_rest()
+        assert de not in cluster.router.engines
+        assert all(o.decode_engine != de for o in agents.outputs[-len(CONVS):])
+        assert_idle(cluster)
+
+
+def test_killing_a_prefill_engine_after_prefill_lets_its_requests_finish(
+        tiny_chaotic_dir, tmp_path, want, victim_want):
+    cfg = config(tmp_path, num_prefill=2, num_decode=1)
+    with LocalCluster(tiny_chaotic_dir, cfg, log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        victim = cluster.submit(VICTIM_PROMPT, LONG)
+        _, pe, _ = wait_for(lambda: in_phase(cluster, victim.req_id, "decoding"), what="decode")
+        cluster.process(pe).send_signal(signal.SIGKILL)
+        wait_for(lambda: pe not in cluster.router.engines, what="the PE to be declared lost")
+        assert victim.result(60).output_ids == victim_want
+        agents.run_rest()
+        assert all(o.prefill_engine != pe for o in agents.outputs)
+        assert_idle(cluster)
+
+
+def test_killing_a_prefill_engine_mid_prefill_places_its_requests_again(tiny_chaotic_dir,
+                                                                        tmp_path, want):
+    # slow storage reads keep a turn's requests reading on their PE long enough to kill it
+    storage = StorageConfig(root=str(tmp_path / "kv"), read_cap_mb_s=0.1)
+    cfg = config(tmp_path, num_prefill=2, num_decode=1, storage=storage, read_path="pe")
+    with LocalCluster(tiny_chaotic_dir, cfg, log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        agents.run_turn()
+        turn = agents.submit_turn()
+        phase = wait_for(lambda: next((s for s in cluster.router.phases().values()
+                                       if s[0] == "prefilling"), None), what="a prefill")
+        pe = phase[1]
+        cluster.process(pe).send_signal(signal.SIGKILL)
+        agents.finish_turn(turn)
+        assert agents.mid_stream_errors == []
+        assert any(o.num_attempts > 1 for o in agents.outputs[-len(CONVS):])
+        agents.run_rest()
+        assert_idle(cluster)
+
+
+def test_a_stopped_decode_engine_is_detected_then_rejoins_without_corrupting_anything(
+        tiny_chaotic_dir, tmp_path, want):
+    with LocalCluster(tiny_chaotic_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        agents.run_turn()
+        victim = cluster.submit(VICTIM_PROMPT, LONG)
+        _, _, de = wait_for(lambda: in_phase(cluster, victim.req_id, "decoding"), what="decode")
+        cluster.process(de).send_signal(signal.SIGSTOP)
+        try:
+            stopped_at = time.monotonic()
+            wait_for(lambda: de not in cluster.router.engines, what="the heartbeat timeout")
+            detected_s = time.monotonic() - stopped_at
+            with pytest.raises(RequestFailed, match="while decoding"):
+                victim.result(10)
+            agents.run_turn()  # served by the other decode engine meanwhile
+        finally:
+            cluster.process(de).send_signal(signal.SIGCONT)
+        wait_for(lambda: de in cluster.router.engines, what="the engine to rejoin")
+        assert detected_s < 2.0 + 1.5
+        agents.run_rest()
+        assert_idle(cluster)
+
+
+# -- full buffers ---------------------------------------------------------------------------------
+
+
+def test_tiny_buffers_make_requests_wait_never_fail(tiny_chaotic_dir, tmp_path, want):
+    # 14 host-buffer blocks hold one prompt at a time; 24 KV blocks one decode at a time
+    engine = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=24)
+    cfg = config(tmp_path, engine=engine, host_pool_blocks=16, save_staging_blocks=2)
+    with LocalCluster(tiny_chaotic_dir, cfg, log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        agents.run_rest()
+        started = time.monotonic()
+        too_big = cluster.submit([5] * 400, PARAMS)
+        with pytest.raises(RequestError, match="exceeds"):
+            too_big.result(1.0)
+        assert time.monotonic() - started < 1.0
+        assert_idle(cluster, host_pool_blocks=16)
+
+
+# -- cancellation ---------------------------------------------------------------------------------
+
+
+def test_abort_in_every_phase_frees_everything(tiny_chaotic_dir, tmp_path, want):
+    storage = StorageConfig(root=str(tmp_path / "kv"), read_cap_mb_s=0.05)
+    with LocalCluster(tiny_chaotic_dir, config(tmp_path, storage=storage),
+                      log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        agents.run_turn()
+        seen = set()
+        for phase, path in [("buffering", "de"), ("prefilling", "pe"), ("decoding", "auto")]:
+            # a second-turn prompt has hit blocks: its reads are slow at 0.05 MB/s
+            prompt = agents.prompts[0] + want[0][0] + CONVS[0].appended[0]
+            params = LONG if phase == "decoding" else PARAMS
+            future = cluster.submit(prompt, params, read_path=path)
+            wait_for(lambda f=future, p=phase: in_phase(cluster, f.req_id, p), what=phase)
+            cluster.abort(future)
+            with pytest.raises(RequestAborted):
+                future.result(5)
+            seen.add(phase)
+        # 4 requests reserving 2,045 tokens of KV each fill both decode engines: a 5th queues
+        huge = SamplingParams(max_tokens=1990, ignore_eos=True)
+        fill = [cluster.submit(VICTIM_PROMPT, huge) for _ in range(5)]
+        wait_for(lambda: in_phase(cluster, fill[-1].req_id, "queued"), what="queued")
+        seen.add("queued")
+        for f in reversed(fill):
+            cluster.abort(f)
+        for f in fill:
+            with pytest.raises(RequestAborted):
+                f.result(5)
+        with pytest.raises(TimeoutError):  # generate's timeout aborts what it gave up on
+            cluster.generate([VICTIM_PROMPT], LONG, timeout_s=0.5)
+        assert seen == {"queued", "buffering", "prefilling", "decoding"}
+        assert_idle(cluster)
+        agents.run_rest()
+        assert_idle(cluster)
+
+
+# -- storage faults -------------------------------------------------------------------------------
+
+
+def _block_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvb"))
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "corrupted"])
+def test_damaged_blocks_are_recomputed(tiny_chaotic_dir, tmp_path, want, damage):
+    root = tmp_path / "kv"
+    with LocalCluster(tiny_chaotic_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        agents.run_turn()
+        files = _block_files(root)
+        assert files
+        for path in files[::2]:
+            if damage == "missing":
+                path.unlink()
+            elif damage == "truncated":
+                os.truncate(path, path.stat().st_size // 2)
+            else:
+                data = bytearray(path.read_bytes())
+                data[-10] ^= 0xFF
+                path.write_bytes(bytes(data))
+        agents.run_rest()
+        if damage != "missing":
+            corrupt = sum(m.get("storage_corrupt") or 0 for m in cluster.metrics().values())
+            assert corrupt > 0  # the reads saw the damage and recomputed
+        assert_idle(cluster)
+
+
+def test_a_store_made_read_only_mid_run_costs_only_its_writes(tiny_chaotic_dir, tmp_path, want):
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    root = tmp_path / "kv"
+    root.mkdir()
+    with LocalCluster(tiny_chaotic_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        agents.run_turn()
+        subprocess.run(["mount", "--bind", str(root), str(root)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(root)], check=True)
+            agents.run_rest()
+            assert_idle(cluster)
+            metrics = cluster.metrics().values()
+        finally:
+            subprocess.run(["umount", str(root)], check=True)
+    errors = sum(m.get("storage_write_errors") or 0 for m in metrics)
+    assert errors > 0  # the decode engines tried, failed, counted, and went on
+
+
+def test_reads_slower_than_the_deadline_are_recomputed(tiny_chaotic_dir, tmp_path, want):
+    storage = StorageConfig(root=str(tmp_path / "kv"), read_cap_mb_s=0.02, read_deadline_s=0.3)
+    with LocalCluster(tiny_chaotic_dir, config(tmp_path, storage=storage),
+                      log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        started = time.monotonic()
+        agents.run_rest()
+        elapsed_s = time.monotonic() - started
+        later = agents.outputs[len(CONVS):]
+        for out in later:  # what was not read in time was computed
+            assert out.num_computed_tokens == len(out.prompt_ids) - out.num_hit_tokens
+        assert any(o.num_hit_tokens < (len(o.prompt_ids) - 1) // 16 * 16 for o in later)
+        assert elapsed_s < 60
+        assert_idle(cluster)
+
+
+def test_engines_sharing_a_capped_store_keep_it_within_the_cap(tiny_chaotic_dir, tmp_path, want):
+    root = tmp_path / "kv"
+    block_bytes = LLMEngine(tiny_chaotic_dir, ENGINE).layout.full_block_bytes + HEADER_BYTES
+    cap_blocks = 12
+    storage = StorageConfig(root=str(root), capacity_gb=cap_blocks * block_bytes / 1e9)
+    with LocalCluster(tiny_chaotic_dir, config(tmp_path, storage=storage),
+                      log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        agents.run_rest()
+        assert_idle(cluster)
+    writers = 3
+    assert len(_block_files(root)) <= cap_blocks + writers
