@@ -12,6 +12,7 @@ from dualpath.config import EngineConfig
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
+from dualpath.server.router import ClusterOutput
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,17 @@ def reference_outputs(model_dir: Path, config: EngineConfig, convs: list[Convers
 
 
 def cluster_outputs(cluster: LocalCluster, convs: list[Conversation], params: SamplingParams,
-                    mode: str, read_path: str) -> tuple[list[list[list[int]]], list[list[int]]]:
-    """Outputs and hit tokens per conversation and turn, conversations running concurrently."""
+                    mode: str, read_path: str, served: list[ClusterOutput] | None = None,
+                    ) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """Outputs and hit tokens per conversation and turn, conversations running concurrently
+    (every ``ClusterOutput`` is appended to ``served`` when given)."""
     prompts = [c.first for c in convs]
     outputs: list[list[list[int]]] = [[] for _ in convs]
     hits: list[list[int]] = [[] for _ in convs]
     for turn in range(1 + len(convs[0].appended)):
         results = cluster.generate(prompts, params, mode=mode, read_path=read_path)
+        if served is not None:
+            served.extend(results)
         for i, out in enumerate(results):
             outputs[i].append(out.output_ids)
             hits[i].append(out.num_hit_tokens)

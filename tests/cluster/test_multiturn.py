@@ -26,10 +26,23 @@ def _check_all_runs(model_dir, tmp_path, engine_cfg, convs, params) -> None:
         for mode, read_path in RUNS:
             wipe(store)
             before = cluster.metrics()
-            got, hits = cluster_outputs(cluster, convs, params, mode, read_path)
+            served = []
+            got, hits = cluster_outputs(cluster, convs, params, mode, read_path, served)
             after = cluster.metrics()
             assert got == want, f"{mode}/{read_path} diverged from the single-process runner"
             _check_traffic(mode, read_path, hits, before, after)
+            _check_computed(mode, read_path, served)
+
+
+def _check_computed(mode, read_path, served) -> None:
+    """The PE computed exactly the miss: prompt − hit (all of the prompt in recompute)."""
+    for out in served:
+        miss = len(out.prompt_ids) - out.num_hit_tokens
+        assert out.num_computed_tokens == miss, (
+            f"{mode}/{read_path}: request {out.req_id} computed {out.num_computed_tokens} "
+            f"prompt tokens, its miss is {miss}")
+        if mode == "recompute":
+            assert out.num_hit_tokens == 0
 
 
 def _check_traffic(mode, read_path, hits, before, after) -> None:
@@ -88,8 +101,10 @@ def test_quota_batching_and_chunking_keep_tokens(tiny_chaotic_dir, tmp_path):
     with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp_path / "logs") as cluster:
         for mode, read_path in [("dualpath", "pe"), ("dualpath", "de"), ("basic", "auto")]:
             wipe(store)
-            got, _ = cluster_outputs(cluster, convs, params, mode, read_path)
+            served = []
+            got, _ = cluster_outputs(cluster, convs, params, mode, read_path, served)
             assert got == want, f"{mode}/{read_path} diverged under quota batching"
+            _check_computed(mode, read_path, served)
         pe = next(m for m in cluster.metrics().values() if m["role"] == "prefill")
     assert pe["num_chunks"] > pe["num_prefilled"]  # some prompts took several forwards
     assert pe["num_forwards"] < pe["num_chunks"]  # some forwards carried several requests
