@@ -149,6 +149,7 @@ class Router:
         return self._ask(lambda: {**self.state.counters(),
                                   "dropped_messages": self.state.dropped_messages,
                                   "bad_messages": self.bad_messages,
+                                  "corrected": self.state.corrected,
                                   "drift": sum(self.state.drift.values())})
 
     def phases(self) -> dict[int, tuple[str, str, str]]:

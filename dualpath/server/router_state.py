@@ -43,6 +43,7 @@ from dualpath.scheduler.global_scheduler import GlobalScheduler
 from dualpath.scheduler.view import Assignment, ClusterView, EngineView, NodeView, PendingRequest
 
 MAX_ATTEMPTS = 4  # placements of one request before an engine problem fails it
+UNSEEN_BEATS = 3  # heartbeats of a live engine not listing a request it should hold
 
 
 class Mode(StrEnum):
@@ -169,6 +170,7 @@ class RequestState:
     attempts: int = 0
     num_computed_tokens: int = 0
     holds: Holds = field(default_factory=Holds)
+    unseen: dict[str, int] = field(default_factory=dict)  # engine -> heartbeats without it
 
     @property
     def reads(self) -> bool:
@@ -218,6 +220,7 @@ class RouterState:
         self.decisions: list[tuple[int, str, str, str, int]] = []  # req, pe, de, path, hit
         self.dropped_messages = 0  # late, duplicated or unknown messages ignored
         self.drift: dict[str, int] = {}  # engine -> requests it and the router disagree on
+        self.corrected = 0  # requests an engine lost track of, placed again or failed
         self._by_wire: dict[int, RequestState] = {}
         self._next_wire = 1
 
@@ -317,9 +320,25 @@ class RouterState:
             return
         state.last_heard_s = now_s
         state.report = msg
-        mine = {r.wire_id for r in self._placed_on(engine)}
-        self.drift[engine] = len(mine.symmetric_difference(msg.running))
         out.send(engine, HeartbeatAck(known=True))
+        mine = {r.wire_id: r for r in self._held_by(engine)}
+        self.drift[engine] = len(mine.keys() ^ set(msg.running))
+        if msg.loop_age_s > self.engine_timeout_s / 4:
+            return  # a busy loop may not have read our latest messages yet
+        for wire_id, req in mine.items():
+            if wire_id in msg.running:
+                req.unseen.pop(engine, None)
+                continue
+            req.unseen[engine] = req.unseen.get(engine, 0) + 1
+            if req.unseen[engine] >= UNSEEN_BEATS:  # a message was lost: correct, go on
+                self.corrected += 1
+                self._failed(req, engine, "the engine lost track of the request", out)
+
+    def _held_by(self, engine: str) -> list[RequestState]:
+        """Requests the router expects ``engine`` to be holding right now."""
+        return [r for r in self.requests.values()
+                if (r.phase == Phase.PREFILLING and engine == r.pe)
+                or (r.phase != Phase.QUEUED and engine == r.de)]
 
     def _lose(self, name: str, reason: str, out: Effects) -> None:
         if self.engines.pop(name, None) is None:
@@ -336,10 +355,6 @@ class RouterState:
                 self._end(req, out, RequestFailed(f"{reason} while decoding the request"))
             else:
                 self._retry(req, out, reason)
-
-    def _placed_on(self, engine: str) -> list[RequestState]:
-        placed = [*self.requests.values(), *self.draining.values()]
-        return [r for r in placed if r.phase != Phase.QUEUED and engine in (r.pe, r.de)]
 
     # -- request messages -----------------------------------------------------------------------
     def _request_message(self, engine: str, msg: Message, out: Effects) -> None:
@@ -409,6 +424,7 @@ class RouterState:
     # -- placement ------------------------------------------------------------------------------
     def _enqueue(self, req: RequestState) -> None:
         req.phase = Phase.QUEUED
+        req.unseen.clear()
         req.pe = req.de = req.path = ""
         self.scheduler.submit(PendingRequest(req.req_id, len(req.prompt_ids),
                                              self._read_tokens(req)))

@@ -234,13 +234,32 @@ def test_messages_of_an_earlier_attempt_cannot_move_a_later_one():
     assert state.dropped_messages == before + 1 and state.requests[1].phase == Phase.BUFFERING
 
 
+def test_heartbeats_correct_a_lost_message():
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends)
+    engine, lost = sends.pop(0)  # the AllocBuffer never arrives
+    for beat in range(3):
+        busy = Heartbeat(engine, 1, 1, 0, (), loop_age_s=4.0)  # a busy loop proves nothing
+        apply(state.on_message(engine, busy, 0.1 * beat), done, sends)
+    assert state.requests[1].wire_id == lost.req_id and state.drift[engine] == 1
+    for beat in range(3):
+        apply(state.on_message(engine, Heartbeat(engine, 1, 1, 0, ()), 1 + beat), done, sends)
+    assert state.corrected == 1 and state.requests[1].wire_id != lost.req_id
+    sends[:] = [(e, m) for e, m in sends if not isinstance(m, HeartbeatAck)]
+    run_to_quiet(state, model, done, sends, 4.0)
+    assert isinstance(done[1], ClusterOutput) and done[1].num_attempts == 2
+    assert zero(state) == {}
+
+
 # -- the property ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_faults_never_raise_and_always_end_at_zero(seed):
     rng = random.Random(seed)
-    state, model, done, sends = make_state(kv_tokens=1024, pool=24, staging=4), EngineModel(), {}, []
+    state, model = make_state(kv_tokens=1024, pool=24, staging=4), EngineModel()
+    done, sends = {}, []
     inbox: list[tuple[str, Message]] = []  # engine -> router, delivered in random order
     now, submitted = 0.0, 0
     hello_all(state)
@@ -304,4 +323,5 @@ def _check_non_negative(state: RouterState) -> None:
     assert not negative, negative
     for name, engine in state.engines.items():
         load = engine.load
-        assert min(load.seq, load.tok, load.kv_tokens, load.buffer_blocks, load.pool_blocks) >= 0, name
+        held = (load.seq, load.tok, load.kv_tokens, load.buffer_blocks, load.pool_blocks)
+        assert min(held) >= 0, name
