@@ -101,8 +101,7 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = cluster_config_from_json(args.config)
     identity = EngineIdentity(args.name or f"{args.role}-{args.node_id}", args.role, args.node_id)
-    EngineProcess(identity, resolve_model(args.model), config, args.router).serve()
-    return 0
+    return EngineProcess(identity, resolve_model(args.model), config, args.router).serve()
 
 
 def _cmd_bench_cluster(args: argparse.Namespace) -> int:

@@ -53,6 +53,7 @@ from dualpath.storage.client import StorageClient
 
 log = logging.getLogger("dualpath.engine")
 IDLE_POLL_MS = 20
+ROUTER_GONE_EXIT = 3  # exit status of an engine that stopped because its router fell silent
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class EngineProcess:
         self.config = config
         self.socket = _dealer(identity.name, router_address)
         self._running = True
+        self._router_gone = False
         self._loop_at_s = time.monotonic()  # when the work loop last went round
         self._held: tuple[int, ...] = ()  # req ids held, as the loop last saw them
         self._rejoin = threading.Event()  # the router forgot us: drop everything, say hello
@@ -106,8 +108,9 @@ class EngineProcess:
         for message in messages:
             self.socket.send(encode(message))
 
-    def serve(self) -> None:
-        """Announce this engine, then loop until told to shut down (or the router is gone)."""
+    def serve(self) -> int:
+        """Announce this engine, then loop until told to shut down (or the router is gone);
+        returns the exit status: 0 when told, ``ROUTER_GONE_EXIT`` when the router fell silent."""
         self._hello()
         self._heart.start()
         while self._running:
@@ -124,6 +127,7 @@ class EngineProcess:
             self._held = self.worker.held_requests()
             self._loop_at_s = time.monotonic()
         self.close()
+        return ROUTER_GONE_EXIT if self._router_gone else 0
 
     def _hello(self) -> None:
         ident = self.identity
@@ -159,9 +163,10 @@ class EngineProcess:
                     self._rejoin.set()
             if unanswered * config.heartbeat_s > config.router_timeout_s:
                 log.error("no word from the router for %.0f s: stopping", config.router_timeout_s)
+                self._router_gone = True
                 self._running = False
                 time.sleep(config.router_timeout_s)  # the loop may be stuck in a transfer
-                os._exit(3)
+                os._exit(ROUTER_GONE_EXIT)
         socket.close(0)
 
     def _state(self) -> Heartbeat:

@@ -189,10 +189,11 @@ class Router:
         """An engine process is gone: fail or re-place what it held, place new work elsewhere."""
         self._inbox.put(lambda: self._lose(name, f"engine {name} exited"))
 
-    def shutdown(self) -> None:
-        """Tell every engine to stop and end the router thread."""
+    def shutdown(self, notify_engines: bool = True) -> None:
+        """Tell every engine to stop and end the router thread (without telling them, the
+        engines find the router gone by its silence, as after a crash)."""
         def stop() -> None:
-            for name in self.state.engines:
+            for name in self.state.engines if notify_engines else ():
                 self._send(name, Shutdown())
             self._running = False
 

@@ -21,6 +21,7 @@ from multiturn import make_conversations, reference_outputs
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.engine.llm_engine import LLMEngine
+from dualpath.engine.loop import ROUTER_GONE_EXIT
 from dualpath.errors import RequestError
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
@@ -209,6 +210,23 @@ def test_a_stopped_decode_engine_is_detected_then_rejoins_without_corrupting_any
         assert detected_s < 2.0 + 1.5
         agents.run_rest()
         assert_idle(cluster)
+
+
+def test_engines_stop_when_their_router_is_gone(tiny_chaotic_dir, tmp_path, want):
+    cluster = LocalCluster(tiny_chaotic_dir, config(tmp_path, router_timeout_s=1.5),
+                           log_dir=tmp_path / "logs")
+    cluster.start()
+    try:
+        Agents(cluster, want).run_turn()
+        procs = [cluster.process(name) for name in cluster.router.engines]
+        cluster.router.shutdown(notify_engines=False)  # as if the router process crashed
+        started = time.monotonic()
+        for proc in procs:
+            assert proc.wait(timeout=20) == ROUTER_GONE_EXIT  # they noticed, stopped, exited
+        assert time.monotonic() - started < 1.5 + 0.5 + 1.5 + 5  # silence + beat + grace
+    finally:
+        cluster.router = None
+        cluster.stop()
 
 
 # -- full buffers ---------------------------------------------------------------------------------
