@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dualpath.engine.sampler import Sampler, top_p_filter
+from dualpath.engine.sampler import Sampler, draw_seed, top_p_filter
 from dualpath.errors import RequestError
 from dualpath.request import SamplingParams, SeqStatus, Sequence
 
@@ -193,6 +193,97 @@ def test_low_temperature_sharpens_toward_the_argmax():
     cold = _draws(Sampler(), logits, SamplingParams(temperature=0.05, seed=0), 0, 400)
     assert cold.count(1) > hot.count(1)
     assert cold.count(1) >= 399
+
+
+# --- seeded draws across engines: prefill samples token 0, decode the rest ------------------
+
+
+def _step_logits(n, vocab=1000):
+    """Different logits per step, as a real model gives."""
+    return [torch.randn(1, vocab, generator=torch.Generator().manual_seed(100 + k))
+            for k in range(n)]
+
+
+def _one_engine(params, steps, seq_id=3):
+    """Every token on one sampler, called the way LLMEngine.step calls it today."""
+    sampler = Sampler(seed=0)
+    return [sampler.sample(logits, [params], [seq_id])[0] for logits in steps]
+
+
+def _prefill_then_decode(params, steps):
+    """Token 0 on the prefill engine's sampler, the rest on a fresh decode-engine sampler."""
+    prefill = Sampler(seed=1)
+    first = prefill.sample(steps[0], [params], [40])[0]
+    prefill.release(40)
+    decode = Sampler(seed=2)
+    rest = [decode.sample(logits, [params], [77], num_outputs=[k])[0]
+            for k, logits in enumerate(steps[1:], start=1)]
+    return [first, *rest]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_seeded_request_split_across_engines_matches_one_engine(top_p):
+    params = SamplingParams(temperature=1.0, top_p=top_p, seed=1234)
+    steps = _step_logits(16)
+    together = _one_engine(params, steps)
+    assert _prefill_then_decode(params, steps) == together
+    assert len(set(together)) > 1  # a spread distribution really was sampled
+
+
+def test_split_across_engines_still_depends_on_the_seed():
+    steps = _step_logits(16)
+    a = _prefill_then_decode(SamplingParams(temperature=1.0, seed=1), steps)
+    b = _prefill_then_decode(SamplingParams(temperature=1.0, seed=2), steps)
+    assert a != b
+
+
+def test_draw_of_token_k_depends_only_on_seed_and_k():
+    logits = torch.zeros(1, 1000)
+    params = SamplingParams(temperature=1.0, seed=9)
+    running = Sampler()
+    in_order = [running.sample(logits, [params], [5], num_outputs=[k])[0] for k in range(8)]
+    for k in reversed(range(8)):  # out of order, each on a fresh sampler with another seq id
+        assert Sampler(seed=k).sample(logits, [params], [100 + k], num_outputs=[k]) == [
+            in_order[k]]
+    assert _draws(Sampler(), logits, params, seq_id=5, n=8) == in_order  # no index: counted
+
+
+def test_seeded_rows_of_a_batch_each_use_their_own_index():
+    logits = torch.zeros(3, 1000)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (4, 4, 6)]
+    batch = Sampler().sample(logits, params, [0, 1, 2], num_outputs=[0, 5, 2])
+    alone = [Sampler().sample(logits[:1], [p], [9], num_outputs=[k])[0]
+             for p, k in zip(params, [0, 5, 2], strict=True)]
+    assert batch == alone
+
+
+def test_unseeded_rows_ignore_the_index():
+    logits = torch.zeros(1, 1000)
+    params = SamplingParams(temperature=1.0)
+    sampler = Sampler(seed=11)
+    with_index = [sampler.sample(logits, [params], [0], num_outputs=[0])[0] for _ in range(16)]
+    assert with_index == _draws(Sampler(seed=11), logits, params, 0, 16)
+    assert len(set(with_index)) > 1  # the shared generator moves on
+
+
+def test_greedy_rows_ignore_the_index():
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0.0, seed=1)] * 3
+    assert Sampler().sample(logits, params, [0, 1, 2], num_outputs=[0, 7, 3]) == (
+        logits.argmax(-1).tolist())
+
+
+def test_draw_seed_is_a_fixed_function_of_seed_and_index():
+    """Engines in other processes (or other builds) must derive the same generator seed."""
+    assert draw_seed(1234, 0) == draw_seed(1234, 0) != draw_seed(1234, 1)
+    assert draw_seed(1, 10) != draw_seed(11, 0)
+    assert draw_seed(1234, 0) == 0xbb8a50c5c5a8be1a
+
+
+def test_num_outputs_needs_one_index_per_row():
+    with pytest.raises(ValueError):
+        Sampler().sample(torch.zeros(2, 4), [SamplingParams(temperature=1.0)] * 2, [0, 1],
+                         num_outputs=[0])
 
 
 @pytest.mark.gpu
