@@ -1,20 +1,25 @@
 """The ``fs`` store: one file per full block in a directory tree.
 
 Works on a local disk and on shared POSIX mounts (3FS FUSE, NFS, Lustre, CephFS): it relies
-only on open/pread/write/rename/unlink. Paths are built from validated key parts and the hex
-hash, sharded two levels deep; a writer fills a unique temp file and renames it into place, so a
-reader sees a whole block or none. Reads verify header and checksum; anything wrong is a miss
-(and the bad file is removed so the next save rewrites it). Reads run in parallel on a worker
-pool, optionally with O_DIRECT into 4 KiB-aligned buffers.
+only on open/pread/write/rename/unlink/utime (and, with a capacity, lock files). Paths are built
+from validated key parts and the hex hash, sharded two levels deep; a writer fills a unique temp
+file and renames it into place, so a reader sees a whole block or none. Reads verify header and
+checksum; anything wrong is a miss (and the bad file is removed so the next save rewrites it).
+Reads run in parallel on a worker pool, optionally with O_DIRECT into 4 KiB-aligned buffers.
+Every use of a block (a read hit, an ``exists_prefix`` hit, a skipped rewrite) sets its file's
+mtime to now: the recency that capacity eviction goes by, shared by every process and host
+that uses the root (``fs_capacity``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,11 +38,12 @@ from dualpath.storage.block_file import (
     pack_header,
     unpack_header,
 )
-from dualpath.storage.index import PrefixLRUIndex
+from dualpath.storage.fs_capacity import SUFFIX, SharedCapacity
 
-SUFFIX = ".kvb"
 ALIGN = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+_WRITTEN, _SKIPPED, _FAILED = "written", "skipped", "failed"  # one block's save
+FILE_OVERHEAD = HEADER_BYTES  # a block file is its header and the payload
 
 
 def _address(view: memoryview) -> int:
@@ -45,11 +51,17 @@ def _address(view: memoryview) -> int:
 
 
 class FsStore(StorageBackend):
-    """Full blocks as files under ``root``."""
+    """Full blocks as files under ``root``.
+
+    ``capacity_bytes`` caps the block files of the whole root, for every process (on every
+    host) that writes it with a cap: see ``fs_capacity`` for how. ``lock`` is how those
+    processes exclude each other: ``flock`` (falls back to ``excl`` where refused) or ``excl``
+    (O_EXCL lock files, for mounts whose flock is host-local).
+    """
 
     def __init__(self, root: str | Path, layout: KVLayout, *, fsync: bool = False,
                  o_direct: bool = False, workers: int = 4,
-                 capacity_bytes: int | None = None) -> None:
+                 capacity_bytes: int | None = None, lock: str = "flock") -> None:
         super().__init__(layout.full_block_bytes)
         self.root = Path(root).absolute()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -59,12 +71,11 @@ class FsStore(StorageBackend):
         self.o_direct = bool(o_direct and O_DIRECT)
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="fs-store")
         self._local = threading.local()
-        self._lock = threading.Lock()
-        self._index: PrefixLRUIndex | None = None
-        self._paths: dict[bytes, Path] = {}  # block hash -> file, for eviction
+        self._file_bytes = self.block_bytes + FILE_OVERHEAD
+        self._can_touch = True  # False once the mount turns out read-only
+        self.capacity: SharedCapacity | None = None
         if capacity_bytes is not None:
-            self._index = PrefixLRUIndex(capacity_bytes)
-            self._scan()
+            self.capacity = SharedCapacity(self.root, capacity_bytes, lock=lock)
 
     # -- paths -------------------------------------------------------------------------------
     def path_for(self, key: BlockKey) -> Path:
@@ -87,9 +98,8 @@ class FsStore(StorageBackend):
     def exists_prefix(self, keys: Sequence[BlockKey]) -> int:
         count = 0
         for key in keys:
-            if not self.path_for(key).is_file():
+            if not self._touch(self._path_str(key)):  # a lookup hit is a use
                 break
-            self._touch(key)
             count += 1
         return count
 
@@ -102,14 +112,18 @@ class FsStore(StorageBackend):
     def put_from(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
         views = self._check_batch(keys, buffers)
         if len(keys) == 1:
-            written = [self._write_one(keys[0], views[0])]
+            outcomes = [self._write_one(keys[0], views[0])]
         else:
-            written = list(self._pool.map(self._write_one, keys, views))
-        self._record(keys, written)  # in chain order, whatever order the writes finished in
-        return written
+            outcomes = list(self._pool.map(self._write_one, keys, views))
+        new_files = outcomes.count(_WRITTEN)
+        if self.capacity is not None and new_files:
+            # once per batch, after all of it landed: a pass never sees this batch half-written
+            evicted = self.capacity.added(new_files * self._file_bytes)
+            self.stats.add(blocks_evicted=evicted)
+        return [outcome != _FAILED for outcome in outcomes]
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
-        removed = sum(self._unlink(self.path_for(k), k) for k in keys)
+        removed = sum(self._unlink(self._path_str(k)) for k in keys)
         self.stats.add(blocks_deleted=removed)
         return removed
 
@@ -123,14 +137,13 @@ class FsStore(StorageBackend):
             self._read_verified(path, key, parts)
         except FileNotFoundError:
             self.stats.add(misses=1)
-            self._forget(key)
             return False
         except (OSError, BadBlockFile):
             self.stats.add(misses=1, corrupt=1)
-            self._unlink(path, key)
+            self._unlink(path)
             return False
         self.stats.add(hits=1, bytes_read=self.block_bytes)
-        self._touch(key)
+        self._touch(path)  # a read is a use
         return True
 
     def _read_verified(self, path: str, key: BlockKey, parts: Parts) -> None:
@@ -158,12 +171,12 @@ class FsStore(StorageBackend):
         return buf
 
     # -- writes ------------------------------------------------------------------------------
-    def _write_one(self, key: BlockKey, parts: Parts) -> bool:
+    def _write_one(self, key: BlockKey, parts: Parts) -> str:
+        """Store one block; returns ``_WRITTEN``, ``_SKIPPED`` (already there) or ``_FAILED``."""
         path = self.path_for(key)
-        if path.is_file():
+        if self._touch(str(path)):  # already stored: a save of it is a use
             self.stats.add(writes_skipped=1)
-            self._touch(key)
-            return True
+            return _SKIPPED
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,11 +187,12 @@ class FsStore(StorageBackend):
             if self.fsync:
                 _fsync_dir(path.parent)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             self.stats.add(write_errors=1)
-            return False
+            return _FAILED
         self.stats.add(blocks_written=1, bytes_written=self.block_bytes)
-        return True
+        return _WRITTEN
 
     def _write_file(self, tmp: Path, header: bytes, parts: Parts) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -186,57 +200,49 @@ class FsStore(StorageBackend):
             for chunk in (memoryview(header), *parts):
                 while chunk.nbytes:
                     chunk = chunk[os.write(fd, chunk):]
+            now = time.time_ns()
+            os.utime(fd, ns=(now, now))  # recency in the same fine clock as a use (_touch)
             if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
 
-    # -- capacity ----------------------------------------------------------------------------
-    def _touch(self, key: BlockKey) -> None:
-        if self._index is not None:
-            with self._lock:
-                self._index.touch(key.block_hash)
+    # -- recency and removal ------------------------------------------------------------------
+    def _touch(self, path: str) -> bool:
+        """Mark the block at ``path`` as just used; returns whether it exists.
 
-    def _forget(self, key: BlockKey) -> None:
-        if self._index is not None:
-            with self._lock:
-                self._index.remove(key.block_hash)
-                self._paths.pop(key.block_hash, None)
+        One metadata call either way: ``utime`` doubles as the existence check. The stamp is
+        this host's wall clock in ns, like a write's (``_write_file``): file systems stamp
+        in coarse ticks (4 ms on this machine's ext4), which would tie most uses. Where the
+        mtime cannot be set (a read-only mount) the block still exists; it just does not get
+        younger.
+        """
+        if self._can_touch:
+            now = time.time_ns()
+            try:
+                os.utime(path, ns=(now, now))
+                return True
+            except FileNotFoundError:
+                return False
+            except PermissionError:  # another user's file: "now" needs only write access
+                with contextlib.suppress(OSError):
+                    os.utime(path)
+                    return True
+            except OSError as exc:
+                if exc.errno == errno.EROFS:
+                    self._can_touch = False
+        return os.path.isfile(path)
 
-    def _record(self, keys: Sequence[BlockKey], written: list[bool]) -> None:
-        """Account newly stored blocks and evict beyond the capacity."""
-        if self._index is None:
-            return
-        with self._lock:
-            for key, ok in zip(keys, written, strict=True):
-                if ok:
-                    self._index.add(key.block_hash, key.parent, self.block_bytes + HEADER_BYTES)
-                    self._paths[key.block_hash] = self.path_for(key)
-            victims = [self._paths.pop(h) for h in self._index.victims()]
-        for path in victims:
-            path.unlink(missing_ok=True)
-        self.stats.add(blocks_evicted=len(victims))
-
-    def _unlink(self, path: str | Path, key: BlockKey) -> bool:
-        self._forget(key)
+    def _unlink(self, path: str) -> bool:
+        """Remove a block file (deleted or corrupt); returns whether one was removed."""
         try:
+            nbytes = os.stat(path).st_size
             os.unlink(path)
         except OSError:  # already gone, or not a file we can remove: nothing to count
             return False
+        if self.capacity is not None:
+            self.capacity.removed(nbytes)
         return True
-
-    def _scan(self) -> None:
-        """Rebuild the capacity index from the block files already under ``root``."""
-        assert self._index is not None
-        for path in sorted(self.root.rglob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime):
-            try:
-                with path.open("rb") as f:
-                    header = unpack_header(f.read(HEADER_BYTES))
-                block_hash = bytes.fromhex(path.stem)
-            except (OSError, ValueError, BadBlockFile):
-                continue
-            self._index.add(block_hash, header.parent, header.payload_bytes + HEADER_BYTES)
-            self._paths[block_hash] = path
 
 
 def _preadv_file(path: str, buffers: list[Any], extra_flags: int) -> int:

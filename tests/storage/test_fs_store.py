@@ -40,6 +40,11 @@ def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
 
+def _block_files(root: Path) -> list[Path]:
+    """Block files only: a capped store also keeps its ledger and lock files in the root."""
+    return [p for p in _files(root) if p.suffix == ".kvb" and not p.name.startswith(".")]
+
+
 def _payload_for(seed: int, round_: int) -> bytes:
     return random.Random(seed * 1000 + round_).randbytes(SMALL.full_block_bytes)
 
@@ -485,7 +490,7 @@ def test_capacity_counts_the_header(root):
         store.put_from(keys, _payloads(3))
         assert store.stats["blocks_evicted"] == 1
         assert sum(1 for k in keys if store.exists_prefix([k])) == 2
-    assert len(_files(root)) == 2
+    assert len(_block_files(root)) == 2
 
 
 def test_eviction_leaves_no_file_beyond_the_prefix(root):
@@ -499,7 +504,7 @@ def test_eviction_leaves_no_file_beyond_the_prefix(root):
         assert kept == 2
         assert all(store.path_for(k).is_file() for k in chain_a[:kept])
         assert not any(store.path_for(k).exists() for k in chain_a[kept:])
-    assert len(_files(root)) == 8
+    assert len(_block_files(root)) == 8
 
 
 def test_a_reopened_store_rebuilds_its_index_from_disk(root):
@@ -508,14 +513,14 @@ def test_a_reopened_store_rebuilds_its_index_from_disk(root):
         store.put_from(chain_a, _payloads(6))
     with FsStore(root, SMALL, capacity_bytes=4 * FILE_BYTES) as store:
         assert store.stats["blocks_evicted"] == 0  # opening evicts nothing ...
-        assert len(_files(root)) == 6
+        assert len(_block_files(root)) == 6
         store.put_from(chain_b[:1], _payloads(1))  # ... the next write does
         assert store.stats["blocks_evicted"] == 3
         assert store.exists_prefix(chain_b) == 1
         kept = store.exists_prefix(chain_a)
         assert kept == 3
         assert not any(store.path_for(k).exists() for k in chain_a[kept:])
-    assert len(_files(root)) == 4
+    assert len(_block_files(root)) == 4
 
 
 def test_a_reopened_store_ignores_foreign_files(root):
