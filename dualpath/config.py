@@ -38,6 +38,14 @@ class StorageConfig:
     workers: int = 4  # parallel reads/writes per client
     read_cap_mb_s: float | None = None  # storage-NIC read cap (MB/s); None = uncapped
     write_cap_mb_s: float | None = None  # storage-NIC write cap (MB/s); None = uncapped
+    # A read's result is due this long after it was submitted at the latest; blocks not read
+    # by then are misses, recomputed (DESIGN §9: a slow or hung store never stalls a request).
+    # None = wait as long as the store takes.
+    read_deadline_s: float | None = 5.0
+
+    def __post_init__(self) -> None:
+        if self.read_deadline_s is not None and not self.read_deadline_s > 0:
+            raise ValueError(f"read_deadline_s must be > 0 (or None), got {self.read_deadline_s}")
 
 
 @dataclass(frozen=True)

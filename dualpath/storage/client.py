@@ -5,10 +5,17 @@ the tokens of reads submitted but not yet finished — the paper's per-node read
 scheduler balances — and, when caps are configured, paces reads and writes through token
 buckets so the node behaves like one with a storage NIC of that bandwidth. Byte counters and
 utilization feed the metrics.
+
+A storage fault never reaches the caller as an exception (DESIGN §9): a block that a backend
+fails to read — whatever it raises — is a miss that the prefill engine recomputes, a read
+still unfinished at its deadline is a miss too, and a failed write is counted and dropped.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +28,9 @@ from dualpath.storage.base import StorageBackend
 from dualpath.storage.throttle import TokenBucket
 
 BURST_BLOCKS = 1  # a capped NIC may send one block ahead of its average rate
+ERROR_FIELDS = ("read_errors", "write_errors", "lookup_errors", "read_deadline_misses")
+
+log = logging.getLogger("dualpath.storage")
 
 
 def _bucket(cap_mb_s: float | None, block_bytes: int) -> TokenBucket | None:
@@ -36,6 +46,118 @@ class _Direction:
         self.bytes_moved = 0
 
 
+class ReadFuture(Future[list[bool]]):
+    """Per-block success of one ``submit_read``; ``io_done`` says when its buffers are free.
+
+    The result (True: the block is in its buffer and verified) comes when every block has been
+    read or at the read's deadline, whichever is first. ``io_done`` completes (with None) once
+    no read into the buffers is running or can still start: at once with the result when no
+    block was mid-read at the deadline, later otherwise.
+    """
+
+    io_done: Future[None]
+
+
+_QUEUED, _RUNNING, _DONE, _SKIPPED = range(4)
+
+
+class _Read:
+    """The state of one submitted read (all fields under ``lock``)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.lock = threading.Lock()
+        self.state = [_QUEUED] * num_blocks
+        self.ok = [False] * num_blocks
+        self.open = num_blocks  # blocks queued or running
+        self.reported = False  # the result has been decided
+        self.expired = False  # the deadline fired first
+        self.tasks: list[Future[None]] = []
+        self.future = ReadFuture()
+        self.future.io_done = Future()
+        self.future.set_running_or_notify_cancel()  # not cancellable: the reads are under way
+        self.future.io_done.set_running_or_notify_cancel()
+
+    def begin(self, i: int) -> bool:
+        """Block ``i`` is about to be read; False if the deadline skipped it."""
+        with self.lock:
+            if self.expired:
+                return False
+            self.state[i] = _RUNNING
+            return True
+
+    def end(self, i: int, ok: bool) -> tuple[list[bool] | None, bool]:
+        """Block ``i`` was read (or given up before its read); returns the result if it is
+        now decided, and whether the I/O of the whole read has ended."""
+        with self.lock:
+            self.state[i] = _DONE
+            self.ok[i] = ok
+            self.open -= 1
+            result = None
+            if not self.reported and self.open == 0:
+                self.reported = True
+                result = list(self.ok)
+            return result, self.open == 0
+
+    def expire(self) -> tuple[list[bool] | None, int, int, bool]:
+        """The deadline: the result (None if already decided), how many blocks were skipped
+        before their read started, how many were mid-read, and whether the I/O has ended."""
+        with self.lock:
+            if self.reported:
+                return None, 0, 0, False
+            self.reported = self.expired = True
+            result = [s == _DONE and ok for s, ok in zip(self.state, self.ok, strict=True)]
+            skipped = 0
+            for i, s in enumerate(self.state):
+                if s == _QUEUED:
+                    self.state[i] = _SKIPPED
+                    skipped += 1
+            self.open -= skipped
+            running = self.state.count(_RUNNING)
+            return result, skipped, running, self.open == 0
+
+
+class _Deadlines:
+    """One thread that runs callbacks at their due times (time.monotonic)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, due: float, callback: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (due, next(self._seq), callback))
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="storage-deadlines",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._heap or
+                                            self._heap[0][0] > time.monotonic()):
+                    timeout = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._cond.wait(timeout)
+                if self._closed:
+                    return
+                _, _, callback = heapq.heappop(self._heap)
+            try:
+                callback()
+            except Exception:  # a callback's bug must not stop every later deadline
+                log.exception("storage deadline callback failed")
+
+
 class StorageClient:
     """Capped, queued, parallel access to one store for the engines of a node."""
 
@@ -45,12 +167,20 @@ class StorageClient:
         config = config or StorageConfig()
         self.backend = backend
         self.block_size = block_size
+        self.read_deadline_s = config.read_deadline_s
         self._clock = clock
         self._started_s = clock()
         self._lock = threading.Lock()
         self._read = _Direction(_bucket(config.read_cap_mb_s, backend.block_bytes))
         self._write = _Direction(_bucket(config.write_cap_mb_s, backend.block_bytes))
-        self._pool = ThreadPoolExecutor(max(1, config.workers), thread_name_prefix="storage")
+        # separate pools: writes stuck behind a slow store (or another host's eviction pass)
+        # must not hold the workers that latency-critical reads need
+        workers = max(1, config.workers)
+        self._read_pool = ThreadPoolExecutor(workers, thread_name_prefix="storage-read")
+        self._write_pool = ThreadPoolExecutor(workers, thread_name_prefix="storage-write")
+        self._deadlines = _Deadlines()
+        self._errors = dict.fromkeys(ERROR_FIELDS, 0)
+        self._logged: set[tuple[str, type]] = set()
 
     @property
     def read_queue_tokens(self) -> int:
@@ -63,24 +193,63 @@ class StorageClient:
         return self._write.pending_tokens
 
     def exists_prefix(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading blocks the store holds."""
-        return self.backend.exists_prefix(keys)
+        """How many leading blocks the store holds (0 when the store fails: recompute)."""
+        try:
+            return self.backend.exists_prefix(keys)
+        except Exception as exc:
+            self._count_error("lookup_errors", exc)
+            return 0
 
-    def submit_read(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> Future[list[bool]]:
-        """Start reading blocks into buffers; the future gives per-block success."""
-        return self._submit(self._read, self.backend.get_into, keys, buffers)
+    def submit_read(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> ReadFuture:
+        """Start reading blocks into buffers; returns a future of per-block success.
+
+        The contract:
+
+        * The future completes when every block has been read, or ``read_deadline_s`` after
+          this call at the latest; it never raises for a storage fault. True means the block
+          is in its buffer and verified; False (a miss: recompute it) means it is missing,
+          damaged, failed in the backend (an exception from the backend becomes False), or
+          was not read by the deadline.
+        * After the deadline no block read starts. A block whose read was running at the
+          deadline is reported False, and its read may still be writing into its buffer:
+          ``future.io_done`` completes once no such read is left. Do not reuse or fill the
+          buffers of a read before ``io_done`` (it completes with the result unless a read
+          was caught mid-flight).
+        * ``read_queue_tokens`` counts a block until its read ends or the deadline skips it.
+        """
+        pairs = list(zip(keys, buffers, strict=True))
+        read = _Read(len(pairs))
+        if not pairs:
+            read.future.set_result([])
+            read.future.io_done.set_result(None)
+            return read.future
+        with self._lock:
+            self._read.pending_tokens += len(pairs) * self.block_size
+        deadline = None if self.read_deadline_s is None else time.monotonic() + self.read_deadline_s
+        read.tasks = [self._read_pool.submit(self._read_block, read, i, key, buffer, deadline)
+                      for i, (key, buffer) in enumerate(pairs)]
+        if deadline is not None:
+            self._deadlines.add(deadline, lambda: self._expire(read))
+        return read.future
 
     def submit_write(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> Future[list[bool]]:
-        """Start storing blocks, in order (a chain's parent lands before its child)."""
-        with self._lock:
-            self._write.pending_tokens += len(keys) * self.block_size
+        """Start storing blocks, in order (a chain's parent lands before its child).
+
+        The future gives per-block success and never raises for a storage fault: a failed
+        write (store down, read-only, full, ...) is False, counted in ``write_errors``, and
+        dropped — the block is simply not cached.
+        """
         pairs = list(zip(keys, buffers, strict=True))
-        return self._pool.submit(
-            lambda: [self._one(self._write, self.backend.put_from, k, b) for k, b in pairs])
+        with self._lock:
+            self._write.pending_tokens += len(pairs) * self.block_size
+        return self._write_pool.submit(lambda: [self._write_block(k, b) for k, b in pairs])
 
     def read(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
-        """Read blocks and wait for them."""
-        return self.submit_read(keys, buffers).result()
+        """Read blocks and wait for the result and for the I/O into ``buffers`` to end."""
+        future = self.submit_read(keys, buffers)
+        result = future.result()
+        future.io_done.result()
+        return result
 
     def write(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
         """Store blocks and wait for them."""
@@ -97,66 +266,102 @@ class StorageClient:
             "snic_read_utilization": _utilization(self._read, elapsed),
             "snic_write_utilization": _utilization(self._write, elapsed),
         }
-        out.update(self.backend.stats.snapshot())
+        stats = self.backend.stats.snapshot()
+        with self._lock:
+            errors = dict(self._errors)
+        # a backend that catches its own write failures counts them itself (fs does)
+        errors["write_errors"] += stats.pop("write_errors", 0)
+        out.update(stats)
+        out.update(errors)
         return out
 
     def close(self) -> None:
         """Finish pending work and stop the workers."""
-        self._pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)
+        self._write_pool.shutdown(wait=True)
+        self._deadlines.close()
 
-    def _submit(self, direction: _Direction, op: Callable[..., list[bool]],
-                keys: Sequence[BlockKey], buffers: Sequence[Any]) -> Future[list[bool]]:
-        """One task per block, in parallel (reads)."""
-        with self._lock:
-            direction.pending_tokens += len(keys) * self.block_size
-        block_futures = [self._pool.submit(self._one, direction, op, k, b)
-                         for k, b in zip(keys, buffers, strict=True)]
-        return _gather(block_futures)
-
-    def _one(self, direction: _Direction, op: Callable[..., list[bool]], key: BlockKey,
-             buffer: Any) -> bool:
+    # -- reads -----------------------------------------------------------------------------
+    def _read_block(self, read: _Read, i: int, key: BlockKey, buffer: Any,
+                    deadline: float | None) -> None:
+        """One block of a read, on a worker: pace, read unless the deadline passed, report."""
+        if read.expired:
+            return  # skipped at the deadline, and its tokens released there
+        late = not self._pace(self._read, deadline)
+        if not read.begin(i):
+            return
+        ok = False
         try:
-            if direction.bucket is not None:
-                with self._lock:
-                    wait_s = direction.bucket.reserve(self.backend.block_bytes, self._clock())
-                if wait_s > 0:
-                    time.sleep(wait_s)  # pacing to the emulated NIC's bandwidth
-            ok = op([key], [buffer])[0]
+            if not late:  # else: the NIC cap would start it after the deadline: a miss now
+                ok = bool(self.backend.get_into([key], [buffer])[0])
+        except Exception as exc:  # store down, permission, I/O error, ...: a miss
+            self._count_error("read_errors", exc)
         finally:
             with self._lock:
-                direction.pending_tokens -= self.block_size
-        if ok:
+                self._read.pending_tokens -= self.block_size
+                if ok:
+                    self._read.bytes_moved += self.backend.block_bytes
+                if late:
+                    self._errors["read_deadline_misses"] += 1
+            result, io_ended = read.end(i, ok)
+            if result is not None:
+                read.future.set_result(result)
+            if io_ended:
+                read.future.io_done.set_result(None)
+
+    def _expire(self, read: _Read) -> None:
+        """A read's deadline: report what is read, skip what has not started."""
+        result, skipped, running, io_ended = read.expire()
+        if result is None:
+            return  # every block was read in time
+        for task in read.tasks:
+            task.cancel()  # a queued task would only find itself skipped
+        with self._lock:
+            self._read.pending_tokens -= skipped * self.block_size
+            self._errors["read_deadline_misses"] += skipped + running
+        read.future.set_result(result)
+        if io_ended:
+            read.future.io_done.set_result(None)
+
+    # -- writes ----------------------------------------------------------------------------
+    def _write_block(self, key: BlockKey, buffer: Any) -> bool:
+        ok = False
+        try:
+            self._pace(self._write, None)
+            ok = bool(self.backend.put_from([key], [buffer])[0])
+        except Exception as exc:  # store down, read-only, full, ...: not cached, never raised
+            self._count_error("write_errors", exc)
+        finally:
             with self._lock:
-                direction.bytes_moved += self.backend.block_bytes
+                self._write.pending_tokens -= self.block_size
+                if ok:
+                    self._write.bytes_moved += self.backend.block_bytes
         return ok
+
+    # -- shared ----------------------------------------------------------------------------
+    def _pace(self, direction: _Direction, deadline: float | None) -> bool:
+        """Wait for the NIC cap's turn; False (without waiting) if it comes after ``deadline``."""
+        if direction.bucket is None:
+            return True
+        with self._lock:
+            wait_s = direction.bucket.reserve(self.backend.block_bytes, self._clock())
+        if deadline is not None and time.monotonic() + wait_s >= deadline:
+            return False
+        if wait_s > 0:
+            time.sleep(wait_s)  # pacing to the emulated NIC's bandwidth
+        return True
+
+    def _count_error(self, name: str, exc: Exception) -> None:
+        with self._lock:
+            self._errors[name] += 1
+            first = (name, type(exc)) not in self._logged
+            self._logged.add((name, type(exc)))
+        if first:  # once per kind: a store that is down fails every block the same way
+            log.warning("storage %s: %s: %s (counted, not raised)", name.replace("_", " "),
+                        type(exc).__name__, exc)
 
 
 def _utilization(direction: _Direction, elapsed_s: float) -> float | None:
     if direction.bucket is None:
         return None
     return direction.bytes_moved / (direction.bucket.rate_bytes_s * elapsed_s)
-
-
-def _gather(futures: list[Future[bool]]) -> Future[list[bool]]:
-    """One future that completes with every block's result, in order."""
-    done: Future[list[bool]] = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def on_done(_: Future[bool]) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if not last:
-            return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            done.set_exception(errors[0])
-        else:
-            done.set_result([f.result() for f in futures])
-
-    if not futures:
-        done.set_result([])
-    for f in futures:
-        f.add_done_callback(on_done)
-    return done

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
+import threading
 import time
 
 import pytest
@@ -11,6 +13,7 @@ from dualpath.config import StorageConfig
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
+from dualpath.storage.base import StorageBackend
 from dualpath.storage.client import StorageClient
 from dualpath.storage.fs import FsStore
 from dualpath.storage.memory import MemoryStore
@@ -101,3 +104,203 @@ def test_token_bucket_long_run_average():
 def test_token_bucket_rejects_bad_rates():
     with pytest.raises(ValueError):
         TokenBucket(0.0, 10.0)
+
+
+# -- faults: deadlines, errors -------------------------------------------------------------------
+
+BLOCK = 4096
+TOKENS = 16  # tokens per block
+
+
+class FakeStore(StorageBackend):
+    """A store whose blocks named in ``slow`` block until ``release`` is set, and whose calls
+    raise ``error`` when it is set."""
+
+    def __init__(self, slow: set[int] = frozenset(), error: Exception | None = None) -> None:
+        super().__init__(BLOCK)
+        self.slow = slow
+        self.error = error
+        self.release = threading.Event()
+        self.started: list[int] = []  # block indexes whose read began
+        self.finished: list[int] = []
+
+    def exists_prefix(self, keys):
+        if self.error is not None:
+            raise self.error
+        return len(keys)
+
+    def get_into(self, keys, buffers):
+        if self.error is not None:
+            raise self.error
+        index = _INDEX[keys[0]]
+        self.started.append(index)
+        if index in self.slow:
+            assert self.release.wait(timeout=30)
+        memoryview(buffers[0])[:] = bytes([index + 1]) * BLOCK
+        self.finished.append(index)
+        return [True]
+
+    def put_from(self, keys, buffers):
+        if self.error is not None:
+            raise self.error
+        if _INDEX[keys[0]] in self.slow:
+            assert self.release.wait(timeout=30)
+        return [True] * len(keys)
+
+    def delete(self, keys):
+        return 0
+
+
+_KEYS = KeySpace("fault-test", "l", TOKENS).keys(list(range(TOKENS * 8)))
+_INDEX = {key: i for i, key in enumerate(_KEYS)}
+
+
+def _buffers(count: int) -> list[bytearray]:
+    return [bytearray(BLOCK) for _ in range(count)]
+
+
+def test_a_read_resolves_by_its_deadline_and_skips_what_has_not_started():
+    store = FakeStore(slow={2, 3})
+    client = StorageClient(store, TOKENS, StorageConfig(workers=2, read_deadline_s=0.3))
+    buffers = _buffers(5)
+    start = time.monotonic()
+    future = client.submit_read(_KEYS[:5], buffers)
+    result = future.result(timeout=5)  # blocks 2 and 3 hold both workers; 4 waits behind them
+    elapsed = time.monotonic() - start
+    assert result == [True, True, False, False, False]
+    assert 0.3 <= elapsed < 1.5, elapsed
+    assert not future.io_done.done()  # blocks 2 and 3 are still being read into their buffers
+    assert client.read_queue_tokens == 2 * TOKENS  # block 4's tokens went at the deadline
+    store.release.set()
+    assert future.io_done.result(timeout=5) is None
+    assert client.read_queue_tokens == 0
+    assert sorted(store.started) == [0, 1, 2, 3]  # block 4 never started: after the deadline
+    assert buffers[4] == bytearray(BLOCK)  # ... so nothing was written into its buffer
+    assert future.result() == [True, True, False, False, False]  # late blocks stay misses
+    metrics = client.metrics()
+    assert metrics["read_deadline_misses"] == 3
+    assert metrics["snic_read_bytes"] == 4 * BLOCK  # what did move, late or not
+    client.close()
+
+
+def test_a_read_in_time_reports_with_its_io_done():
+    client = StorageClient(FakeStore(), TOKENS, StorageConfig(read_deadline_s=5.0))
+    buffers = _buffers(3)
+    future = client.submit_read(_KEYS[:3], buffers)
+    assert not future.cancel()  # reads under way cannot be called off
+    assert future.result(timeout=5) == [True, True, True]
+    assert future.io_done.result(timeout=5) is None
+    assert [bytes(b) for b in buffers] == [bytes([i + 1]) * BLOCK for i in range(3)]
+    assert client.read_queue_tokens == 0
+    assert client.metrics()["read_deadline_misses"] == 0
+    client.close()
+
+
+def test_without_a_deadline_a_read_waits_for_the_store():
+    store = FakeStore(slow={0})
+    client = StorageClient(store, TOKENS, StorageConfig(read_deadline_s=None))
+    future = client.submit_read(_KEYS[:2], _buffers(2))
+    time.sleep(0.3)  # a slow store, not a stand-in for work
+    assert not future.done()
+    store.release.set()
+    assert future.result(timeout=5) == [True, True]
+    client.close()
+
+
+def test_a_capped_nic_that_would_start_a_block_after_the_deadline_skips_it():
+    # 8 blocks of 4 KiB at 0.02 MB/s: one block every 0.2 s, so a 0.5 s deadline reads 3
+    store = FakeStore()
+    client = StorageClient(store, TOKENS, StorageConfig(workers=1, read_cap_mb_s=0.02,
+                                                        read_deadline_s=0.5))
+    future = client.submit_read(_KEYS[:8], _buffers(8))
+    result = future.result(timeout=5)
+    future.io_done.result(timeout=5)
+    assert result[:2] == [True, True] and not any(result[4:])
+    assert len(store.started) == sum(result)
+    assert client.read_queue_tokens == 0
+    client.close()
+
+
+ERRORS = [OSError(errno.EIO, "I/O error"), ConnectionError("store down"),
+          PermissionError(errno.EACCES, "Permission denied"),
+          OSError(errno.ENOSPC, "No space left on device"), RuntimeError("backend bug")]
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: type(e).__name__)
+def test_backend_errors_are_misses_and_dropped_writes(error):
+    client = StorageClient(FakeStore(error=error), TOKENS, StorageConfig(workers=2))
+    future = client.submit_read(_KEYS[:3], _buffers(3))
+    assert future.result(timeout=5) == [False, False, False]
+    assert future.io_done.result(timeout=5) is None
+    assert client.write(_KEYS[:2], _buffers(2)) == [False, False]
+    assert client.exists_prefix(_KEYS[:3]) == 0
+    metrics = client.metrics()
+    assert (metrics["read_errors"], metrics["write_errors"], metrics["lookup_errors"]) == (3, 2, 1)
+    assert client.read_queue_tokens == 0 and client.write_queue_tokens == 0
+    assert metrics["snic_read_bytes"] == 0 and metrics["snic_write_bytes"] == 0
+    client.close()
+
+
+def _chmod_is_enforced(folder) -> bool:
+    """False when this process may write into a read-only folder anyway (root)."""
+    probe = folder / "probe"
+    try:
+        probe.write_bytes(b"")
+    except PermissionError:
+        return True
+    probe.unlink()
+    return False
+
+
+def test_writes_to_a_read_only_store_are_counted_not_raised(tmp_path):
+    root = tmp_path / "store"
+    store = FsStore(root, LAYOUT)
+    root.chmod(0o555)
+    try:
+        if not _chmod_is_enforced(root):  # as root: a store that refuses the same way
+            store = FakeStore(error=PermissionError(errno.EACCES, "Permission denied"))
+        client = StorageClient(store, 64, StorageConfig(workers=2))
+        keys = KeySpace("ro", LAYOUT.layout_id, 64).keys(list(range(64 * 3)))
+        buffers = [bytearray(store.block_bytes) for _ in keys]
+        assert client.write(keys, buffers) == [False, False, False]
+        futures = [client.submit_write([k], [b]) for k, b in zip(keys, buffers, strict=True)]
+        assert [f.result(timeout=30) for f in futures] == [[False]] * 3
+        assert client.metrics()["write_errors"] == 6
+        assert client.write_queue_tokens == 0
+        assert client.read(keys, buffers) == [False, False, False]  # a miss, not an error
+        assert client.read_queue_tokens == 0
+        client.close()
+    finally:
+        root.chmod(0o755)
+
+
+def test_writes_the_fs_store_fails_are_counted_once(tmp_path):
+    """fs catches its own write failures (here a file where a directory must go, which fails
+    even as root) and counts them; the client's metrics report them with its own."""
+    keys = KeySpace("ro", LAYOUT.layout_id, 64).keys(list(range(64 * 2)))
+    store = FsStore(tmp_path, LAYOUT)
+    blocker = store.path_for(keys[0]).parents[2]  # the model/layout/bs64 directory
+    blocker.parent.mkdir(parents=True)
+    blocker.write_bytes(b"in the way")
+    client = StorageClient(store, 64, StorageConfig(workers=2))
+    assert client.write(keys, [bytearray(store.block_bytes) for _ in keys]) == [False, False]
+    metrics = client.metrics()
+    assert metrics["write_errors"] == 2 and metrics["blocks_written"] == 0
+    assert client.write_queue_tokens == 0
+    client.close()
+
+
+def test_reads_are_not_queued_behind_stuck_writes():
+    store = FakeStore(slow={0})  # its put_from of block 0 hangs
+    client = StorageClient(store, TOKENS, StorageConfig(workers=1, read_deadline_s=None))
+    stuck = client.submit_write(_KEYS[:1], _buffers(1))
+    assert client.submit_read(_KEYS[1:3], _buffers(2)).result(timeout=5) == [True, True]
+    store.release.set()
+    assert stuck.result(timeout=5) == [True]
+    client.close()
+
+
+def test_read_deadline_must_be_positive():
+    with pytest.raises(ValueError, match="read_deadline_s"):
+        StorageConfig(read_deadline_s=0)
+    assert StorageConfig(read_deadline_s=None).read_deadline_s is None
