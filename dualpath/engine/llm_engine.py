@@ -124,7 +124,8 @@ class LLMEngine:
             return []
         seqs = [seq for seq, _ in sampling]
         logits = self.runner.logits(hidden[[row for _, row in sampling]])
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs])
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs],
+                                     num_outputs=[len(s.output_ids) for s in seqs])
         return [seq for seq, tok in zip(seqs, tokens, strict=True) if self._append(seq, tok)]
 
     def _append(self, seq: Sequence, token: int) -> bool:

@@ -276,7 +276,8 @@ class PrefillWorker:
         seqs = [job.seq for job, _ in done]
         logits = engine.runner.logits(hidden[[row for _, row in done]])
         tokens = engine.sampler.sample(logits, [s.params for s in seqs],  # type: ignore[union-attr]
-                                       [s.seq_id for s in seqs])  # type: ignore[union-attr]
+                                       [s.seq_id for s in seqs],  # type: ignore[union-attr]
+                                       num_outputs=[0] * len(seqs))  # the first output token
         out: list[Message] = []
         for (job, _), token in zip(done, tokens, strict=True):
             assert job.seq is not None

@@ -108,3 +108,19 @@ def test_quota_batching_and_chunking_keep_tokens(tiny_chaotic_dir, tmp_path):
         pe = next(m for m in cluster.metrics().values() if m["role"] == "prefill")
     assert pe["num_chunks"] > pe["num_prefilled"]  # some prompts took several forwards
     assert pe["num_forwards"] < pe["num_chunks"]  # some forwards carried several requests
+
+
+def test_seeded_sampling_gives_the_single_process_tokens(tiny_chaotic_dir, tmp_path):
+    """The PE samples token 0 and the DE the rest: with a seed, the draws are those one engine
+    makes (the DE must not restart the PE's random stream)."""
+    engine_cfg = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=512)
+    convs = make_conversations(300, first_lengths=[45, 70], append_lengths=[19], seed=8)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    want = reference_outputs(tiny_chaotic_dir, engine_cfg, convs, params)
+    config = ClusterConfig(engine=engine_cfg, storage=StorageConfig(root=str(tmp_path / "kv")),
+                           host_pool_blocks=256)
+    with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp_path / "logs") as cluster:
+        got, _ = cluster_outputs(cluster, convs, params, "dualpath", "auto")
+    assert got == want
+    assert want[0][0] != reference_outputs(
+        tiny_chaotic_dir, engine_cfg, convs, SamplingParams(max_tokens=12, ignore_eos=True))[0][0]
