@@ -205,6 +205,7 @@ class Abort(Message):
 
     type: ClassVar[str] = "abort"
     req_id: int
+    quarantine_s: float = 0.0  # DE: keep the prompt buffer this long (a PE may still write it)
 
 
 @dataclass(frozen=True)

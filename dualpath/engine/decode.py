@@ -11,12 +11,13 @@ Nothing here fails for lack of room: an ``AllocBuffer`` that finds no contiguous
 ``Decode`` that finds no free KV blocks, waits (FIFO) until earlier requests free theirs; a block
 that finds no free staging slot is saved at a later step, or dropped and counted if its sequence
 ended. ``abort`` drops a request in any phase; slots a storage read still fills are freed only
-when that read ends.
+when that read ends, and a buffer a PE may still write into only after a quarantine.
 """
 
 from __future__ import annotations
 
 import queue
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class DecodeWorker:
         self._pending_decodes: deque[Decode] = deque()  # waiting for device KV blocks
         self._active: dict[int, _Active] = {}  # seq_id -> request
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._quarantine: list[tuple[float, list[int]]] = []  # (free at, slots) of dropped buffers
         self._staging_in_use = 0
         self.num_saved_blocks = 0
         self.num_saves_dropped = 0  # full blocks not persisted (no staging room, or a failure)
@@ -104,15 +106,21 @@ class DecodeWorker:
         parts = [list(layers[:, b].unbind(0)) for b in range(msg.num_read_blocks)]
         self._reading.add(msg.req_id)
         future = self.storage.submit_read(keys, parts)
-        future.add_done_callback(lambda f, r=msg.req_id: self._events.put(("read", (r, f))))
+        # BufferReady only once no read into the buffer can still run: the PE then fills the
+        # blocks the deadline gave up on, and no late block can overwrite them
+        future.io_done.add_done_callback(
+            lambda _, f=future, r=msg.req_id: self._events.put(("read", (r, f))))
         return []
 
-    def abort(self, req_id: int) -> list[Message]:
-        """Drop a request in any phase and free what it holds; answers ``Aborted``."""
+    def abort(self, req_id: int, quarantine_s: float = 0.0) -> list[Message]:
+        """Drop a request in any phase and free what it holds — its prompt buffer only after
+        ``quarantine_s`` when a PE may still be writing into it; answers ``Aborted``."""
         self._pending_allocs = deque(m for m in self._pending_allocs if m.req_id != req_id)
         self._pending_decodes = deque(m for m in self._pending_decodes if m.req_id != req_id)
         if req_id in self._reading:
             self._orphans.add(req_id)  # the read still fills the slots
+        elif req_id in self._buffers and quarantine_s > 0:
+            self._quarantine.append((time.monotonic() + quarantine_s, self._buffers.pop(req_id)))
         elif req_id in self._buffers:
             self.host_pool.free(self._buffers.pop(req_id))
         for seq_id, active in list(self._active.items()):
@@ -244,8 +252,9 @@ class DecodeWorker:
 
     # -- completions from storage threads --------------------------------------------------------
     def drain_events(self) -> list[Message]:
-        """Handle finished storage reads and writes; returns messages to send."""
-        out: list[Message] = []
+        """Handle finished storage reads and writes and ended quarantines; returns messages
+        to send."""
+        out: list[Message] = self._end_quarantines()
         while True:
             try:
                 kind, payload = self._events.get_nowait()
@@ -263,6 +272,15 @@ class DecodeWorker:
                 else:
                     self.num_saves_dropped += 1
                 out.extend(self._start_allocs())
+
+    def _end_quarantines(self) -> list[Message]:
+        if not self._quarantine:
+            return []
+        now = time.monotonic()
+        for _, slots in (q for q in self._quarantine if q[0] <= now):
+            self.host_pool.free(slots)
+        self._quarantine = [q for q in self._quarantine if q[0] > now]
+        return self._start_allocs()
 
     def _read_done(self, req_id: int, future: Future[list[bool]]) -> list[Message]:
         self._reading.discard(req_id)

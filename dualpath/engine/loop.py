@@ -137,8 +137,8 @@ class EngineProcess:
         """The router declared this engine lost: drop its requests and join afresh."""
         log.warning("the router lost track of this engine: dropping %d requests, rejoining",
                     len(self.worker.held_requests()))
-        for req_id in self.worker.held_requests():
-            self.worker.abort(req_id)  # the router forgot them: no answer is sent
+        for req_id in self.worker.held_requests():  # the router forgot them all: no answers
+            self.worker.abort(req_id, self.config.engine_timeout_s)
         self._rejoin.clear()
         self._hello()
 
@@ -212,7 +212,7 @@ class EngineProcess:
         if isinstance(msg, Decode) and isinstance(worker, DecodeWorker):
             return worker.start_decode(msg)
         if isinstance(msg, Abort):
-            return worker.abort(msg.req_id)
+            return worker.abort(msg.req_id, msg.quarantine_s)
         if isinstance(msg, GetMetrics):
             return [Metrics(self.identity.name, self.metrics())]
         if isinstance(msg, Shutdown):

@@ -9,14 +9,15 @@ request goes into later batches. Without a cost model (no profile) each forward 
 request. The forward computes only the miss tokens; per request, ``PrefillHooks`` load its hit
 KV (first chunk) and forward each layer's new blocks to its DE buffer.
 
-A read that finds the host pool full waits (FIFO) for earlier requests to free their slots;
-``abort`` drops a request between forwards, keeping its slots until its read has ended.
+A read that finds the host pool full waits (FIFO) for earlier requests to free their slots.
+A job is ready once no read into its slots can still run (``io_done``): blocks the storage read
+deadline gave up on are computed, and a late block can never land in a reused slot. ``abort``
+drops a request between forwards, keeping its slots until its read's I/O has ended.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from dualpath.engine.layerwise import LayerPlan, PrefillHooks
@@ -28,14 +29,14 @@ from dualpath.model.hooks import ComposedHooks
 from dualpath.protocol import Aborted, Failed, Message, Prefill, Prefilled, ReadDone
 from dualpath.request import SamplingParams, Sequence
 from dualpath.scheduler.batch import AttentionCostModel, build_prefill_batch
-from dualpath.storage.client import StorageClient
+from dualpath.storage.client import ReadFuture, StorageClient
 
 
 @dataclass
 class _Job:
     msg: Prefill
     slots: list[int] = field(default_factory=list)  # PE host slots of the hit blocks
-    read: Future[list[bool]] | None = None
+    read: ReadFuture | None = None
     num_hit_blocks: int = 0
     read_reported: bool = False
     seq: Sequence | None = None  # set when first scheduled; KV in PE cache blocks
@@ -45,7 +46,7 @@ class _Job:
 
     @property
     def ready(self) -> bool:
-        return not self.waiting_slots and (self.read is None or self.read.done())
+        return not self.waiting_slots and (self.read is None or self.read.io_done.done())
 
 
 class _BlockRuns:
@@ -89,7 +90,7 @@ class PrefillWorker:
         self.block_size = engine.config.block_size
         self._runs = _BlockRuns(engine.runner.cache.num_blocks)
         self._jobs: deque[_Job] = deque()
-        self._orphan_reads: list[tuple[Future[list[bool]], list[int]]] = []  # aborted, reading
+        self._orphan_reads: list[tuple[ReadFuture, list[int]]] = []  # aborted, still reading
         self.num_prefilled = 0
         self.num_forwards = 0
         self.num_chunks = 0  # request chunks computed (> requests when chunking happened)
@@ -121,8 +122,10 @@ class PrefillWorker:
             keys = self.engine.key_space.keys(job.msg.prompt_ids)[: job.num_hit_blocks]
             job.read = self.storage.submit_read(keys, [self.host_pool.buffer(s) for s in job.slots])
 
-    def abort(self, req_id: int) -> list[Message]:
-        """Drop a request between forwards and free what it holds; answers ``Aborted``."""
+    def abort(self, req_id: int, quarantine_s: float = 0.0) -> list[Message]:
+        """Drop a request between forwards and free what it holds; answers ``Aborted``
+        (``quarantine_s`` is the DE's business: nothing writes into a PE's slots but its own
+        reads, which are waited for)."""
         for job in [j for j in self._jobs if j.msg.req_id == req_id]:
             self._jobs.remove(job)
             self._let_go(job)
@@ -139,7 +142,7 @@ class PrefillWorker:
             self.engine.sampler.release(job.seq.seq_id)
             self._runs.give_back(job.seq.block_table)
             job.seq = None
-        if job.read is not None and not job.read.done():
+        if job.read is not None and not job.read.io_done.done():
             self._orphan_reads.append((job.read, job.slots))
         else:
             self.host_pool.free(job.slots)
@@ -148,7 +151,7 @@ class PrefillWorker:
     def _free_orphans(self) -> None:
         still = []
         for read, slots in self._orphan_reads:
-            if read.done():
+            if read.io_done.done():
                 self.host_pool.free(slots)
             else:
                 still.append((read, slots))

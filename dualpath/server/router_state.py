@@ -316,8 +316,9 @@ class RouterState:
     def _heartbeat(self, engine: str, msg: Heartbeat, now_s: float, out: Effects) -> None:
         state = self.engines.get(engine)
         if state is None:
-            out.send(engine, HeartbeatAck(known=False))  # drop everything and say hello again
-            return
+            if engine in self.lost:  # it was declared lost: drop everything, say hello again
+                out.send(engine, HeartbeatAck(known=False))
+            return  # a beat that overtook the engine's hello (another socket): nothing to say
         state.last_heard_s = now_s
         state.report = msg
         out.send(engine, HeartbeatAck(known=True))
@@ -347,7 +348,7 @@ class RouterState:
         self.drift.pop(name, None)
         for req in list(self.draining.values()):
             if name in (req.pe, req.de):
-                self._drained(req, out)
+                self._drained(req, out, pe_let_go=False)
         for req in [r for r in self.requests.values() if name in (r.pe, r.de)]:
             if req.phase == Phase.DECODING and name == req.pe:
                 continue  # its prefill is done: it decodes on a live DE
@@ -364,7 +365,7 @@ class RouterState:
             return
         if req.phase == Phase.DRAINING:
             if engine == req.pe and isinstance(msg, Aborted | Prefilled | Failed):
-                self._drained(req, out)
+                self._drained(req, out, pe_let_go=True)
             else:
                 self.dropped_messages += 1
             return
@@ -419,7 +420,7 @@ class RouterState:
         if req.phase == Phase.DECODING:
             self._end(req, out, RequestFailed(f"{engine}: {error}"))
         else:
-            self._retry(req, out, f"{engine}: {error}", failed_on=engine)
+            self._retry(req, out, f"{engine}: {error}", pe_let_go=engine == req.pe)
 
     # -- placement ------------------------------------------------------------------------------
     def _enqueue(self, req: RequestState) -> None:
@@ -485,12 +486,12 @@ class RouterState:
 
     # -- endings --------------------------------------------------------------------------------
     def _retry(self, req: RequestState, out: Effects, reason: str,
-               failed_on: str | None = None) -> None:
+               pe_let_go: bool = False) -> None:
         """Take an attempt back from its engines and queue the request again (or fail it)."""
         if req.attempts >= MAX_ATTEMPTS:
             self._end(req, out, RequestFailed(f"{reason} (after {req.attempts} attempts)"))
             return
-        self._tell_engines(req, out, skip=failed_on)
+        self._tell_engines(req, out, pe_let_go)
         self._release(req)
         self._by_wire.pop(req.wire_id, None)
         self._enqueue(req)
@@ -506,21 +507,27 @@ class RouterState:
             del self.requests[req.req_id]
             self.draining[req.wire_id] = req
         else:
-            self._tell_engines(req, out)
+            self._tell_engines(req, out, pe_let_go=False)
             self._release(req)
             self._forget(req)
         out.finish(req.req_id, error)
 
-    def _tell_engines(self, req: RequestState, out: Effects, skip: str | None = None) -> None:
-        for name in dict.fromkeys((req.pe, req.de)):
-            if name and name != skip and name in self.engines:
-                if req.phase == Phase.DECODING and name == req.pe:
-                    continue  # the PE let go at Prefilled
-                out.send(name, Abort(req.wire_id))
+    def _tell_engines(self, req: RequestState, out: Effects, pe_let_go: bool) -> None:
+        """Abort the attempt on its engines — registered or not: one declared lost may be alive
+        (stopped, rejoining) and still hold it; ZeroMQ drops what a dead one cannot take."""
+        if req.phase != Phase.DECODING and not pe_let_go:  # the PE let go at Prefilled
+            out.send(req.pe, Abort(req.wire_id))
+        self._abort_de(req, out, pe_let_go)
 
-    def _drained(self, req: RequestState, out: Effects) -> None:
-        if req.de in self.engines:
-            out.send(req.de, Abort(req.wire_id))
+    def _abort_de(self, req: RequestState, out: Effects, pe_let_go: bool) -> None:
+        """Free the DE's part; its prompt buffer after a quarantine when the PE may still be
+        writing into it (the PE was lost or never confirmed), so no late write lands in a
+        reused buffer."""
+        writer = req.phase in (Phase.PREFILLING, Phase.DRAINING) and not pe_let_go
+        out.send(req.de, Abort(req.wire_id, self.engine_timeout_s if writer else 0.0))
+
+    def _drained(self, req: RequestState, out: Effects, pe_let_go: bool) -> None:
+        self._abort_de(req, out, pe_let_go)
         self._release(req)
         self.draining.pop(req.wire_id, None)
         self._by_wire.pop(req.wire_id, None)
