@@ -26,7 +26,7 @@ FORBIDDEN = frozenset(
 )
 
 REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/model/spec.py",
-                 "dualpath/server/router_state.py")
+                 "dualpath/server/router_state.py", "dualpath/server/router_types.py")
 OPTIONAL_PURE = ("dualpath/transfer/lanes.py", "dualpath/kv/layout.py")
 PURE_TREES = ("dualpath/scheduler",)
 

@@ -45,7 +45,8 @@ from dualpath.protocol import (
 )
 from dualpath.request import SamplingParams
 from dualpath.scheduler.global_scheduler import GlobalScheduler, SchedulerParams
-from dualpath.server.router_state import (
+from dualpath.server.router_state import RouterState
+from dualpath.server.router_types import (
     Capacity,
     ClusterOutput,
     Effects,
@@ -55,7 +56,6 @@ from dualpath.server.router_state import (
     RequestAborted,
     RequestFailed,
     RequestState,
-    RouterState,
 )
 from dualpath.storage import open_store
 
@@ -80,7 +80,8 @@ class Router:
 
     def __init__(self, model_dir: str | Path, config: ClusterConfig,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        Mode(config.mode), ReadPath(config.read_path)  # ValueError names a bad one
+        Mode(config.mode)  # ValueError names a bad mode
+        ReadPath(config.read_path)  # ... or a bad read path
         self.config = config
         self._clock = clock
         spec = load_spec(model_dir)

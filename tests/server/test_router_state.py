@@ -31,8 +31,8 @@ from dualpath.protocol import (
 )
 from dualpath.request import SamplingParams
 from dualpath.scheduler.global_scheduler import GlobalScheduler, SchedulerParams
-from dualpath.server.router_state import (
-    MAX_ATTEMPTS,
+from dualpath.server.router_state import MAX_ATTEMPTS, RouterState
+from dualpath.server.router_types import (
     Capacity,
     ClusterOutput,
     Mode,
@@ -41,7 +41,6 @@ from dualpath.server.router_state import (
     RequestAborted,
     RequestFailed,
     RequestState,
-    RouterState,
 )
 
 BLOCK = 16

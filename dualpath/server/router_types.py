@@ -1,0 +1,171 @@
+"""What the router tracks, as plain records (pure): the vocabularies (mode, read path, phase),
+a request's state and holds, an engine's load, the capacities it admits against, and the
+effects a transition asks the I/O loop to carry out. ``router_state.py`` has the transitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from dualpath.errors import DualPathError
+from dualpath.protocol import Heartbeat, Message
+from dualpath.request import SamplingParams
+
+
+class Mode(StrEnum):
+    """The ablation ladder (DESIGN §7) plus ``recompute`` (no cache at all)."""
+
+    BASIC = "basic"
+    LAYERWISE = "layerwise"
+    DUALPATH = "dualpath"
+    ORACLE = "oracle"
+    RECOMPUTE = "recompute"
+
+
+class ReadPath(StrEnum):
+    """Where a request's hit is read: the scheduler's choice, or forced to one side."""
+
+    AUTO = "auto"
+    PE = "pe"
+    DE = "de"
+
+
+class Phase(StrEnum):
+    """Where a request is in its life."""
+
+    QUEUED = "queued"
+    BUFFERING = "buffering"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    DRAINING = "draining"  # ended for the caller; the PE may still write the DE buffer
+
+
+class RequestFailed(DualPathError):
+    """An engine could not serve a request."""
+
+
+class RequestAborted(DualPathError):
+    """A request was cancelled (by the caller or its deadline)."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """A registered engine."""
+
+    name: str
+    role: str
+    node_id: int
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class ClusterOutput:
+    """A finished request and how it was served."""
+
+    req_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+    num_hit_tokens: int
+    read_path: str
+    prefill_engine: str
+    decode_engine: str
+    num_computed_tokens: int = 0  # prompt tokens its prefill engine computed
+    num_attempts: int = 1  # placements it took (> 1 after an engine was lost)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Per-engine sizes the router admits against (every engine is configured alike)."""
+
+    block_size: int
+    kv_tokens: int  # device KV of one engine
+    host_pool_blocks: int  # host-pool slots of one engine
+    save_staging_blocks: int  # slots a DE keeps for persisting blocks
+
+    @property
+    def buffer_blocks(self) -> int:
+        """Slots a DE can give prompt buffers."""
+        return self.host_pool_blocks - self.save_staging_blocks
+
+
+@dataclass
+class Load:
+    """What the router has placed on one engine and not yet seen released."""
+
+    seq: int = 0
+    tok: int = 0
+    kv_tokens: int = 0  # DE: device KV reserved (prompt + max_tokens)
+    buffer_blocks: int = 0  # DE: prompt-buffer slots reserved until decoding starts
+    pool_blocks: int = 0  # PE: host-pool slots reserved for its reads
+
+    def is_zero(self) -> bool:
+        """True when nothing is counted on the engine."""
+        return not (self.seq or self.tok or self.kv_tokens or self.buffer_blocks
+                    or self.pool_blocks)
+
+
+@dataclass
+class Holds:
+    """Everything one attempt of a request holds; released exactly once."""
+
+    pe_load: bool = False
+    de_load: bool = False
+    de_kv_tokens: int = 0
+    de_buffer_blocks: int = 0
+    pe_pool_blocks: int = 0
+    read_node: int | None = None
+    read_tokens: int = 0
+
+
+@dataclass
+class RequestState:
+    """One request as the router tracks it."""
+
+    req_id: int
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    mode: Mode
+    read_path: ReadPath  # as requested
+    num_hit_blocks: int = 0  # storage's hit at submission (then what the engines used)
+    phase: Phase = Phase.QUEUED
+    wire_id: int = 0  # the current attempt's id on the engines
+    pe: str = ""
+    de: str = ""
+    path: str = ""  # the chosen read path of this attempt ("pe" | "de")
+    attempts: int = 0
+    num_computed_tokens: int = 0
+    holds: Holds = field(default_factory=Holds)
+    unseen: dict[str, int] = field(default_factory=dict)  # engine -> heartbeats without it
+
+    @property
+    def reads(self) -> bool:
+        """Whether this request reads its hit from storage at all."""
+        return self.mode != Mode.ORACLE and self.num_hit_blocks > 0
+
+
+@dataclass
+class Effects:
+    """What a transition asks the I/O loop to do."""
+
+    sends: list[tuple[str, Message]] = field(default_factory=list)
+    done: list[tuple[int, ClusterOutput | DualPathError]] = field(default_factory=list)
+
+    def send(self, engine: str, msg: Message) -> None:
+        """Queue a message to an engine."""
+        self.sends.append((engine, msg))
+
+    def finish(self, req_id: int, result: ClusterOutput | DualPathError) -> None:
+        """Complete a request for its caller."""
+        self.done.append((req_id, result))
+
+
+@dataclass
+class EngineState:
+    """A registered engine, its load and its last report."""
+
+    info: EngineInfo
+    last_heard_s: float
+    load: Load = field(default_factory=Load)
+    report: Heartbeat | None = None
