@@ -102,6 +102,15 @@ class Prefilled(Message):
 
 
 @dataclass(frozen=True)
+class Tokens(Message):
+    """DE, once per decode step: each running request's new tokens, as
+    ``(req_id, index of the first, token ids)`` (the index makes a repeat harmless)."""
+
+    type: ClassVar[str] = "tokens"
+    items: tuple[tuple[int, int, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
 class Finished(Message):
     """DE: a request ended."""
 
@@ -196,6 +205,7 @@ class Decode(Message):
     ignore_eos: bool
     oracle: bool = False  # timing upper bound: no buffer copy-in, nothing persisted
     stop: tuple[str, ...] = ()  # stop strings
+    min_tokens: int = 0  # no EOS or stop string ends the request before this many tokens
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop strings count only from this many output tokens on
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -29,6 +30,8 @@ class SamplingParams:
             raise RequestError("top_p must be in (0, 1]")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError("min_tokens must be between 0 and max_tokens")
 
     @property
     def greedy(self) -> bool:

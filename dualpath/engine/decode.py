@@ -29,7 +29,16 @@ from dualpath.engine.traffic import TrafficManager
 from dualpath.errors import HostPoolExhaustedError, OutOfBlocksError
 from dualpath.kv.hashing import extend_block_hashes
 from dualpath.kv.host_pool import HostPool
-from dualpath.protocol import Aborted, AllocBuffer, BufferReady, Decode, Failed, Finished, Message
+from dualpath.protocol import (
+    Aborted,
+    AllocBuffer,
+    BufferReady,
+    Decode,
+    Failed,
+    Finished,
+    Message,
+    Tokens,
+)
 from dualpath.request import SamplingParams, Sequence
 from dualpath.storage.client import StorageClient
 from dualpath.transfer.lanes import Lane
@@ -41,6 +50,7 @@ class _Active:
     seq: Sequence
     num_saved_blocks: int  # leading blocks known to be in storage
     persist: bool = True  # oracle requests hold meaningless KV: never store it
+    num_streamed: int = 1  # output tokens the router has (the first came from the PE)
 
 
 class DecodeWorker:
@@ -161,7 +171,7 @@ class DecodeWorker:
             slots = self._buffers[msg.req_id]
             params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature,
                                     top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos,
-                                    stop=tuple(msg.stop))
+                                    stop=tuple(msg.stop), min_tokens=msg.min_tokens)
             fill = ((lambda table: None) if msg.oracle
                     else (lambda table, s=slots: self._copy_in(s, table)))
             try:
@@ -211,14 +221,26 @@ class DecodeWorker:
         return out
 
     def _after_step(self, finished: list[Sequence]) -> list[Message]:
+        """Persist new full blocks, stream the step's new tokens (one message), end the
+        finished requests."""
         for active in list(self._active.values()):
             if active.persist:
                 self._save_new_blocks(active)
-        out: list[Message] = []
+        out: list[Message] = self._new_tokens()
         for seq in finished:
             active = self._active.pop(seq.seq_id)
             out.append(Finished(active.req_id, tuple(seq.output_ids), seq.finish_reason or ""))
         return out
+
+    def _new_tokens(self) -> list[Message]:
+        items = []
+        for active in self._active.values():
+            output = active.seq.output_ids
+            if len(output) > active.num_streamed:
+                items.append((active.req_id, active.num_streamed,
+                              tuple(output[active.num_streamed:])))
+                active.num_streamed = len(output)
+        return [Tokens(tuple(items))] if items else []
 
     # -- persistence ----------------------------------------------------------------------------
     def _save_new_blocks(self, active: _Active) -> None:

@@ -140,9 +140,10 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        if not params.ignore_eos and token in self.eos_token_ids:
+        may_stop = len(seq.output_ids) >= params.min_tokens
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if params.stop and self._hit_stop_string(seq):
+        if may_stop and params.stop and self._hit_stop_string(seq):
             return "stop"
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.spec.max_position:
             return "length"

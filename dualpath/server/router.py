@@ -99,6 +99,7 @@ class Router:
         self.bad_messages = 0  # undecodable messages and handler errors, logged and skipped
         self._ids = itertools.count(1)
         self._futures: dict[int, RequestFuture] = {}
+        self._listeners: dict[int, Callable[[tuple[int, ...]], None]] = {}
         self._inbox: queue.Queue[Callable[[], Effects | None]] = queue.Queue()
         self._metrics: dict[str, Future[dict]] = {}
         self._hello = threading.Condition()
@@ -128,9 +129,12 @@ class Router:
                 raise DualPathError(f"only {len(self.state.engines)} of {count} engines came up")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, mode: str | None = None,
-               read_path: str | None = None) -> RequestFuture:
+               read_path: str | None = None,
+               on_tokens: Callable[[tuple[int, ...]], None] | None = None) -> RequestFuture:
         """Start a request (mode and read path default to the config's); resolves when done.
 
+        ``on_tokens`` is called on the router thread with each batch of new output tokens as
+        they arrive (the first one as soon as the prefill engine sampled it); it must not block.
         Fails at once (``RequestError`` in the future) when it could never fit an engine.
         """
         req = RequestState(next(self._ids), tuple(prompt_ids), params,
@@ -138,6 +142,8 @@ class Router:
                            ReadPath(read_path or self.config.read_path))
         future = RequestFuture(req.req_id)
         self._futures[req.req_id] = future
+        if on_tokens is not None:
+            self._listeners[req.req_id] = on_tokens
         self._inbox.put(lambda: self._admit(req))
         return future
 
@@ -252,7 +258,15 @@ class Router:
     def _apply(self, effects: Effects) -> None:
         for engine, msg in effects.sends:
             self._send(engine + HEARTBEAT_SUFFIX if isinstance(msg, HeartbeatAck) else engine, msg)
+        for req_id, tokens in effects.streamed:
+            listener = self._listeners.get(req_id)
+            if listener is not None:
+                try:
+                    listener(tokens)
+                except Exception:  # a caller's bug must not stop the router
+                    log.exception("router: a token listener failed")
         for req_id, result in effects.done:
+            self._listeners.pop(req_id, None)
             future = self._futures.pop(req_id, None)
             if future is None or future.done():
                 continue

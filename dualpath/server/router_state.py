@@ -35,6 +35,7 @@ from dualpath.protocol import (
     Prefill,
     Prefilled,
     ReadDone,
+    Tokens,
 )
 from dualpath.scheduler.global_scheduler import GlobalScheduler
 from dualpath.scheduler.view import Assignment, ClusterView, EngineView, NodeView, PendingRequest
@@ -213,6 +214,10 @@ class RouterState:
 
     # -- request messages -----------------------------------------------------------------------
     def _request_message(self, engine: str, msg: Message, out: Effects) -> None:
+        if isinstance(msg, Tokens):
+            for wire_id, first, tokens in msg.items:
+                self._tokens(engine, wire_id, first, tokens, out)
+            return
         req = self._by_wire.get(getattr(msg, "req_id", -1))
         if req is None:
             self.dropped_messages += 1
@@ -235,6 +240,22 @@ class RouterState:
             self._finished(req, msg, out)
         else:
             self.dropped_messages += 1
+
+    def _tokens(self, engine: str, wire_id: int, first: int, tokens: tuple[int, ...],
+                out: Effects) -> None:
+        req = self._by_wire.get(wire_id)
+        if req is None or req.phase != Phase.DECODING or engine != req.de:
+            self.dropped_messages += 1
+            return
+        self._stream(req, first, tokens, out)
+
+    def _stream(self, req: RequestState, first: int, tokens: tuple[int, ...],
+                out: Effects) -> None:
+        """Hand on the tokens from index ``first`` that the caller does not have yet."""
+        new = tokens[max(0, req.num_streamed - first):] if first <= req.num_streamed else ()
+        if new:
+            req.num_streamed += len(new)
+            out.stream(req.req_id, tuple(new))
 
     def _buffer_ready(self, req: RequestState, msg: BufferReady, out: Effects) -> None:
         if req.path == ReadPath.DE:
@@ -260,9 +281,12 @@ class RouterState:
         p = req.params
         out.send(req.de, Decode(req.wire_id, req.prompt_ids, msg.first_token, msg.num_hit_blocks,
                                 p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos,
-                                oracle=req.mode == Mode.ORACLE, stop=p.stop))
+                                oracle=req.mode == Mode.ORACLE, stop=p.stop,
+                                min_tokens=p.min_tokens))
+        self._stream(req, 0, (msg.first_token,), out)  # the time to first token ends here
 
     def _finished(self, req: RequestState, msg: Finished, out: Effects) -> None:
+        self._stream(req, 0, msg.output_ids, out)  # whatever the last Tokens did not carry
         result = ClusterOutput(req.req_id, list(req.prompt_ids), list(msg.output_ids),
                                msg.finish_reason, req.num_hit_blocks * self.capacity.block_size,
                                req.path, req.pe, req.de, req.num_computed_tokens, req.attempts)

@@ -136,6 +136,7 @@ class RequestState:
     path: str = ""  # the chosen read path of this attempt ("pe" | "de")
     attempts: int = 0
     num_computed_tokens: int = 0
+    num_streamed: int = 0  # output tokens handed to the caller
     holds: Holds = field(default_factory=Holds)
     unseen: dict[str, int] = field(default_factory=dict)  # engine -> heartbeats without it
 
@@ -151,10 +152,15 @@ class Effects:
 
     sends: list[tuple[str, Message]] = field(default_factory=list)
     done: list[tuple[int, ClusterOutput | DualPathError]] = field(default_factory=list)
+    streamed: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # req, new tokens
 
     def send(self, engine: str, msg: Message) -> None:
         """Queue a message to an engine."""
         self.sends.append((engine, msg))
+
+    def stream(self, req_id: int, tokens: tuple[int, ...]) -> None:
+        """Hand a request's next output tokens to its caller."""
+        self.streamed.append((req_id, tokens))
 
     def finish(self, req_id: int, result: ClusterOutput | DualPathError) -> None:
         """Complete a request for its caller."""

@@ -28,6 +28,7 @@ from dualpath.protocol import (
     Prefill,
     Prefilled,
     ReadDone,
+    Tokens,
 )
 from dualpath.request import SamplingParams
 from dualpath.scheduler.global_scheduler import GlobalScheduler, SchedulerParams
@@ -44,11 +45,13 @@ from dualpath.server.router_types import (
 )
 
 BLOCK = 16
+STREAMED: dict[int, list[int]] = {}  # req_id -> tokens handed on in the current test
 ENGINES = [("pe0", "prefill", 0), ("pe1", "prefill", 1), ("de2", "decode", 2),
            ("de3", "decode", 3)]
 
 
 def make_state(kv_tokens: int = 4096, pool: int = 64, staging: int = 8) -> RouterState:
+    STREAMED.clear()
     params = SchedulerParams(alpha_tokens=1 << 40, beta_tokens=1 << 40, block_size=BLOCK)
     return RouterState(GlobalScheduler(params), Capacity(BLOCK, kv_tokens, pool, staging),
                        engine_timeout_s=5.0)
@@ -85,7 +88,8 @@ class EngineModel:
             computed = len(msg.prompt_ids) - msg.num_hit_blocks * BLOCK
             return [*read, Prefilled(msg.req_id, 7, msg.num_hit_blocks, computed)]
         if isinstance(msg, Decode):
-            return [Finished(msg.req_id, (msg.first_token, 8), "length")]
+            return [Tokens(((msg.req_id, 1, (8,)),)), Finished(msg.req_id, (msg.first_token, 8, 9),
+                                                               "length")]
         if isinstance(msg, Abort):
             return [Aborted(msg.req_id)]
         return []
@@ -102,9 +106,16 @@ def run_to_quiet(state: RouterState, model: EngineModel, done: dict, sends: list
 
 def apply(effects, done: dict, sends: list) -> None:
     sends.extend(effects.sends)
+    for req_id, tokens in effects.streamed:
+        assert req_id not in done, f"request {req_id} streamed after it completed"
+        STREAMED.setdefault(req_id, []).extend(tokens)
     for req_id, result in effects.done:
         assert req_id not in done, f"request {req_id} completed twice"
         done[req_id] = result
+        if isinstance(result, ClusterOutput):  # every token streamed once, in order
+            assert STREAMED.pop(req_id, []) == result.output_ids
+        else:
+            STREAMED.pop(req_id, None)
 
 
 # -- transitions ----------------------------------------------------------------------------------
@@ -117,7 +128,7 @@ def test_a_request_flows_through_both_engines_and_releases_everything():
     assert state.counters()["read_queue_tokens"] == 2 * BLOCK
     run_to_quiet(state, model, done, sends, 0.0)
     out = done[1]
-    assert isinstance(out, ClusterOutput) and out.output_ids == [7, 8]
+    assert isinstance(out, ClusterOutput) and out.output_ids == [7, 8, 9]
     assert out.num_computed_tokens == 40 - 2 * BLOCK and out.num_hit_tokens == 2 * BLOCK
     assert zero(state) == {}
 
@@ -284,7 +295,8 @@ def test_random_faults_never_raise_and_always_end_at_zero(seed):
                                Finished(rng.randint(0, 99), (1,), "stop"),
                                BufferReady(rng.randint(0, 99), 0, 1, 0),
                                Prefilled(rng.randint(0, 99), 1, 0, 1),
-                               ReadDone(rng.randint(0, 99), 0)])
+                               ReadDone(rng.randint(0, 99), 0),
+                               Tokens(((rng.randint(0, 99), 0, (7,)),))])
             apply(state.on_message(rng.choice(ENGINES)[0], junk, now), done, sends)
         elif action < 0.88:
             name = rng.choice(ENGINES)[0]
