@@ -1,0 +1,149 @@
+"""The configuration file of ``dualpath serve``: TOML plus ``a.b=c`` overrides.
+
+Top-level keys are :class:`ClusterConfig`'s (``mode``, ``num_decode``, ``host_pool_blocks``, …)
+with ``[engine]``, ``[storage]`` and ``[traffic]`` tables; ``[serve]`` holds the HTTP server's
+:class:`ServeConfig`. Every key is checked against the dataclasses: an unknown key or a value of
+the wrong type is a :class:`ConfigError` naming it (``storage.read_cap_mb_s``). An override's
+value is read as a TOML value (``200``, ``true``, ``"de"``, ``[["high", 99]]``), else as a string.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from dualpath.config import ClusterConfig
+from dualpath.errors import DualPathError
+
+
+class ConfigError(DualPathError):
+    """A configuration file or override is malformed, names an unknown key or a bad value."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The OpenAI-compatible HTTP server in front of the cluster."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None  # a HF folder; None: the default model (SmolLM2-135M-Instruct)
+    model_name: str | None = None  # the name clients use; None: the model folder's name
+    api_key: str | None = None  # when set, every /v1 call needs "Authorization: Bearer KEY"
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    max_concurrent_requests: int = 256  # more generations at once get 429
+    default_max_tokens: int = 256  # when a request names none (and the context allows)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"serve.port must be in 0..65535, got {self.port}")
+        if min(self.max_body_bytes, self.max_concurrent_requests, self.default_max_tokens) < 1:
+            raise ValueError("serve limits must be >= 1")
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Everything ``dualpath serve`` runs: the cluster and the server."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> AppConfig:
+    """The file's settings (defaults where absent), then ``base``, then each ``key=value``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    for key, value in (base or {}).items():
+        _assign(data, key, value)
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"an override is key=value, got {item!r}")
+        _assign(data, key.strip(), _toml_value(raw.strip()))
+    serve = data.pop("serve", {})
+    if not isinstance(serve, dict):
+        raise ConfigError("[serve] must be a table")
+    return AppConfig(_build(ClusterConfig, data, ""), _build(ServeConfig, serve, "serve."))
+
+
+def config_to_json(config: AppConfig) -> str:
+    """The resolved configuration, as written beside the server's logs."""
+    return json.dumps(asdict(config), indent=2)
+
+
+def _assign(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {part!r} is not a table")
+    node[leaf] = value
+
+
+def _toml_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare word: a string
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key {where}{unknown[0]!r} "
+                          f"(known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}{name} must be a table")
+            kwargs[name] = _build(hint, value, f"{where}{name}.")
+        else:
+            kwargs[name] = _checked(_tuples(value), hint, f"{where}{name}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from exc
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _checked(value: Any, hint: Any, key: str) -> Any:
+    """``value`` if it fits ``hint`` (ints are accepted for floats), else ConfigError."""
+    if _fits(value, hint):
+        return float(value) if hint is float and isinstance(value, int) else value
+    raise ConfigError(f"{key} must be {_name(hint)}, got {value!r}")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is tuple:
+        return isinstance(value, tuple)
+    return isinstance(value, hint)
+
+
+def _name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("NoneType", "None")
