@@ -168,6 +168,17 @@ class Router:
         """Each registered engine's last heartbeat (its own view of its state)."""
         return self._ask(lambda: {n: e.report for n, e in self.state.engines.items()})
 
+    def heartbeat_ages(self) -> dict[str, float]:
+        """Seconds since each registered engine was last heard from."""
+        return self._ask(lambda: {n: max(0.0, self._clock() - e.last_heard_s)
+                                  for n, e in self.state.engines.items()})
+
+    @property
+    def ready(self) -> bool:
+        """True while at least one prefill and one decode engine are registered."""
+        roles = {e.info.role for e in list(self.state.engines.values())}
+        return {"prefill", "decode"} <= roles
+
     def _ask(self, query: Callable[[], T]) -> T:
         """Run ``query`` on the router thread (which owns the state) and return its answer."""
         result: Future[T] = Future()

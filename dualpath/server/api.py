@@ -1,0 +1,400 @@
+"""The OpenAI-compatible HTTP API (FastAPI) in front of the router.
+
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (with and without SSE streaming),
+``/health`` (503 until the cluster is ready), ``/version`` and ``/metrics``. Every error is
+answered in OpenAI's shape with a 4xx status, never a 5xx for bad input: invalid JSON, a
+missing or mistyped field, an unknown model, a prompt longer than the context (the lengths are
+in the message), a wrong or missing API key (401), a body over ``max_body_bytes`` (413), more
+than ``max_concurrent_requests`` generations at once (429). A client that goes away aborts its
+request on the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import dualpath
+from dualpath.config_file import ServeConfig
+from dualpath.errors import DualPathError, RequestError
+from dualpath.request import SamplingParams
+from dualpath.server.api_schema import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    ErrorResponse,
+    error_body,
+)
+from dualpath.server.detok import TextStream
+from dualpath.server.metrics import RequestTimer, ServeMetrics
+from dualpath.server.router import Router
+from dualpath.server.router_types import ClusterOutput, RequestAborted
+
+ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
+          404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
+          429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API needs to know of the served model."""
+
+    name: str
+    vocab_size: int
+    max_context: int  # tokens a request may span: prompt + max_tokens
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    encode_chat: Callable[[list[dict[str, str]]], list[int]]
+
+
+@dataclass
+class _Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+    mode: str | None
+    read_path: str | None
+
+
+def build_app(router: Router, model: ModelInfo, settings: ServeConfig,
+              metrics: ServeMetrics) -> FastAPI:
+    """The FastAPI application serving ``model`` through ``router``."""
+    app = FastAPI(title="dualpath", version=dualpath.__version__,
+                  description="OpenAI-compatible API of a DualPath PD-disaggregated cluster")
+    gate = _Gate(settings.max_concurrent_requests)
+    _install_errors(app)
+    _install_limits(app, settings)
+
+    @app.get("/health", responses=ERRORS)
+    async def health() -> JSONResponse:
+        if not router.ready:
+            return JSONResponse(error_body("the cluster is not ready", "service_unavailable"),
+                                status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": dualpath.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body = await asyncio.to_thread(metrics.render)
+        return PlainTextResponse(body, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", responses=ERRORS)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model.name, "object": "model",
+                                            "created": 0, "owned_by": "dualpath"}]}
+
+    @app.post("/v1/completions", responses=ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prepared = _prepare_completion(body, model, settings)
+        return await _generate(router, model, metrics, gate, body, prepared, request, "text")
+
+    @app.post("/v1/chat/completions", responses=ERRORS)
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        prepared = _prepare_chat(body, model, settings)
+        return await _generate(router, model, metrics, gate, body, prepared, request, "chat")
+
+    return app
+
+
+# -- requests -> engine inputs ------------------------------------------------------------------
+
+
+def _prepare_completion(body: CompletionRequest, model: ModelInfo,
+                        settings: ServeConfig) -> _Prepared:
+    _check_model(body.model, model)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+        if len(prompt) != 1:
+            raise APIError(400, "one prompt per request (n=1): send prompts separately",
+                           param="prompt")
+        prompt = prompt[0]
+    ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)  # type: ignore[arg-type]
+    return _prepared(body, ids, body.max_tokens, model, settings)
+
+
+def _prepare_chat(body: ChatRequest, model: ModelInfo, settings: ServeConfig) -> _Prepared:
+    _check_model(body.model, model)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        ids = model.encode_chat(messages)
+    except Exception as exc:  # the chat template refused the conversation
+        raise APIError(400, f"the chat template cannot render these messages: {exc}",
+                       param="messages") from exc
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return _prepared(body, ids, max_tokens, model, settings)
+
+
+def _prepared(body: CompletionRequest | ChatRequest, ids: list[int], max_tokens: int | None,
+              model: ModelInfo, settings: ServeConfig) -> _Prepared:
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if any(not 0 <= t < model.vocab_size for t in ids):
+        raise APIError(400, f"token ids must be in [0, {model.vocab_size})", param="prompt")
+    room = model.max_context - len(ids)
+    if max_tokens is None:
+        max_tokens = min(settings.default_max_tokens, room)
+    if room < 1 or max_tokens > room:
+        raise APIError(400, f"this model's maximum context length is {model.max_context} "
+                       f"tokens; the request has {len(ids)} prompt tokens and asks for "
+                       f"{max_tokens} completion tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
+                                top_p=body.top_p, seed=body.seed, stop=body.stop_strings(),
+                                ignore_eos=body.ignore_eos,
+                                min_tokens=min(body.min_tokens, max_tokens))
+    except RequestError as exc:
+        raise APIError(400, str(exc)) from exc
+    options = body.dualpath
+    return _Prepared(ids, params, options and options.mode and str(options.mode),
+                     options and options.read_path and str(options.read_path))
+
+
+def _check_model(name: str, model: ModelInfo) -> None:
+    if name != model.name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                       f"{model.name!r}", param="model", code="model_not_found")
+
+
+# -- generation ---------------------------------------------------------------------------------
+
+
+class _Gate:
+    """At most ``limit`` generations at once; the rest get 429."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    def enter(self) -> None:
+        if self.active >= self.limit:
+            raise APIError(429, f"more than {self.limit} requests at once; retry later",
+                           kind="rate_limit_error")
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+
+
+class _Run:
+    """One request on the cluster, bridged from the router thread into the event loop."""
+
+    def __init__(self, router: Router, prepared: _Prepared, metrics: ServeMetrics) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, ...] | None] = asyncio.Queue()
+        self.timer = RequestTimer(metrics)
+        self.router = router
+        self.future = router.submit(prepared.prompt_ids, prepared.params, prepared.mode,
+                                    prepared.read_path, on_tokens=self._tokens)
+        self.future.add_done_callback(lambda _: self.loop.call_soon_threadsafe(
+            self.queue.put_nowait, None))
+
+    def _tokens(self, tokens: tuple[int, ...]) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, tokens)
+
+    async def chunks(self) -> AsyncIterator[tuple[int, ...]]:
+        """New tokens as they come, until the request ends."""
+        while (tokens := await self.queue.get()) is not None:
+            self.timer.tokens(len(tokens))
+            yield tokens
+
+    def abort(self) -> None:
+        if not self.future.done():
+            self.router.abort(self.future.req_id, "the client went away")
+
+
+async def _generate(router: Router, model: ModelInfo, metrics: ServeMetrics, gate: _Gate,
+                    body: CompletionRequest | ChatRequest, prepared: _Prepared,
+                    request: Request, kind: str) -> Response:
+    if not router.ready:
+        raise APIError(503, "the cluster is not ready", kind="service_unavailable")
+    gate.enter()
+    try:
+        run = _Run(router, prepared, metrics)
+    except (DualPathError, ValueError) as exc:
+        gate.leave()
+        raise APIError(400, str(exc)) from exc
+    reply = _Reply(kind, model, body, prepared, run)
+    if body.stream:
+        return StreamingResponse(_stream(reply, metrics, gate), media_type="text/event-stream")
+    try:
+        async for _ in run.chunks():
+            pass
+        output = _result(run)
+        metrics_done(metrics, run, output)
+        return JSONResponse(reply.whole(output))
+    except asyncio.CancelledError:  # the client went away
+        run.abort()
+        raise
+    finally:
+        gate.leave()
+
+
+async def _stream(reply: _Reply, metrics: ServeMetrics, gate: _Gate) -> AsyncIterator[str]:
+    run = reply.run
+    try:
+        yield _sse(reply.chunk(role=True))
+        async for tokens in run.chunks():
+            delta = reply.text.add(tokens)
+            if delta:
+                yield _sse(reply.chunk(delta))
+        try:
+            output = _result(run)
+        except APIError as exc:
+            yield _sse(exc.body())
+            return
+        metrics_done(metrics, run, output)
+        tail = reply.text.finish(output.output_ids)
+        yield _sse(reply.chunk(tail, finish_reason=output.finish_reason))
+        if reply.include_usage:
+            yield _sse(reply.usage_chunk(output))
+        yield "data: [DONE]\n\n"
+    finally:  # normal end, or the client went away (the generator is closed)
+        run.abort()
+        gate.leave()
+
+
+def _result(run: _Run) -> ClusterOutput:
+    try:
+        return run.future.result(0)
+    except RequestAborted as exc:
+        run.timer.metrics.requests.labels("aborted").inc()
+        raise APIError(400, f"the request was aborted: {exc}") from exc
+    except RequestError as exc:
+        run.timer.metrics.requests.labels("rejected").inc()
+        raise APIError(400, str(exc)) from exc
+    except DualPathError as exc:
+        run.timer.metrics.requests.labels("failed").inc()
+        raise APIError(503, f"the cluster could not finish the request: {exc}",
+                       kind="service_unavailable") from exc
+
+
+def metrics_done(metrics: ServeMetrics, run: _Run, output: ClusterOutput) -> None:
+    """Count a finished request."""
+    run.timer.done()
+    metrics.requests.labels("finished").inc()
+    metrics.prompt_tokens.inc(len(output.prompt_ids))
+    metrics.cached_tokens.inc(output.num_hit_tokens)
+    metrics.computed_tokens.inc(output.num_computed_tokens)
+    metrics.generation_tokens.inc(len(output.output_ids))
+    metrics.read_paths.labels(str(output.read_path)).inc()
+
+
+class _Reply:
+    """OpenAI response objects for one request (completion or chat, whole or chunked)."""
+
+    def __init__(self, kind: str, model: ModelInfo, body: CompletionRequest | ChatRequest,
+                 prepared: _Prepared, run: _Run) -> None:
+        self.kind = kind
+        self.model = model
+        self.run = run
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text = TextStream(model.decode, prepared.params.stop)
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def _object(self, chunk: bool) -> str:
+        base = "chat.completion" if self.kind == "chat" else "text_completion"
+        return base + ".chunk" if chunk and self.kind == "chat" else base
+
+    def _envelope(self, chunk: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": self._object(chunk), "created": self.created,
+                "model": self.model.name, "choices": choices}
+
+    def whole(self, output: ClusterOutput) -> dict[str, Any]:
+        text = self.text.finish(output.output_ids)
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
+                                                              "content": text}}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = output.finish_reason
+        return {**self._envelope(False, [choice]), "usage": _usage(output)}
+
+    def chunk(self, text: str = "", role: bool = False,
+              finish_reason: str | None = None) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                {"content": text} if text else {})
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = finish_reason
+        return self._envelope(True, [choice])
+
+    def usage_chunk(self, output: ClusterOutput) -> dict[str, Any]:
+        return {**self._envelope(True, []), "usage": _usage(output)}
+
+
+def _usage(output: ClusterOutput) -> dict[str, Any]:
+    prompt, completion = len(output.prompt_ids), len(output.output_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": output.num_hit_tokens}}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+# -- errors and limits --------------------------------------------------------------------------
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body("the request body is not valid JSON"),
+                                status_code=400)
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(
+            first.get("msg", "invalid request body"))
+        return JSONResponse(error_body(message, param=where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}",
+                                       "internal_error"), status_code=500)
+
+
+def _install_limits(app: FastAPI, settings: ServeConfig) -> None:
+    @app.middleware("http")
+    async def limits(request: Request, call_next: Callable) -> Response:
+        if request.url.path.startswith("/v1/"):
+            if settings.api_key is not None:
+                auth = request.headers.get("authorization", "")
+                if auth != f"Bearer {settings.api_key}":
+                    return JSONResponse(error_body("incorrect or missing API key",
+                                                   code="invalid_api_key"), status_code=401)
+            length = request.headers.get("content-length")
+            if request.method == "POST" and length is None:
+                return JSONResponse(error_body("a Content-Length header is required"),
+                                    status_code=411)
+            if length is not None and (not length.isdigit()
+                                       or int(length) > settings.max_body_bytes):
+                return JSONResponse(error_body(f"the request body is over "
+                                               f"{settings.max_body_bytes} bytes"),
+                                    status_code=413)
+        return await call_next(request)

@@ -1,0 +1,126 @@
+"""The OpenAI-compatible request bodies (pydantic) and the OpenAI error shape.
+
+Fields the OpenAI API defines and dualpath ignores (``user``, ``logprobs: false`` …) are
+accepted and ignored, as vLLM does; fields it cannot honour (``n`` > 1, ``logprobs``) are
+refused with 400. Extensions for trace replay and ablations: ``ignore_eos``, ``min_tokens`` and
+a ``dualpath`` object (``mode``, ``read_path``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dualpath.server.router_types import Mode, ReadPath
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = (
+            status, message, kind, param, code)
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape (for the OpenAPI document)."""
+
+    error: dict[str, Any]
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: whether a last chunk carries the usage."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class DualPathOptions(BaseModel):
+    """Per-request ablation switches."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Mode | None = None
+    read_path: ReadPath | None = None
+
+
+class _Sampling(BaseModel):
+    """What completions and chat share."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    n: Literal[1] = 1
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Literal[False, None] = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    dualpath: DualPathOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        items = [stop] if isinstance(stop, str) else stop or []
+        if len(items) > 4 or any(not s for s in items):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stop
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple."""
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt, text or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: Literal[False] = False
+    suffix: None = None
+
+
+class ContentPart(BaseModel):
+    """A text part of a message's content."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The message's text (parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None

@@ -1,0 +1,147 @@
+"""``/metrics``: Prometheus metrics of the server and the cluster behind it.
+
+Names follow vLLM's where one exists (``time_to_first_token_seconds``,
+``e2e_request_latency_seconds``, ``num_requests_running`` …) under the ``dualpath:`` prefix.
+Request-level series are updated by the API handlers as requests run; cluster-level ones are
+read at scrape time from the router's own accounting, its engines' last heartbeats and their
+counters (storage bytes and errors per node, compute-NIC bytes per lane per engine).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from dualpath.server.router import Router
+
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+STORAGE_KEYS = ("snic_read_bytes", "snic_write_bytes", "read_errors", "write_errors",
+                "read_deadline_misses", "corrupt", "misses", "hits")
+
+
+class ServeMetrics:
+    """Every series the server exports, in a registry of its own."""
+
+    def __init__(self, router: Router | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("dualpath:requests", "Requests by outcome "
+                                "(finished, failed, aborted, rejected)", ["outcome"], registry=r)
+        self.ttft = Histogram("dualpath:time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tt2t = Histogram("dualpath:time_to_second_token_seconds",
+                              "Time from the first to the second token",
+                              buckets=TOKEN_BUCKETS_S, registry=r)
+        self.tpot = Histogram("dualpath:time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request",
+                              buckets=TOKEN_BUCKETS_S, registry=r)
+        self.e2e = Histogram("dualpath:e2e_request_latency_seconds", "Request latency",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("dualpath:prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter("dualpath:prompt_tokens_cached",
+                                     "Prompt tokens whose KV came from storage", registry=r)
+        self.computed_tokens = Counter("dualpath:prompt_tokens_computed",
+                                       "Prompt tokens the prefill engines computed", registry=r)
+        self.generation_tokens = Counter("dualpath:generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.read_paths = Counter("dualpath:read_path_choices",
+                                  "Read path of finished requests", ["path"], registry=r)
+        if router is not None:
+            r.register(ClusterCollector(router))
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's token times, turned into histogram observations."""
+
+    def __init__(self, metrics: ServeMetrics) -> None:
+        self.metrics = metrics
+        self.start_s = time.monotonic()
+        self.first_s: float | None = None
+        self.second_s: float | None = None
+        self.num_tokens = 0
+
+    def tokens(self, count: int) -> None:
+        """``count`` new tokens arrived now."""
+        now = time.monotonic()
+        if self.first_s is None and count:
+            self.first_s = now
+            self.metrics.ttft.observe(now - self.start_s)
+            count -= 1
+            self.num_tokens += 1
+        if self.second_s is None and count:
+            self.second_s = now
+            self.metrics.tt2t.observe(now - self.first_s)  # type: ignore[operator]
+        self.num_tokens += count
+
+    def done(self) -> None:
+        """The request finished."""
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - self.start_s)
+        if self.first_s is not None and self.num_tokens > 1:
+            self.metrics.tpot.observe((now - self.first_s) / (self.num_tokens - 1))
+
+
+class ClusterCollector(Collector):
+    """Scrape-time series from the router and its engines."""
+
+    def __init__(self, router: Router, timeout_s: float = 2.0) -> None:
+        self.router = router
+        self.timeout_s = timeout_s
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        counters = self.router.counters()
+        yield _gauge("dualpath:num_requests_waiting", "Requests queued for placement",
+                     counters["queued"])
+        yield _gauge("dualpath:num_requests_running", "Requests placed on engines",
+                     counters["requests"] - counters["queued"])
+        yield _gauge("dualpath:read_queue_tokens", "Tokens the router has queued for reading",
+                     counters["read_queue_tokens"])
+        yield _counter("dualpath:router_dropped_messages", "Late or unknown engine messages",
+                       counters["dropped_messages"])
+        yield _counter("dualpath:router_corrected_requests",
+                       "Requests an engine lost track of, placed again", counters["corrected"])
+        ages = GaugeMetricFamily("dualpath:heartbeat_age_seconds",
+                                 "Seconds since each engine's last heartbeat", labels=["engine"])
+        for name, age in self.router.heartbeat_ages().items():
+            ages.add_metric([name], age)
+        yield ages
+        yield from self._engine_counters()
+
+    def _engine_counters(self) -> Iterator[CounterMetricFamily]:
+        engines = self.router.collect_metrics(self.timeout_s)
+        storage = CounterMetricFamily("dualpath:storage", "Storage counters per node "
+                                      "(bytes read and written, errors, misses)",
+                                      labels=["engine", "node", "counter"])
+        lanes = CounterMetricFamily("dualpath:compute_nic_lane_bytes",
+                                    "Compute-NIC bytes per QoS lane per engine",
+                                    labels=["engine", "lane"])
+        for name, values in engines.items():
+            node = str(values.get("node_id", ""))
+            for key in STORAGE_KEYS:
+                value = values.get(f"storage_{key}")
+                if isinstance(value, int | float):
+                    storage.add_metric([name, node, key], value)
+            for key, value in values.items():
+                if key.startswith("lane_bytes_") and isinstance(value, int | float):
+                    lanes.add_metric([name, key.removeprefix("lane_bytes_")], value)
+        yield storage
+        yield lanes
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
