@@ -63,6 +63,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dualpath.bench.demo import DemoOptions, run_demo
+
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    run_demo(DemoOptions(model=args.model, read_cap_mb_s=args.read_cap_mb_s,
+                         compute_cap_mb_s=args.compute_cap_mb_s, sessions=args.sessions,
+                         turns=args.turns, modes=modes, block_size=args.block_size,
+                         dtype=args.dtype, json_path=args.json or None, work_dir=args.dir))
+    return 0
+
+
 def _cmd_prepare_model(args: argparse.Namespace) -> int:
     from dualpath.model.default_model import ensure_default_model
 
@@ -88,6 +99,21 @@ def _cmd_bench_scheduler(args: argparse.Namespace) -> int:
     from dualpath.bench.scheduler import run_scheduler_bench
 
     run_scheduler_bench(args)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from dualpath.config_file import load_config
+    from dualpath.server.serve import serve
+
+    base: dict[str, object] = {}
+    for key, value in (("serve.host", args.host), ("serve.port", args.port),
+                       ("num_prefill", args.prefill), ("num_decode", args.decode),
+                       ("serve.model", args.model), ("storage.root", args.storage),
+                       ("serve.api_key", args.api_key)):
+        if value is not None:
+            base[key] = value
+    serve(load_config(args.config, args.set, base))
     return 0
 
 
@@ -156,8 +182,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
+    demo = sub.add_parser("demo", help="replay real agent sessions on a local cluster in basic "
+                          "and dualpath mode; print JCT, TTFT, hit rate, reads and speed-up")
+    demo.add_argument("--read-cap-mb-s", type=float, default=25.0,
+                      help="storage NIC read cap per node (default 25: basic storage-bound)")
+    demo.add_argument("--compute-cap-mb-s", type=float, default=None,
+                      help="compute NIC cap per engine (default 8x the storage cap)")
+    demo.add_argument("--sessions", type=int, default=None, help="first N sessions only")
+    demo.add_argument("--turns", type=int, default=None, help="first N turns of each")
+    demo.add_argument("--modes", default="basic,dualpath")
+    demo.add_argument("--json", default="results/demo.json", help="results (+ PNG beside)")
+    demo.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
+    demo.add_argument("--dtype", default="auto")
+    demo.add_argument("--block-size", type=int, default=64)
+    demo.add_argument("--dir", default=None, help="work folder, kept (default: temporary)")
+    demo.set_defaults(func=_cmd_demo)
+
     prep = sub.add_parser("prepare-model", help="convert the default model once and print its path")
     prep.set_defaults(func=_cmd_prepare_model)
+
+    srv = sub.add_parser("serve", help="run a local cluster behind an OpenAI-compatible API")
+    srv.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    srv.add_argument("--prefill", type=int, default=None, help="prefill engines (default 1)")
+    srv.add_argument("--decode", type=int, default=None, help="decode engines (default 2)")
+    srv.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
+    srv.add_argument("--storage", default=None, help="KV store root (an fs directory)")
+    srv.add_argument("--config", default=None, help="TOML config file")
+    srv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. storage.read_cap_mb_s=200 (repeatable)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.set_defaults(func=_cmd_serve)
 
     eng_proc = sub.add_parser("engine", help="run one prefill or decode engine process")
     eng_proc.add_argument("--role", choices=("prefill", "decode"), required=True)
