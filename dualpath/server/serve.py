@@ -9,6 +9,8 @@ whose server died without a word stop by themselves (they find their router sile
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -56,5 +58,11 @@ def serve(config: AppConfig, log_dir: Path | None = None) -> None:
               f"  {base}/v1/chat/completions  {base}/v1/completions  {base}/v1/models\n"
               f"  {base}/health  {base}/metrics  {base}/docs\n"
               f"  logs and resolved config: {log_dir}", flush=True)
-        server.run()
+        signal.signal(signal.SIGTERM, _interrupt)  # uvicorn re-raises it once it has stopped
+        with contextlib.suppress(KeyboardInterrupt):  # SIGINT or SIGTERM
+            server.run()  # then leaving the block stops every engine
     print("dualpath serve: stopped", flush=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
