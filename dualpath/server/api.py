@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -40,9 +41,8 @@ from dualpath.server.metrics import RequestTimer, ServeMetrics
 from dualpath.server.router import Router
 from dualpath.server.router_types import ClusterOutput, RequestAborted
 
-ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
-          404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
-          429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 411, 413, 429, 503)}
 
 
 @dataclass(frozen=True)
@@ -71,10 +71,11 @@ def build_app(router: Router, model: ModelInfo, settings: ServeConfig,
     app = FastAPI(title="dualpath", version=dualpath.__version__,
                   description="OpenAI-compatible API of a DualPath PD-disaggregated cluster")
     gate = _Gate(settings.max_concurrent_requests)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     _install_errors(app)
     _install_limits(app, settings)
 
-    @app.get("/health", responses=ERRORS)
+    @app.get("/health", responses={503: ERRORS[503]})
     async def health() -> JSONResponse:
         if not router.ready:
             return JSONResponse(error_body("the cluster is not ready", "service_unavailable"),
@@ -90,7 +91,7 @@ def build_app(router: Router, model: ModelInfo, settings: ServeConfig,
         body = await asyncio.to_thread(metrics.render)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", responses=ERRORS)
+    @app.get("/v1/models", responses={401: ERRORS[401]})
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model.name, "object": "model",
                                             "created": 0, "owned_by": "dualpath"}]}
@@ -350,6 +351,19 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 # -- errors and limits --------------------------------------------------------------------------
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, true to the handlers: validation errors are 400s in OpenAI's shape
+    (documented through ``ERRORS``), never FastAPI's 422."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version,
+                             description=app.description, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _install_errors(app: FastAPI) -> None:
