@@ -119,8 +119,8 @@ class Router:
 
     @property
     def decisions(self) -> list[tuple[int, str, str, str, int]]:
-        """Every placement: (req id, PE, DE, read path, hit blocks)."""
-        return self.state.decisions
+        """The latest placements, oldest first: (req id, PE, DE, read path, hit blocks)."""
+        return list(self.state.decisions)
 
     def wait_for_engines(self, count: int, timeout_s: float) -> None:
         """Block until ``count`` engines said hello."""

@@ -19,6 +19,8 @@ buffer for a quarantine, so the buffer is never reused under a live writer.
 
 from __future__ import annotations
 
+from collections import deque
+
 from dualpath.errors import DualPathError, RequestError
 from dualpath.protocol import (
     Abort,
@@ -57,6 +59,7 @@ from dualpath.server.router_types import (
 
 MAX_ATTEMPTS = 4  # placements of one request before an engine problem fails it
 UNSEEN_BEATS = 3  # heartbeats of a live engine not listing a request it should hold
+DECISIONS_KEPT = 10_000
 
 
 class RouterState:
@@ -72,7 +75,8 @@ class RouterState:
         self.read_queue_tokens: dict[int, int] = {}  # node -> tokens being read for us
         self.requests: dict[int, RequestState] = {}  # every request not yet completed
         self.draining: dict[int, RequestState] = {}  # completed, the PE not yet let go
-        self.decisions: list[tuple[int, str, str, str, int]] = []  # req, pe, de, path, hit
+        # the latest placements (req, pe, de, path, hit), bounded: a server runs for days
+        self.decisions: deque[tuple[int, str, str, str, int]] = deque(maxlen=DECISIONS_KEPT)
         self.dropped_messages = 0  # late, duplicated or unknown messages ignored
         self.drift: dict[str, int] = {}  # engine -> requests it and the router disagree on
         self.corrected = 0  # requests an engine lost track of, placed again or failed
