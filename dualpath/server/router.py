@@ -120,7 +120,7 @@ class Router:
     @property
     def decisions(self) -> list[tuple[int, str, str, str, int]]:
         """The latest placements, oldest first: (req id, PE, DE, read path, hit blocks)."""
-        return list(self.state.decisions)
+        return self._ask(lambda: list(self.state.decisions))
 
     def wait_for_engines(self, count: int, timeout_s: float) -> None:
         """Block until ``count`` engines said hello."""
