@@ -23,8 +23,10 @@ $(STAMP): requirements.lock pyproject.toml
 model: $(STAMP)
 	$(BIN)/dualpath prepare-model
 
+# Replays real agent sessions on a local 1 PE + 2 DE cluster in basic and dualpath mode and
+# prints one table (JCT, TTFT, hit rate, bytes read per node, speed-up); results/demo.json.
 demo: setup
-	$(BIN)/dualpath generate "What is the capital of France?"
+	$(BIN)/dualpath demo
 
 test: setup
 	$(BIN)/ruff check dualpath tests

@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="replay real agent sessions on a local cluster in basic "
                           "and dualpath mode; print JCT, TTFT, hit rate, reads and speed-up")
-    demo.add_argument("--read-cap-mb-s", type=float, default=25.0,
-                      help="storage NIC read cap per node (default 25: basic storage-bound)")
+    demo.add_argument("--read-cap-mb-s", type=float, default=16.0,
+                      help="storage NIC read cap per node (default 16: basic storage-bound)")
     demo.add_argument("--compute-cap-mb-s", type=float, default=None,
                       help="compute NIC cap per engine (default 8x the storage cap)")
     demo.add_argument("--sessions", type=int, default=None, help="first N sessions only")
@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--modes", default="basic,dualpath")
     demo.add_argument("--json", default="results/demo.json", help="results (+ PNG beside)")
     demo.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
-    demo.add_argument("--dtype", default="auto")
+    demo.add_argument("--dtype", default="float32", help="compute and KV dtype (default "
+                      "float32: faster than bf16 on CPUs without native bf16)")
     demo.add_argument("--block-size", type=int, default=64)
     demo.add_argument("--dir", default=None, help="work folder, kept (default: temporary)")
     demo.set_defaults(func=_cmd_demo)

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,42 @@ from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
 
 
+@dataclass(frozen=True)
+class AgentTurn:
+    """One turn of an agent: the first ``keep`` tokens of its context so far (the previous
+    turn's prompt and generated tokens; None keeps all of it), then ``new`` tokens; generates
+    exactly ``gen`` tokens. A ``keep`` shorter than the context replays a compaction."""
+
+    new: list[int]
+    gen: int
+    keep: int | None = None
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """How one turn was served: sizes, the hit, the time from submit to its first token
+    (TTFT: the prefill engine's token, streamed) and to its last."""
+
+    prompt_tokens: int
+    hit_tokens: int
+    computed_tokens: int
+    ttft_s: float
+    latency_s: float
+    read_path: str
+    attempts: int = 1  # placements it took (> 1: an engine failed it or lost track of it)
+
+
 class _Agent:
     """One agent's trajectory: submits turn after turn, records when it finished."""
 
-    def __init__(self, cluster: LocalCluster, first: list[int], appends: list[list[int]],
-                 params: SamplingParams, mode: str, done: threading.Event,
-                 progress: Any) -> None:
-        self.cluster, self.prompt, self.appends = cluster, first, appends
-        self.params, self.mode, self.done, self.progress = params, mode, done, progress
+    def __init__(self, cluster: LocalCluster, turns: list[AgentTurn], mode: str,
+                 done: threading.Event, progress: Any, context: list[int] | None = None) -> None:
+        self.cluster, self.turns, self.mode = cluster, turns, mode
+        self.done, self.progress = done, progress
+        self.context: list[int] = list(context or [])  # prompt + output of the last turn
         self.turn = 0
-        self.hits: list[int] = []
+        self.records: list[TurnRecord] = []
+        self.first_token_at: dict[int, float] = {}  # turn -> when its first token arrived
         self.finished_at: float | None = None
         self.error: BaseException | None = None
 
@@ -52,25 +79,42 @@ class _Agent:
         self._submit()
 
     def _submit(self) -> None:
-        future = self.cluster.submit(self.prompt, self.params, mode=self.mode)
+        turn = self.turns[self.turn]
+        if turn.keep is not None and turn.keep > len(self.context):
+            raise DualPathError(f"turn {self.turn} keeps {turn.keep} tokens of a "
+                                f"{len(self.context)}-token context")
+        kept = self.context if turn.keep is None else self.context[:turn.keep]
+        self.prompt = kept + turn.new
+        self.submitted = time.perf_counter()
+        params = SamplingParams(max_tokens=turn.gen, ignore_eos=True)
+        future = self.cluster.submit(self.prompt, params, mode=self.mode,
+                                     on_tokens=lambda _, n=self.turn: self._streamed(n))
         future.add_done_callback(self._returned)
+
+    def _streamed(self, turn: int) -> None:
+        """Note when turn ``turn``'s first tokens arrived (tokens come in order, per turn)."""
+        self.first_token_at.setdefault(turn, time.perf_counter())
 
     def _returned(self, future: Any) -> None:
         try:
             out = future.result()
-        except Exception as exc:  # reported by run_agents
+            now = time.perf_counter()
+            first = self.first_token_at.get(self.turn, now)
+            self.records.append(TurnRecord(len(self.prompt), out.num_hit_tokens,
+                                           out.num_computed_tokens, first - self.submitted,
+                                           now - self.submitted, out.read_path,
+                                           out.num_attempts))
+            self.progress()
+            self.context = self.prompt + list(out.output_ids)
+            self.turn += 1
+            if self.turn == len(self.turns):
+                self.finished_at = time.perf_counter()
+                self.done.set()
+                return
+            self._submit()
+        except Exception as exc:  # reported by run_turns
             self.error = exc
             self.done.set()
-            return
-        self.hits.append(out.num_hit_tokens)
-        self.progress()
-        if self.turn == len(self.appends):
-            self.finished_at = time.perf_counter()
-            self.done.set()
-            return
-        self.prompt = self.prompt + list(out.output_ids) + self.appends[self.turn]
-        self.turn += 1
-        self._submit()
 
 
 def make_trajectories(agents: int, turns: int, first: int, append: int, vocab: int,
@@ -84,27 +128,49 @@ def make_trajectories(agents: int, turns: int, first: int, append: int, vocab: i
     return [(rand(first), [rand(append) for _ in range(turns - 1)]) for _ in range(agents)]
 
 
+def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
+              progress: Any = lambda: None, timeout_s: float = 3600.0,
+              label: str = "bench cluster",
+              contexts: list[list[int]] | None = None) -> dict[str, Any]:
+    """Run every agent to its last turn, each turn as soon as its previous one returned;
+    ``contexts`` are the agents' contexts before their first turn here (default: empty).
+
+    Returns the mode, the JCT (until the last agent's last turn), the turn count, the prompt,
+    hit and computed token totals, every agent's :class:`TurnRecord` list (``records``) and
+    its context after its last turn (``contexts``: prompt and generated tokens).
+    """
+    events = [threading.Event() for _ in agents]
+    starts = contexts if contexts is not None else [[] for _ in agents]
+    runs = [_Agent(cluster, turns, mode, ev, progress, context)
+            for turns, ev, context in zip(agents, events, starts, strict=True)]
+    start = time.perf_counter()
+    for run in runs:
+        run.start()
+    for ev in events:
+        if not ev.wait(max(0.0, timeout_s - (time.perf_counter() - start))):
+            raise DualPathError(f"{label}: {mode} did not finish in {timeout_s:.0f} s")
+    errors = [a.error for a in runs if a.error is not None]
+    if errors:
+        raise DualPathError(f"{label}: {mode}: a request failed: {errors[0]}")
+    ends = [a.finished_at for a in runs if a.finished_at is not None]
+    records = [a.records for a in runs]
+    flat = [r for recs in records for r in recs]
+    return {"mode": mode, "agents": len(runs), "jct_s": max(ends) - start, "turns": len(flat),
+            "prompt_tokens": sum(r.prompt_tokens for r in flat),
+            "hit_tokens": sum(r.hit_tokens for r in flat),
+            "computed_tokens": sum(r.computed_tokens for r in flat), "records": records,
+            "contexts": [a.context for a in runs]}
+
+
 def run_agents(cluster: LocalCluster, trajectories: list[tuple[list[int], list[list[int]]]],
                gen: int, mode: str, progress: Any = lambda: None,
                timeout_s: float = 3600.0) -> dict[str, Any]:
-    """Run every agent to its last turn; JCT, turns and hit tokens."""
-    params = SamplingParams(max_tokens=gen, ignore_eos=True)
-    events = [threading.Event() for _ in trajectories]
-    agents = [_Agent(cluster, first, appends, params, mode, ev, progress)
-              for (first, appends), ev in zip(trajectories, events, strict=True)]
-    start = time.perf_counter()
-    for agent in agents:
-        agent.start()
-    for ev in events:
-        if not ev.wait(max(0.0, timeout_s - (time.perf_counter() - start))):
-            raise DualPathError(f"bench cluster: {mode} did not finish in {timeout_s:.0f} s")
-    errors = [a.error for a in agents if a.error is not None]
-    if errors:
-        raise DualPathError(f"bench cluster: {mode}: a request failed: {errors[0]}")
-    ends = [a.finished_at for a in agents if a.finished_at is not None]
-    return {"mode": mode, "agents": len(agents), "jct_s": max(ends) - start,
-            "turns": sum(len(a.hits) for a in agents),
-            "hit_tokens": sum(sum(a.hits) for a in agents)}
+    """Run every agent to its last turn, ``gen`` tokens a turn; JCT, turns and token totals."""
+    agents = [[AgentTurn(first, gen), *(AgentTurn(a, gen) for a in appends)]
+              for first, appends in trajectories]
+    row = run_turns(cluster, agents, mode, progress, timeout_s)
+    del row["records"], row["contexts"]
+    return row
 
 
 def _config(args: argparse.Namespace, store: Path, engine: EngineConfig) -> ClusterConfig:

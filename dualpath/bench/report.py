@@ -9,11 +9,24 @@ from pathlib import Path
 from typing import Any
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else what ``platform`` knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def machine_profile() -> dict[str, Any]:
     """What the numbers were measured on."""
     import torch
 
     return {"platform": platform.platform(), "processor": platform.processor(),
+            "cpu_model": cpu_model(),
             "cpus": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
@@ -82,10 +83,11 @@ class LocalCluster:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, mode: str | None = None,
-               read_path: str | None = None) -> RequestFuture:
-        """Start one request."""
+               read_path: str | None = None,
+               on_tokens: Callable[[tuple[int, ...]], None] | None = None) -> RequestFuture:
+        """Start one request; ``on_tokens`` as in :meth:`Router.submit` (streamed tokens)."""
         assert self.router is not None, "start() the cluster first"
-        return self.router.submit(prompt_ids, params, mode, read_path)
+        return self.router.submit(prompt_ids, params, mode, read_path, on_tokens)
 
     def abort(self, future: RequestFuture) -> None:
         """Cancel a submitted request wherever it is; its future fails with RequestAborted."""

@@ -50,7 +50,7 @@ import lzma
 import os
 import random
 import tarfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -234,20 +234,33 @@ def _read_json(stream: IO[bytes] | None, where: str) -> Any:
         raise ValueError(f"{where}: bad JSON ({exc})") from exc
 
 
-def _read_weka(path: Path, limit: int | None) -> tuple[list[list[Turn]], bool]:
-    """Stream the archive's ``.json`` members; returns (sessions, whether all were read)."""
-    sessions: list[list[Turn]] = []
+def weka_sessions(path: Path) -> Iterator[tuple[str, list[Turn]]]:
+    """(member name, trajectory) of each session in a Weka archive, streamed in archive order.
+
+    Raises ``ValueError`` for an unreadable archive or a member that is not a Weka session.
+    """
     try:
         with tarfile.open(path, "r:xz") as tar:
             for member in tar:
-                if limit is not None and len(sessions) >= limit:
-                    return sessions, False
                 if member.isfile() and member.name.endswith(".json"):
                     where = f"{path}:{member.name}"
-                    sessions.append(_weka_session(_read_json(tar.extractfile(member), where),
-                                                  where))
+                    yield member.name, _weka_session(_read_json(tar.extractfile(member), where),
+                                                     where)
     except (tarfile.TarError, lzma.LZMAError, EOFError, OSError) as exc:
         raise ValueError(f"cannot read Weka archive {path}: {exc}") from exc
+
+
+def _read_weka(path: Path, limit: int | None) -> tuple[list[list[Turn]], bool]:
+    """Stream the archive's ``.json`` members; returns (sessions, whether all were read)."""
+    sessions: list[list[Turn]] = []
+    if limit == 0:
+        return sessions, False
+    stream = weka_sessions(path)
+    for _, turns in stream:
+        sessions.append(turns)
+        if limit is not None and len(sessions) >= limit:
+            stream.close()  # stop reading the archive
+            return sessions, False
     return sessions, True
 
 

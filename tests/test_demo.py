@@ -1,0 +1,89 @@
+"""``dualpath demo``: the shipped Weka excerpt and a small run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+
+from dualpath.bench.demo import DemoOptions, render_table, run_demo
+from dualpath.bench.demo_trace import (
+    DATA_FILE,
+    LICENSE_FILE,
+    DemoTurn,
+    license_text,
+    load_demo_trace,
+    scale_session,
+    select_sessions,
+)
+from dualpath.sim.workload import Turn
+
+
+def test_excerpt_ships_in_the_package_with_its_license():
+    data = resources.files("dualpath.data")
+    assert data.joinpath(DATA_FILE).is_file() and data.joinpath(LICENSE_FILE).is_file()
+    text = license_text()
+    assert "Apache License" in text and "Version 2.0" in text
+    assert "callanjfox/kv-cache-tester" in text and "divided by 32" in text
+    sessions, header = load_demo_trace()
+    assert header["scale"] == 32 and "Apache-2.0" in header["license"]
+    assert len(sessions) == 8 and all(len(s.turns) == 5 for s in sessions)
+    for s in sessions:
+        assert s.trace in text  # every session is named in the NOTICE
+        context = 0  # prompt + generated tokens of the turn before
+        for t in s.turns:
+            assert 0 <= t.keep <= context and t.prompt > t.keep and t.gen >= 1
+            assert t.prompt + t.gen <= header["max_context"]
+            context = t.prompt + t.gen
+
+
+def test_excerpt_is_malformed_loudly(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"sessions": [{"trace": "t", "turns": [
+        {"prompt": 10, "keep": 0, "gen": 1}, {"prompt": 20, "keep": 12, "gen": 1}]}]}))
+    with pytest.raises(ValueError, match="inconsistent"):  # keeps more than the 11-token context
+        load_demo_trace(bad)
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="malformed"):
+        load_demo_trace(bad)
+
+
+def test_scaling_keeps_extensions_and_compactions():
+    turns = [Turn(prompt=6400, hit=0, gen=320),
+             Turn(prompt=7000, hit=6400, gen=64),  # extends: every full block of the last input
+             Turn(prompt=3300, hit=3200, gen=1)]  # compaction: only 3,200 tokens survive
+    assert scale_session(turns, scale=32) == [
+        DemoTurn(prompt=200, keep=0, gen=10),
+        DemoTurn(prompt=219, keep=210, gen=2),  # keeps prompt + generated of turn 1
+        DemoTurn(prompt=103, keep=100, gen=1)]
+
+
+def test_selection_skips_resumed_short_and_too_long_sessions():
+    fresh = [Turn(prompt=16_000, hit=0, gen=100), Turn(prompt=17_000, hit=15_936, gen=100)]
+    resumed = [Turn(prompt=71_000, hit=0, gen=100), Turn(prompt=72_000, hit=70_976, gen=100)]
+    huge = [Turn(prompt=16_000, hit=0, gen=100), Turn(prompt=200_000, hit=15_936, gen=100)]
+    picked = select_sessions([("a/resumed.json", resumed), ("a/short.json", fresh[:1]),
+                              ("a/huge.json", huge), ("a/fresh.json", fresh),
+                              ("a/never-read.json", fresh)], count=1, turns=2)
+    assert [s.trace for s in picked] == ["fresh"]
+
+
+def test_demo_runs_both_modes_and_reports_the_table(tiny_chaotic_dir, tmp_path):
+    out = tmp_path / "demo.json"
+    result = run_demo(DemoOptions(model=str(tiny_chaotic_dir), sessions=2, turns=2,
+                                  block_size=16, read_cap_mb_s=50.0, json_path=str(out)))
+    data = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert set(data["modes"]) == {"basic", "dualpath"}
+    for mode, s in data["modes"].items():
+        assert s["jct_s"] > 0 and 0 < s["mean_ttft_s"] <= s["mean_turn_latency_s"], mode
+        assert len(s["pe_read_bytes"]) == 1 and len(s["de_read_bytes"]) == 2
+        assert s["read_deadline_misses"] == 0 and s["retried_turns"] == 0
+    dual, basic = data["modes"]["dualpath"], data["modes"]["basic"]
+    assert dual["hit_rate"] > 0 and dual["hit_rate"] == basic["hit_rate"]  # turn 2 reloads
+    assert sum(basic["de_read_bytes"]) == 0 and basic["pe_read_bytes"][0] > 0
+    assert data["summary"]["dualpath_speedup"] == pytest.approx(basic["jct_s"] / dual["jct_s"])
+    assert data["machine"]["cpu_model"] and data["summary"]["jct_s"]["basic"] > 0
+    assert all(r["turns"] == 2 for r in data["rows"])  # 2 sessions x turn 2 (turn 1 untimed)
+    assert render_table(result).row_count == 2
