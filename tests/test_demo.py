@@ -7,7 +7,8 @@ from importlib import resources
 
 import pytest
 
-from dualpath.bench.demo import DemoOptions, render_table, run_demo
+from dualpath.bench.demo import DemoOptions, run_demo
+from dualpath.bench.demo_report import render_table
 from dualpath.bench.demo_trace import (
     DATA_FILE,
     LICENSE_FILE,

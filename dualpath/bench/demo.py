@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -44,9 +43,15 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Table
 
 from dualpath.bench.cluster import AgentTurn, run_turns
+from dualpath.bench.demo_report import (
+    minus_reads,
+    node_reads,
+    render_table,
+    summarize,
+    warn_if_misleading,
+)
 from dualpath.bench.demo_trace import DemoSession, load_demo_trace
 from dualpath.bench.report import bar_chart, cpu_model, machine_profile, write_json
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, TrafficConfig
@@ -124,34 +129,6 @@ def agent_turns(sessions: list[DemoSession], vocab: int, seed: int) -> list[list
             for s in sessions]
 
 
-def node_reads(metrics: dict[str, dict]) -> list[dict[str, Any]]:
-    """Per node (sorted by id): its role and the bytes its storage NIC read."""
-    nodes: dict[int, dict[str, Any]] = {}
-    for m in metrics.values():
-        node = nodes.setdefault(int(m["node_id"]), {"node_id": int(m["node_id"]),
-                                                    "role": m["role"], "read_bytes": 0,
-                                                    "read_deadline_misses": 0})
-        node["read_bytes"] += int(m.get("storage_snic_read_bytes", 0))
-        node["read_deadline_misses"] += int(m.get("storage_read_deadline_misses", 0))
-    return [nodes[k] for k in sorted(nodes)]
-
-
-def summarize(row: dict[str, Any], read_cap_mb_s: float) -> dict[str, Any]:
-    """The table's figures of one mode's run (``run_turns`` output plus ``nodes``)."""
-    records = [r for recs in row["records"] for r in recs]
-    n = max(1, len(records))
-    pe = [x["read_bytes"] for x in row["nodes"] if x["role"] == "prefill"]
-    de = [x["read_bytes"] for x in row["nodes"] if x["role"] == "decode"]
-    return {"jct_s": row["jct_s"], "mean_ttft_s": sum(r.ttft_s for r in records) / n,
-            "mean_turn_latency_s": sum(r.latency_s for r in records) / n,
-            "hit_rate": row["hit_tokens"] / max(1, row["prompt_tokens"]),
-            "pe_read_bytes": pe, "de_read_bytes": de,
-            # bytes the busiest prefill-node NIC read / what its cap allows over the JCT
-            "pe_snic_busy": max(pe, default=0) / (read_cap_mb_s * 1e6 * row["jct_s"]),
-            "read_deadline_misses": sum(x["read_deadline_misses"] for x in row["nodes"]),
-            "retried_turns": sum(r.attempts > 1 for r in records)}
-
-
 def _config(options: DemoOptions, mode: str, store: Path) -> ClusterConfig:
     cnic = options.compute_cap_mb_s or COMPUTE_PER_STORAGE * options.read_cap_mb_s
     return ClusterConfig(
@@ -192,7 +169,7 @@ def _run_mode(cluster: LocalCluster, mode: str, agents: list[list[AgentTurn]],
     bar.update(task, description=f"{mode}: replaying turns 2+")
     row = run_turns(cluster, [a[1:] for a in agents], mode, lambda: bar.advance(task),
                     options.timeout_s, label="demo", contexts=primed)
-    row["nodes"] = _minus(node_reads(cluster.metrics()), before)
+    row["nodes"] = minus_reads(node_reads(cluster.metrics()), before)
     assert cluster.router is not None
     row["router"] = cluster.router.counters()
     row["untimed_s"] = time.perf_counter() - began - row["jct_s"]  # store, warm-up, first turns
@@ -214,43 +191,6 @@ def _empty(cluster: LocalCluster, store: Path) -> None:
     _wait_for_writes(cluster)
     for child in store.iterdir():
         shutil.rmtree(child) if child.is_dir() else child.unlink()
-
-
-def _minus(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per-node counters of ``after`` less those of ``before`` (same nodes, same order)."""
-    return [{**a, "read_bytes": a["read_bytes"] - b["read_bytes"],
-             "read_deadline_misses": a["read_deadline_misses"] - b["read_deadline_misses"]}
-            for a, b in zip(after, before, strict=True)]
-
-
-def _mb(values: list[int]) -> str:
-    return ", ".join(f"{v / 1e6:,.0f}" for v in values) or "-"
-
-
-def render_table(result: dict[str, Any]) -> Table:
-    """The demo's one table: per mode JCT, TTFT, turn latency, hit rate, reads, speed-up."""
-    w, m = result["workload"], result["machine"]
-    table = Table(box=box.SIMPLE_HEAD, title_justify="left", caption_justify="left",
-                  title=f"[bold]DualPath demo[/]: {w['sessions']} Weka agent sessions, turns 2-"
-                  f"{w['turns']} timed (tokens / {w['scale']}), {result['model']} ("
-                  f"{result['cluster']['dtype']}), 1 PE + 2 DE, storage NIC "
-                  f"{result['caps_mb_s']['read']:g} MB/s per node; {m['cpu_model']}, "
-                  f"{m['cpus']} cores",
-                  caption="JCT: until the last agent's last turn. TTFT: submit to first token; "
-                  "turn: submit to last token (means over turns). Hit: prompt tokens loaded "
-                  "from storage. Read: MB through each node's storage NIC. PE busy: PE node "
-                  "reads / (cap x JCT). Speed-up: basic JCT / JCT.")
-    for col in ("mode", "JCT\n(s)", "TTFT\n(s)", "turn\n(s)", "hit\nrate", "read PE\n(MB)",
-                "read DEs\n(MB)", "PE\nbusy", "speed-\nup"):
-        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
-    base = result["summary"]["jct_s"].get("basic")
-    for mode, s in result["modes"].items():
-        speedup = f"{base / s['jct_s']:.2f}x" if base else "-"
-        table.add_row(mode, f"{s['jct_s']:.1f}", f"{s['mean_ttft_s']:.2f}",
-                      f"{s['mean_turn_latency_s']:.2f}", f"{s['hit_rate']:.1%}",
-                      _mb(s["pe_read_bytes"]), _mb(s["de_read_bytes"]),
-                      f"{s['pe_snic_busy']:.0%}", speedup)
-    return table
 
 
 def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, Any]:
@@ -299,7 +239,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, 
     result["wall_s"] = time.perf_counter() - began
     result["startup_s"] = startup_s
     console.print(render_table(result))
-    _warn(result, console)
+    warn_if_misleading(result, console)
     if options.json_path:
         path = write_json(options.json_path, result)
         bar_chart(path.with_suffix(".png"), "DualPath demo: job completion time",
@@ -337,14 +277,3 @@ def _result(options: DemoOptions, header: dict[str, Any], sessions: list[DemoSes
                          "turns": max(len(s.turns) for s in sessions),
                          "traces": [s.trace for s in sessions], "seed": options.seed},
             "modes": modes, "rows": rows, "summary": summary}
-
-
-def _warn(result: dict[str, Any], console: Console) -> None:
-    """Say so when a figure is not what it seems (reads given up at their deadline)."""
-    for mode, s in result["modes"].items():
-        if s["retried_turns"]:
-            console.print(f"[yellow]{mode}: {s['retried_turns']} turns were placed more than "
-                          "once (an engine failed them or lost track of them)[/]")
-        if s["read_deadline_misses"]:
-            console.print(f"[yellow]{mode}: {s['read_deadline_misses']} block reads missed "
-                          "their deadline and were recomputed[/]")
