@@ -85,7 +85,7 @@ class ClusterConfig:
     profile_path: str | None = None  # `dualpath profile` output: α, β and the PE cost model
     prefill_quota_ms: float = 300.0  # predicted time per PE forward batch (PAPER §5.5)
     host_pool_blocks: int = 512  # full-block slots of each engine's DRAM buffer
-    save_staging_blocks: int = 8  # of those, slots a DE keeps for persisting blocks
+    save_staging_blocks: int = 16  # of those, slots a DE keeps for persisting blocks
     heartbeat_s: float = 0.5  # engines report their state this often
     engine_timeout_s: float = 5.0  # an engine silent this long is lost (hung, dead, cut off)
     router_timeout_s: float = 10.0  # an engine whose router is silent this long stops

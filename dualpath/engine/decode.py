@@ -254,7 +254,10 @@ class DecodeWorker:
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids[: num_full * self.block_size],
                                      self.block_size, space.seed)
         for k in range(active.num_saved_blocks, num_full):
-            if self._staging_in_use >= self.staging_blocks or not self.host_pool.num_free:
+            # a finished sequence's blocks are reused after this step: past the staging share,
+            # take any free slot rather than drop them
+            full = self._staging_in_use >= self.staging_blocks and not seq.is_finished
+            if full or not self.host_pool.num_free:
                 if seq.is_finished:  # its blocks are reused after this step: too late
                     self.num_saves_dropped += num_full - k
                     active.num_saved_blocks = num_full

@@ -95,7 +95,7 @@ class EngineProcess:
         self.socket = _dealer(identity.name, router_address)
         self._running = True
         self._router_gone = False
-        self._loop_at_s = time.monotonic()  # when the work loop last went round
+        self._loop_at_s = time.monotonic()  # when the work loop last read its inbox
         self._held: tuple[int, ...] = ()  # req ids held, as the loop last saw them
         self._rejoin = threading.Event()  # the router forgot us: drop everything, say hello
         self._heart = threading.Thread(target=self._heartbeat,
@@ -120,12 +120,13 @@ class EngineProcess:
                 timeout = 0
             if self._rejoin.is_set():
                 self._drop_everything()
+            # what the heartbeat reports: the inbox was read just now, and what it gave us
+            self._held, self._loop_at_s = self.worker.held_requests(), time.monotonic()
             try:
-                self._work()
+                self._work()  # may take seconds (a long prefill): the beats say how old this is
             except Exception:  # the workers fail their own requests; this is a bug to log
                 log.exception("engine work failed")
             self._held = self.worker.held_requests()
-            self._loop_at_s = time.monotonic()
         self.close()
         return ROUTER_GONE_EXIT if self._router_gone else 0
 

@@ -95,7 +95,7 @@ class Router:
         capacity = Capacity(self.block_size, blocks * self.block_size, config.host_pool_blocks,
                             config.save_staging_blocks)
         self.state = RouterState(GlobalScheduler(scheduler_params(config, layout.full_block_bytes)),
-                                 capacity, config.engine_timeout_s)
+                                 capacity, config.engine_timeout_s, config.heartbeat_s)
         self.bad_messages = 0  # undecodable messages and handler errors, logged and skipped
         self._ids = itertools.count(1)
         self._futures: dict[int, RequestFuture] = {}

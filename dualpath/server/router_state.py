@@ -66,10 +66,11 @@ class RouterState:
     """Requests, engines, nodes and reservations, with every transition between them."""
 
     def __init__(self, scheduler: GlobalScheduler, capacity: Capacity,
-                 engine_timeout_s: float) -> None:
+                 engine_timeout_s: float, heartbeat_s: float | None = None) -> None:
         self.scheduler = scheduler
         self.capacity = capacity
         self.engine_timeout_s = engine_timeout_s
+        self.heartbeat_s = engine_timeout_s / 10 if heartbeat_s is None else heartbeat_s
         self.engines: dict[str, EngineState] = {}
         self.lost: set[str] = set()
         self.read_queue_tokens: dict[int, int] = {}  # node -> tokens being read for us
@@ -183,8 +184,8 @@ class RouterState:
         out.send(engine, HeartbeatAck(known=True))
         mine = {r.wire_id: r for r in self._held_by(engine)}
         self.drift[engine] = len(mine.keys() ^ set(msg.running))
-        if msg.loop_age_s > self.engine_timeout_s / 4:
-            return  # a busy loop may not have read our latest messages yet
+        if msg.loop_age_s > self.heartbeat_s:
+            return  # the engine has not read its inbox since the last beat: proves nothing
         for wire_id, req in mine.items():
             if wire_id in msg.running:
                 req.unseen.pop(engine, None)
