@@ -81,22 +81,13 @@ class DemoOptions:
     # 286-369 tok/s in float32 (512- and 2,224-token prompts, 1 thread). The KV is float32 too
     # (46 KB per token for SmolLM2), which the storage cap below accounts for.
     dtype: str = "float32"
-    # A DE persists a turn's new full blocks through this many staging slots while it decodes;
-    # the cluster default (8) drops the rest when a turn adds many blocks and generates few
-    # tokens, as these agent turns do (measured: 11 of 34 blocks of a 2,224-token first turn
-    # with 5 generated tokens), and the next turn then recomputes them.
+    # A DE persists a turn's new full blocks through this many staging slots while it decodes
+    # (past them, a finished turn's blocks take any free slot). Agent turns add many blocks and
+    # generate few tokens: with 8 slots 11 of 34 blocks of a 2,224-token first turn with 5
+    # generated tokens were dropped before that fallback existed.
     save_staging_blocks: int = 64
     host_pool_blocks: int = 384  # per engine (fp32 blocks of 2.9 MB): room for 8 agents
-    # Slow heartbeats. TODO(router): the router counts a heartbeat that does not list a request
-    # its engine should hold as "unseen" unless the engine's loop has been busy for more than
-    # engine_timeout_s / 4, and places the request again after 3 such beats. An engine lists a
-    # request only after the loop iteration that received it, and a prefill forward that pulls
-    # several requests' KV over a capped compute NIC runs for seconds here, so requests were
-    # "lost" and placed again (measured: 3-4 per run at the default 0.5 s beat, failures after
-    # 4 attempts; still 2 at a 5 s beat). Nothing is lost on a local ZeroMQ link; at a 20 s
-    # beat three unseen beats take 40 s. The router uses heartbeats only for liveness and this
-    # correction, and a crashed engine process is reported at once by the launcher.
-    heartbeat_s: float = 20.0
+    heartbeat_s: float = 0.5  # the cluster default (a slower beat only delays fault handling)
     seed: int = 0  # of the random token ids
     # A capped NIC's queue legitimately holds more than the default 5 s of reads here, and a
     # read given up at its deadline is recomputed, which would quietly turn basic into recompute.
