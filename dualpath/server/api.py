@@ -41,6 +41,13 @@ from dualpath.server.metrics import RequestTimer, ServeMetrics
 from dualpath.server.router import Router
 from dualpath.server.router_types import ClusterOutput, RequestAborted
 
+# A temperature this close to 0 samples greedily: logits divided by it overflow float32 (at
+# 5e-324 the sampler's softmax was all NaN and the request failed on every engine).
+GREEDY_BELOW = 1e-5
+# A top_p this small keeps only the most likely token (it holds at least 1/vocab of the mass),
+# and so does any smaller one; below float32's range (5e-324) the sampler dropped every token.
+TOP_P_MIN = 1e-6
+
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 411, 413, 429, 503)}
 
@@ -121,7 +128,11 @@ def _prepare_completion(body: CompletionRequest, model: ModelInfo,
             raise APIError(400, "one prompt per request (n=1): send prompts separately",
                            param="prompt")
         prompt = prompt[0]
-    ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)  # type: ignore[arg-type]
+    try:
+        ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)  # type: ignore[arg-type]
+    except Exception as exc:  # the tokenizer refused the text (e.g. a lone surrogate)
+        raise APIError(400, f"the prompt cannot be tokenized: {type(exc).__name__}",
+                       param="prompt") from exc
     return _prepared(body, ids, body.max_tokens, model, settings)
 
 
@@ -152,9 +163,10 @@ def _prepared(body: CompletionRequest | ChatRequest, ids: list[int], max_tokens:
                        f"{max_tokens} completion tokens", param="max_tokens",
                        code="context_length_exceeded")
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
-                                top_p=body.top_p, seed=body.seed, stop=body.stop_strings(),
-                                ignore_eos=body.ignore_eos,
+        temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                top_p=max(body.top_p, TOP_P_MIN), seed=body.seed,
+                                stop=body.stop_strings(), ignore_eos=body.ignore_eos,
                                 min_tokens=min(body.min_tokens, max_tokens))
     except RequestError as exc:
         raise APIError(400, str(exc)) from exc
@@ -213,7 +225,35 @@ class _Run:
 
     def abort(self) -> None:
         if not self.future.done():
+            self.timer.metrics.requests.labels("aborted").inc()
             self.router.abort(self.future.req_id, "the client went away")
+
+    async def wait(self, request: Request) -> bool:
+        """Wait until the request ends (True); abort it if the client goes away first (False).
+
+        A handler that is not streaming is not cancelled when its client disconnects, so
+        the ASGI ``http.disconnect`` message is watched for beside the tokens.
+        """
+        async def drain() -> None:
+            async for _ in self.chunks():
+                pass
+
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        ended, left = asyncio.ensure_future(drain()), asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait((ended, left), return_when=asyncio.FIRST_COMPLETED)
+            if left.done() and left.exception() is not None:  # cannot watch: just wait
+                await ended
+        finally:
+            ended.cancel()
+            left.cancel()
+        if ended.done() and not ended.cancelled():
+            return True
+        self.abort()
+        return False
 
 
 async def _generate(router: Router, model: ModelInfo, metrics: ServeMetrics, gate: _Gate,
@@ -231,12 +271,12 @@ async def _generate(router: Router, model: ModelInfo, metrics: ServeMetrics, gat
     if body.stream:
         return StreamingResponse(_stream(reply, metrics, gate), media_type="text/event-stream")
     try:
-        async for _ in run.chunks():
-            pass
+        if not await run.wait(request):
+            return Response(status_code=499)  # "client closed request": nobody reads it
         output = _result(run)
         metrics_done(metrics, run, output)
         return JSONResponse(reply.whole(output))
-    except asyncio.CancelledError:  # the client went away
+    except asyncio.CancelledError:  # the server is stopping
         run.abort()
         raise
     finally:

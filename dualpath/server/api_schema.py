@@ -82,11 +82,22 @@ class _Sampling(BaseModel):
         items = [stop] if isinstance(stop, str) else stop or []
         if len(items) > 4 or any(not s for s in items):
             raise ValueError("stop takes up to 4 non-empty strings")
+        if not all(_is_utf8(s) for s in items):  # msgpack could not send them to the engines
+            raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
         return stop
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple."""
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` can be encoded as UTF-8 (JSON's ``\\ud800`` escapes cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class CompletionRequest(_Sampling):
