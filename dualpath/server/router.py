@@ -291,6 +291,9 @@ class Router:
             self.socket.send_multipart([engine.encode(), encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:  # unroutable or full: the engine's silence will tell
             log.warning("router: could not send %s to %s", msg.type, engine)
+        except (TypeError, ValueError):  # not encodable: the rest of the batch still goes; the
+            self.bad_messages += 1  # heartbeats re-place (then fail) the request it was for
+            log.exception("router: could not encode %s for %s", msg.type, engine)
 
     def _admit(self, req: RequestState) -> Effects:
         req.num_hit_blocks = self._hit_blocks(req)
