@@ -90,9 +90,9 @@ class DecodeWorker:
             return [Failed(msg.req_id, f"the prompt needs {msg.num_blocks} host slots, the "
                                        f"pool has {self.host_pool.num_slots}")]
         self._pending_allocs.append(msg)
-        if len(self._pending_allocs) > 1:
-            self.num_waits += 1
-        return self._start_allocs()
+        out = self._start_allocs()
+        self.num_waits += msg in self._pending_allocs  # it waits for earlier buffers to go
+        return out
 
     def _start_allocs(self) -> list[Message]:
         out: list[Message] = []
@@ -101,7 +101,6 @@ class DecodeWorker:
             try:
                 slots = self.host_pool.alloc_run(msg.num_blocks)
             except HostPoolExhaustedError:
-                self.num_waits += len(out) == 0
                 return out
             self._pending_allocs.popleft()
             self._buffers[msg.req_id] = slots
@@ -162,7 +161,9 @@ class DecodeWorker:
         if msg.req_id not in self._buffers:
             return [Failed(msg.req_id, "no prompt buffer for this request")]
         self._pending_decodes.append(msg)
-        return self._start_decodes()
+        out = self._start_decodes()
+        self.num_waits += msg in self._pending_decodes  # it waits for device KV blocks
+        return out
 
     def _start_decodes(self) -> list[Message]:
         out: list[Message] = []
@@ -178,7 +179,6 @@ class DecodeWorker:
                 seq = self.engine.add_prefilled(list(msg.prompt_ids), msg.first_token, params,
                                                 fill)
             except OutOfBlocksError:
-                self.num_waits += 1
                 return out  # running sequences free blocks as they finish
             self._pending_decodes.popleft()
             self.host_pool.free(self._buffers.pop(msg.req_id))
