@@ -17,6 +17,9 @@ class EngineConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on CPU with bf16 weights), float32, ...
     kv_dtype: str = "auto"  # KV cache dtype; auto follows the compute dtype
     enable_prefix_caching: bool = True
+    # Device memory holds this many layers of each block (None: all). Only a layerwise prefill
+    # engine runs with a window; the budget then holds num_layers / window times the blocks.
+    layer_window: int | None = None
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     threads: int = 1  # torch intra-op threads (one per engine process, see README)
     seed: int = 0
@@ -61,10 +64,18 @@ class TrafficConfig:
     burst_chunks: int = 4
     lane_weights: tuple[tuple[str, int], ...] = (
         ("high", 99), ("kv_load", 1), ("kv_forward", 1), ("kv_save", 1))
+    qos_lanes: bool = True  # False: one FIFO for every lane (the ablation of the lanes)
+    # A transfer whose peer does not grant its NIC's share this long fails (peer dead or hung).
+    grant_timeout_s: float = 5.0
+    # Expert-parallel traffic generator (testbed): bytes per token each prefill forward and
+    # decode step exchanges with the other engines of its group on the high lane (0: off).
+    ep_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.burst_chunks <= 0:
             raise ValueError("chunk_bytes and burst_chunks must be > 0")
+        if self.ep_bytes_per_token < 0 or not self.grant_timeout_s > 0:
+            raise ValueError("ep_bytes_per_token must be >= 0 and grant_timeout_s > 0")
         for cap in (self.compute_send_cap_mb_s, self.compute_recv_cap_mb_s):
             if cap is not None and cap <= 0:
                 raise ValueError("compute-NIC caps must be > 0 MB/s (or None for uncapped)")
@@ -84,6 +95,11 @@ class ClusterConfig:
     beta_tokens: int | None = None  # PE overload; default: unlimited until profiled
     profile_path: str | None = None  # `dualpath profile` output: α, β and the PE cost model
     prefill_quota_ms: float = 300.0  # predicted time per PE forward batch (PAPER §5.5)
+    # Layerwise prefill (every mode but basic) keeps this many layers of a forward's KV in the
+    # PE's device memory: the layer computing and the one loading (DESIGN §9).
+    prefill_layer_window: int = 2
+    prefill_kv_cache_mb: int | None = None  # the PE's device-KV budget (None: engine.kv_cache_mb)
+    split_read: bool = False  # read one request's hit partly on each side (DESIGN §9)
     host_pool_blocks: int = 512  # full-block slots of each engine's DRAM buffer
     save_staging_blocks: int = 16  # of those, slots a DE keeps for persisting blocks
     heartbeat_s: float = 0.5  # engines report their state this often
@@ -96,9 +112,24 @@ class ClusterConfig:
         if not 0 < self.save_staging_blocks < self.host_pool_blocks:
             raise ValueError("save_staging_blocks must be > 0 and below host_pool_blocks "
                              f"({self.save_staging_blocks} of {self.host_pool_blocks})")
+        if self.prefill_layer_window < 1:
+            raise ValueError(f"prefill_layer_window must be >= 1, got {self.prefill_layer_window}")
         if not 0 < self.heartbeat_s < min(self.engine_timeout_s, self.router_timeout_s):
             raise ValueError("heartbeat_s must be > 0 and below engine_timeout_s and "
                              "router_timeout_s")
+
+
+def engine_config_for(config: ClusterConfig, role: str) -> EngineConfig:
+    """The engine config of a role: a prefill engine runs layerwise prefill (every mode but
+    basic) with a window of layers in device memory, and may have its own KV budget."""
+    from dataclasses import replace
+
+    if role != "prefill":
+        return config.engine
+    budget = ({} if config.prefill_kv_cache_mb is None
+              else {"kv_cache_mb": config.prefill_kv_cache_mb, "num_kv_blocks": None})
+    window = None if config.mode == "basic" else config.prefill_layer_window
+    return replace(config.engine, layer_window=window, **budget)
 
 
 def cluster_config_to_json(config: ClusterConfig) -> str:

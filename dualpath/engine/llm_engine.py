@@ -18,7 +18,7 @@ from dualpath.engine.batcher import Batcher
 from dualpath.engine.runner import ModelRunner
 from dualpath.engine.sampler import Sampler
 from dualpath.kv.block_pool import BlockPool
-from dualpath.kv.cache import TORCH_DTYPES, PagedKVCache, blocks_for_budget
+from dualpath.kv.cache import TORCH_DTYPES, PagedKVCache
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
 from dualpath.model.loader import load_model
@@ -49,12 +49,13 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, spec)
         self.kv_dtype = resolve_kv_dtype(config.kv_dtype, self.dtype)
         model = load_model(model_dir, TORCH_DTYPES[self.dtype], spec, config.device)
-        num_blocks = config.num_kv_blocks or blocks_for_budget(
-            spec, config.block_size, self.kv_dtype, config.kv_cache_mb)
-        cache = PagedKVCache(spec, num_blocks, config.block_size, self.kv_dtype, config.device)
+        self.layout = KVLayout.from_spec(spec, self.kv_dtype, config.block_size)
+        num_blocks = self.layout.cache_blocks(config.num_kv_blocks, config.kv_cache_mb,
+                                              config.layer_window)
+        cache = PagedKVCache(spec, num_blocks, config.block_size, self.kv_dtype, config.device,
+                             config.layer_window)
         self.runner = ModelRunner(model, cache)
         self.pool = BlockPool(num_blocks)
-        self.layout = KVLayout.from_spec(spec, self.kv_dtype, config.block_size)
         self.key_space = KeySpace(model_id(model_dir), self.layout.layout_id, config.block_size)
         self.batcher = Batcher(config, self.pool, self.key_space.seed)
         self.sampler = Sampler(config.seed)
@@ -195,3 +196,4 @@ class LLMEngine:
         for (seq, n), last in zip(items, last_rows, strict=True):
             if seq.seq_id in self._captured:
                 self._captured[seq.seq_id].append(hidden[last - n + 1 : last + 1])
+

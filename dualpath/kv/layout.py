@@ -66,9 +66,33 @@ class KVLayout:
         """``[1, tokens, bytes]``."""
         return (1, self.block_size, self.bytes_per_token_per_layer)
 
-    def blocks_in(self, budget_mb: int) -> int:
-        """How many full blocks fit in ``budget_mb`` MiB (at least one)."""
-        return max(1, budget_mb * 2**20 // self.full_block_bytes)
+    def blocks_in(self, budget_mb: int, resident_layers: int | None = None) -> int:
+        """How many blocks fit in ``budget_mb`` MiB (at least one) when ``resident_layers`` of
+        the model's layers are held per block (all of them by default)."""
+        return self.blocks_for_bytes(budget_mb * 2**20, resident_layers)
+
+    def blocks_for_bytes(self, budget_bytes: int, resident_layers: int | None = None) -> int:
+        """How many blocks fit in ``budget_bytes`` (at least one) holding ``resident_layers``
+        layers each: a layerwise prefill engine that keeps a window of W layers fits
+        ``num_layers / W`` times the blocks of one that keeps them all."""
+        layers = self.resident_layers(resident_layers)
+        return max(1, budget_bytes // (layers * self.layer_block_bytes))
+
+    def cache_blocks(self, num_kv_blocks: int | None, kv_cache_mb: int,
+                     layer_window: int | None = None) -> int:
+        """Blocks of a device-KV budget given as ``num_kv_blocks`` full blocks' worth of bytes
+        (exactly that many without a window) or else ``kv_cache_mb`` MiB."""
+        if num_kv_blocks is not None and layer_window is None:
+            return num_kv_blocks
+        if num_kv_blocks is not None:
+            return self.blocks_for_bytes(num_kv_blocks * self.full_block_bytes, layer_window)
+        return self.blocks_in(kv_cache_mb, layer_window)
+
+    def resident_layers(self, window: int | None) -> int:
+        """Layers held in device memory for a layer window (None: all of them)."""
+        if window is not None and window < 1:
+            raise ValueError(f"a layer window holds at least one layer, got {window}")
+        return self.num_layers if window is None else min(window, self.num_layers)
 
     def layer_offset(self, layer_idx: int) -> int:
         """Byte offset of layer ``layer_idx`` inside a full block."""

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import zmq
 
-from dualpath.config import ClusterConfig
+from dualpath.config import ClusterConfig, engine_config_for
 from dualpath.errors import DualPathError
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
@@ -91,9 +91,9 @@ class Router:
         self.block_size = layout.block_size
         self.key_space = KeySpace(model_id(model_dir), layout.layout_id, layout.block_size)
         self.store = open_store(config.storage, layout)
-        blocks = config.engine.num_kv_blocks or layout.blocks_in(config.engine.kv_cache_mb)
-        capacity = Capacity(self.block_size, blocks * self.block_size, config.host_pool_blocks,
-                            config.save_staging_blocks)
+        capacity = Capacity(self.block_size, _kv_tokens(config, layout, "decode"),
+                            config.host_pool_blocks, config.save_staging_blocks,
+                            _kv_tokens(config, layout, "prefill"))
         self.state = RouterState(GlobalScheduler(scheduler_params(config, layout.full_block_bytes)),
                                  capacity, config.engine_timeout_s, config.heartbeat_s)
         self.bad_messages = 0  # undecodable messages and handler errors, logged and skipped
@@ -317,6 +317,13 @@ class Router:
         except OSError:
             log.warning("router: the store could not be asked; the request recomputes")
             return 0
+
+
+def _kv_tokens(config: ClusterConfig, layout: KVLayout, role: str) -> int:
+    """Tokens of KV one engine of ``role`` holds (a layerwise PE: with its layer window)."""
+    engine = engine_config_for(config, role)
+    return layout.cache_blocks(engine.num_kv_blocks, engine.kv_cache_mb,
+                               engine.layer_window) * layout.block_size
 
 
 def scheduler_params(config: ClusterConfig, full_block_bytes: int) -> SchedulerParams:

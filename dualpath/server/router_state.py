@@ -450,6 +450,10 @@ class RouterState:
             return (f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) exceeds an "
                     f"engine's KV cache ({cap.kv_tokens} tokens)")
         blocks = -(-n // cap.block_size)
+        pe_tokens = cap.kv_tokens if cap.prefill_kv_tokens is None else cap.prefill_kv_tokens
+        if blocks * cap.block_size > pe_tokens:
+            return (f"the prompt needs {blocks} KV blocks of {cap.block_size} tokens; a prefill "
+                    f"engine's device KV holds {pe_tokens} tokens")
         if blocks > cap.buffer_blocks:
             return (f"the prompt needs {blocks} host-buffer blocks; a decode engine has "
                     f"{cap.buffer_blocks} for prompts")

@@ -83,6 +83,7 @@ class Capacity:
     kv_tokens: int  # device KV of one engine
     host_pool_blocks: int  # host-pool slots of one engine
     save_staging_blocks: int  # slots a DE keeps for persisting blocks
+    prefill_kv_tokens: int | None = None  # device KV of one PE (None: kv_tokens)
 
     @property
     def buffer_blocks(self) -> int:
