@@ -19,6 +19,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -77,6 +78,11 @@ class DecodeWorker:
         self.num_saved_blocks = 0
         self.num_saves_dropped = 0  # full blocks not persisted (no staging room, or a failure)
         self.num_waits = 0  # allocations and decodes that had to wait for room
+        self.num_steps = 0
+        self.step_s_total = 0.0  # wall time of decode steps, the step hook included
+        # Called inside each step with its token count, e.g. the EP traffic generator's
+        # exchange (the step waits for it, as MoE dispatch/combine would).
+        self.on_step: Callable[[int], None] = lambda num_tokens: None
 
     # -- buffer ---------------------------------------------------------------------------------
     def alloc_buffer(self, msg: AllocBuffer) -> list[Message]:
@@ -207,10 +213,16 @@ class DecodeWorker:
     def step(self) -> list[Message]:
         """One decode step of every running sequence; returns Finished messages (and, when
         the step itself fails, a Failed for every running request)."""
+        started_s = time.monotonic()
         try:
+            num_tokens = len(self.engine.batcher.running)
             finished = self.engine.step()
+            self.on_step(num_tokens)
         except Exception as exc:  # a broken step must not leave requests waiting forever
             return self._fail_all(f"decode step failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.num_steps += 1
+            self.step_s_total += time.monotonic() - started_s
         return self._after_step(finished) + self._start_decodes()
 
     def _fail_all(self, error: str) -> list[Message]:

@@ -17,7 +17,9 @@ drops a request between forwards, keeping its slots until its read's I/O has end
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dualpath.engine.layerwise import LayerPlan, PrefillHooks
@@ -96,6 +98,11 @@ class PrefillWorker:
         self.num_chunks = 0  # request chunks computed (> requests when chunking happened)
         self.num_hit_tokens = 0
         self.num_computed_tokens = 0
+        self.forward_s_total = 0.0  # wall time of forwards, the step hook included
+        self.max_forward_hit_tokens = 0  # most hit tokens one forward held in device memory
+        # Called inside each forward with its computed token count, e.g. the EP traffic
+        # generator's exchange (the forward waits for it, as MoE dispatch/combine would).
+        self.on_step: Callable[[int], None] = lambda num_tokens: None
 
     def accept(self, msg: Prefill) -> None:
         """Queue a request and start its storage read (PE read path)."""
@@ -250,9 +257,14 @@ class PrefillWorker:
                 raise RequestError("no contiguous PE cache room for the request")
         items = [(job.seq, bsz) for job, bsz in batch]
         hooks = ComposedHooks([self._hooks(job, bsz) for job, bsz in batch])
+        started_s = time.monotonic()
         inputs = engine.runner.prepare(items)  # type: ignore[arg-type]
         hidden = engine.runner.run(inputs, hooks)
+        self.on_step(sum(bsz for _, bsz in batch))
+        self.forward_s_total += time.monotonic() - started_s
         self.num_forwards += 1
+        hit = sum(job.num_hit_blocks * self.block_size for job, _ in batch if not job.loaded)
+        self.max_forward_hit_tokens = max(self.max_forward_hit_tokens, hit)
         self.num_chunks += len(batch)
         done = [(job, row) for (job, bsz), row in zip(batch, inputs.last_rows, strict=True)
                 if job.seq.num_computed_tokens + bsz == job.seq.num_tokens]  # type: ignore[union-attr]
