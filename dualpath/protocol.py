@@ -8,7 +8,7 @@ msgpack map with a ``type`` field. No pickle crosses a socket.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import msgpack
 
@@ -64,6 +64,9 @@ class Hello(Message):
     role: str  # "prefill" | "decode"
     node_id: int
     endpoint: str  # transfer-backend address of this engine
+    nic_address: str = ""  # where peers ask this engine's compute NIC for a grant ("": none)
+    ep_buffer_addr: int = 0  # the EP traffic generator's receive buffer (0: EP traffic off)
+    ep_buffer_bytes: int = 0  # its size (a peer never writes past it)
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class AllocBuffer(Message):
     prompt_ids: tuple[int, ...]
     num_blocks: int
     num_read_blocks: int
+    read_from_block: int = 0  # split read: the DE reads [read_from_block, num_read_blocks)
 
 
 @dataclass(frozen=True)
@@ -180,13 +184,14 @@ class Prefill(Message):
     req_id: int
     prompt_ids: tuple[int, ...]
     num_hit_blocks: int
-    read_path: str  # "pe" (PE reads the hit KV) | "de" (pull it from the DE buffer)
+    read_path: str  # "pe" (PE reads the hit KV) | "de" (pull it from the DE buffer) | "split"
     de_endpoint: str
     de_buffer_addr: int  # the DE's layer-major buffer (see BufferReady)
     mode: str = "layerwise"  # basic | layerwise | oracle (see engine/layerwise.py)
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    num_pe_read_blocks: int = 0  # split read: the PE reads this many leading hit blocks
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,32 @@ class HeartbeatAck(Message):
 
     type: ClassVar[str] = "heartbeat_ack"
     known: bool = True
+
+
+class PeerInfo(NamedTuple):
+    """One registered engine as ``Peers`` lists it (on the wire: a plain array)."""
+
+    name: str
+    role: str  # "prefill" | "decode"
+    node_id: int
+    endpoint: str  # transfer-backend address
+    nic_address: str  # compute-NIC grant address ("": none)
+    ep_buffer_addr: int  # EP receive buffer (0: none)
+    ep_buffer_bytes: int  # its size
+
+
+@dataclass(frozen=True)
+class Peers(Message):
+    """Every registered engine (the receiver included), sent to each of them whenever the
+    membership changes: an engine joined, rejoined or was lost. The engines learn each other's
+    compute-NIC grant address and EP receive buffer from it."""
+
+    type: ClassVar[str] = "peers"
+    peers: tuple[PeerInfo, ...] = ()
+
+    def __post_init__(self) -> None:
+        # msgpack hands back plain arrays: give them their field names again
+        object.__setattr__(self, "peers", tuple(PeerInfo(*p) for p in self.peers))
 
 
 @dataclass(frozen=True)

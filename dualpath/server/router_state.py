@@ -10,6 +10,10 @@ is recorded in one :class:`Holds` and released by one function on every terminal
 finished, failed, aborted, engine lost. Every call returns :class:`Effects` (messages to send,
 requests to complete) for the I/O loop (``server/router.py``) to carry out.
 
+Membership: whenever an engine joins, rejoins or is lost, every registered engine is sent
+``Peers`` (the whole list, once per call however many engines changed), so engines know each
+other's compute-NIC grant address and EP receive buffer.
+
 Faults: a request whose engine is lost before decoding started is placed again (up to
 ``MAX_ATTEMPTS``); one decoding on a lost DE fails with a clear error; one decoding while its
 PE is lost goes on. A request aborted while its PE may still write into the DE buffer waits in
@@ -34,6 +38,8 @@ from dualpath.protocol import (
     HeartbeatAck,
     Hello,
     Message,
+    PeerInfo,
+    Peers,
     Prefill,
     Prefilled,
     ReadDone,
@@ -83,6 +89,7 @@ class RouterState:
         self.corrected = 0  # requests an engine lost track of, placed again or failed
         self._by_wire: dict[int, RequestState] = {}
         self._next_wire = 1
+        self._members_changed = False  # an engine joined or left during this call: send Peers
 
     # -- inputs ---------------------------------------------------------------------------------
     def submit(self, req: RequestState, now_s: float) -> Effects:
@@ -120,6 +127,7 @@ class RouterState:
         else:
             self.engines[engine].last_heard_s = now_s
             self._request_message(engine, msg, out)
+        self._announce_peers(out)
         self._schedule(out)
         return out
 
@@ -129,6 +137,7 @@ class RouterState:
         for name, engine in list(self.engines.items()):
             if now_s - engine.last_heard_s > self.engine_timeout_s:
                 self._lose(name, f"engine {name} silent for over {self.engine_timeout_s:g} s", out)
+        self._announce_peers(out)
         self._schedule(out)
         return out
 
@@ -136,6 +145,7 @@ class RouterState:
         """An engine is gone (its process exited, or it stopped answering)."""
         out = Effects()
         self._lose(name, reason, out)
+        self._announce_peers(out)
         self._schedule(out)
         return out
 
@@ -169,9 +179,22 @@ class RouterState:
         if msg.name in self.engines:  # restarted under the same name: its old work is gone
             self._lose(msg.name, f"engine {msg.name} restarted", out)
         self.lost.discard(msg.name)
-        self.engines[msg.name] = EngineState(EngineInfo(msg.name, msg.role, msg.node_id,
-                                                        msg.endpoint), now_s)
+        info = EngineInfo(msg.name, msg.role, msg.node_id, msg.endpoint, msg.nic_address,
+                          msg.ep_buffer_addr, msg.ep_buffer_bytes)
+        self.engines[msg.name] = EngineState(info, now_s)
         self.read_queue_tokens.setdefault(msg.node_id, 0)
+        self._members_changed = True
+
+    def _announce_peers(self, out: Effects) -> None:
+        """Send every registered engine the engine list, if it changed during this call."""
+        if not self._members_changed:
+            return
+        self._members_changed = False
+        peers = Peers(tuple(PeerInfo(i.name, i.role, i.node_id, i.endpoint, i.nic_address,
+                                     i.ep_buffer_addr, i.ep_buffer_bytes)
+                            for i in (e.info for e in self.engines.values())))
+        for name in self.engines:
+            out.send(name, peers)
 
     def _heartbeat(self, engine: str, msg: Heartbeat, now_s: float, out: Effects) -> None:
         state = self.engines.get(engine)
@@ -204,6 +227,7 @@ class RouterState:
     def _lose(self, name: str, reason: str, out: Effects) -> None:
         if self.engines.pop(name, None) is None:
             return
+        self._members_changed = True
         self.lost.add(name)
         self.drift.pop(name, None)
         for req in list(self.draining.values()):

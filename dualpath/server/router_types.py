@@ -57,6 +57,9 @@ class EngineInfo:
     role: str
     node_id: int
     endpoint: str
+    nic_address: str = ""  # its compute NIC's grant address ("": none)
+    ep_buffer_addr: int = 0  # its EP receive buffer (0: EP traffic off)
+    ep_buffer_bytes: int = 0
 
 
 @dataclass(frozen=True)

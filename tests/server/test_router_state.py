@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import msgpack
 import pytest
 
 from dualpath.errors import RequestError
@@ -25,10 +26,15 @@ from dualpath.protocol import (
     HeartbeatAck,
     Hello,
     Message,
+    PeerInfo,
+    Peers,
     Prefill,
     Prefilled,
+    ProtocolError,
     ReadDone,
     Tokens,
+    decode,
+    encode,
 )
 from dualpath.request import SamplingParams
 from dualpath.scheduler.global_scheduler import GlobalScheduler, SchedulerParams
@@ -260,6 +266,72 @@ def test_heartbeats_correct_a_lost_message():
     run_to_quiet(state, model, done, sends, 4.0)
     assert isinstance(done[1], ClusterOutput) and done[1].num_attempts == 2
     assert zero(state) == {}
+
+
+# -- membership -----------------------------------------------------------------------------------
+
+
+def peers_sent(effects) -> dict[str, tuple[PeerInfo, ...]]:
+    """Each engine's ``Peers`` in these effects (at most one each)."""
+    sent = [(engine, msg) for engine, msg in effects.sends if isinstance(msg, Peers)]
+    assert len(sent) == len({engine for engine, _ in sent}), "Peers sent twice to an engine"
+    return {engine: msg.peers for engine, msg in sent}
+
+
+def test_every_engine_hears_the_peer_list_when_one_joins():
+    state = make_state()
+    hello_all(state)
+    effects = state.on_message("de4", Hello("de4", "decode", 4, "ep-de4", "nic-de4", 4096, 512),
+                               1.0)
+    sent = peers_sent(effects)
+    assert set(sent) == {"pe0", "pe1", "de2", "de3", "de4"}
+    new = next(p for p in sent["pe0"] if p.name == "de4")
+    assert new == PeerInfo("de4", "decode", 4, "ep-de4", "nic-de4", 4096, 512)
+    assert {p.name for p in sent["de2"]} == set(sent)
+    assert all(peers == sent["pe0"] for peers in sent.values())
+
+
+def test_the_survivors_hear_the_peer_list_when_an_engine_is_lost_or_silent():
+    state = make_state()
+    hello_all(state, now=0.0)
+    sent = peers_sent(state.lose("de3", "killed"))
+    assert set(sent) == {"pe0", "pe1", "de2"}
+    assert {p.name for p in sent["de2"]} == {"pe0", "pe1", "de2"}
+    assert peers_sent(state.lose("de3", "killed again")) == {}  # no change, no message
+    for name in ("pe0", "pe1"):
+        state.on_message(name, Heartbeat(name, 10, 10, 0), 4.0)
+    sent = peers_sent(state.tick(6.0))  # de2 fell silent
+    assert set(sent) == {"pe0", "pe1"} and {p.name for p in sent["pe1"]} == {"pe0", "pe1"}
+
+
+def test_a_rejoining_engine_is_announced_once_and_other_messages_announce_nothing():
+    state, done, sends = make_state(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends)
+    assert peers_sent(state.on_message("de2", Heartbeat("de2", 1, 1, 0), 0.5)) == {}
+    engine, alloc = sends.pop(0)
+    reply = BufferReady(alloc.req_id, 4096, alloc.num_blocks, 0)
+    assert peers_sent(state.on_message(engine, reply, 0.6)) == {}
+    # the same name says hello again (restarted): lost and joined in one call, one message
+    sent = peers_sent(state.on_message("pe0", Hello("pe0", "prefill", 0, "ep-new"), 1.0))
+    assert set(sent) == {name for name, _, _ in ENGINES}
+    assert next(p for p in sent["de3"] if p.name == "pe0").endpoint == "ep-new"
+
+
+def test_peers_and_the_new_hello_fields_cross_the_wire():
+    peers = Peers((PeerInfo("de2", "decode", 2, "ep", "tcp://h:1", 1 << 40, 4096),))
+    back = decode(encode(peers))
+    assert back == peers and back.peers[0].ep_buffer_addr == 1 << 40
+    hello = Hello("de2", "decode", 2, "ep", "tcp://h:1", 4096, 512)
+    assert decode(encode(hello)) == hello
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb({"type": "peers", "peers": [["de2", "decode"]]}))  # 2 fields
+
+
+def test_an_old_style_hello_registers_without_nic_or_ep_buffer():
+    state = make_state()
+    sent = peers_sent(state.on_message("pe0", Hello("pe0", "prefill", 0, "ep"), 0.0))
+    assert sent == {"pe0": (PeerInfo("pe0", "prefill", 0, "ep", "", 0, 0),)}
 
 
 # -- the property ---------------------------------------------------------------------------------
