@@ -1,74 +1,55 @@
 """The traffic manager: every byte an engine moves goes through it, on a QoS lane.
 
 Transfers to and from peer engines (the compute network) are split into chunks of at most
-``chunk_bytes``. Each direction of the compute NIC — send (writes) and receive (reads) — has one
-dispatcher thread that keeps a FIFO of chunks per lane, lets the ``LaneArbiter`` pick which
-backlogged lane goes next, paces the chunk through a token bucket when the NIC is capped (the
-testbed's emulated NIC; off on real hardware), and runs the backend call. So high-lane traffic
-gets about 99% of a busy link, KV traffic the rest, and KV traffic all of an idle one.
+``chunk_bytes``; host↔device copies into pieces of the same size (PAPER §4.2: every byte into
+or out of the device goes through the device's compute NIC). Each direction of the compute NIC
+— send (writes, device → host copies) and receive (reads, host → device copies) — has one
+dispatcher thread (``nic_queues.NicDirection``) that keeps a queue per lane, lets the
+``LaneArbiter`` pick which backlogged lane goes next (or, with ``qos_lanes=False``, takes every
+lane's work from one FIFO in arrival order: the ablation of the lanes), paces the chunk through
+a token bucket when the NIC is capped (the testbed's emulated NIC; off on real hardware) and
+runs it. So high-lane traffic gets about 99% of a busy link, KV traffic the rest, and KV
+traffic all of an idle one. Everything is asynchronous: ``submit``/``submit_copy`` return a
+future at once and may wait for another future (``after``) before their chunks queue.
 
-Host↔device copies go through ``copy`` so they are counted per lane too; they are not paced.
+Metric keys (``metrics()``), ``{side}`` = ``send`` | ``recv``, ``{lane}`` = a ``Lane`` value:
+
+- ``cnic_{side}_bytes``: bytes of transfers this engine started (its side of them);
+- ``lane_bytes_{lane}``: the same per lane, both sides together;
+- ``h2d_bytes`` / ``d2h_bytes``, ``copy_bytes_{lane}``: host↔device copies;
+- ``cnic_{side}_passive_bytes``, ``cnic_{side}_passive_lane_bytes_{lane}``: bytes peers moved
+  through this NIC by one-sided operations it granted (only when a cap is set; see below);
+- ``cnic_{side}_lane_bytes_{lane}``, ``cnic_{side}_total_bytes``: everything through that side
+  of the NIC: started transfers + granted passive bytes + copies;
+- ``cnic_{side}_queue_bytes``: bytes waiting in that side's queues (all three kinds);
+- ``cnic_{side}_utilization``: ``cnic_{side}_total_bytes`` / (cap × uptime); None if uncapped;
+- ``cnic_{side}_peak_mb_s_100ms``: the most bytes charged in any 100 ms window, as MB/s;
+- ``cnic_dropped_grants``: passive requests skipped because their requester gave up or died;
+- ``unpaced_peer_chunks``: chunks sent to a peer whose NIC is not known (local pacing only;
+  counted only once grants are in play: this NIC is capped or a peer NIC is known);
+- ``grant_timeouts``: transfers failed because a peer NIC did not answer in time.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import CancelledError, Future
+from functools import partial
 from typing import Any, Literal
 
 from dualpath.config import TrafficConfig
+from dualpath.engine.nic_copy import PieceCopier, copy_pieces, tensor_context
+from dualpath.engine.nic_queues import CopyWork, MoveWork, NicDirection, Submission, Work
 from dualpath.errors import TransferError
 from dualpath.storage.throttle import TokenBucket
 from dualpath.transfer.base import Segment, TransferBackend
-from dualpath.transfer.lanes import Lane, LaneArbiter, weights_from_pairs
+from dualpath.transfer.lanes import Lane, weights_from_pairs
 
 TransferKind = Literal["write", "read"]
 CopyDirection = Literal["h2d", "d2h"]
-_NIC_SIDE: dict[str, str] = {"write": "send", "read": "recv"}
-
-
-@dataclass
-class _Submission:
-    """One ``submit`` call: its future and how many of its chunks are still to move."""
-
-    future: Future[None]
-    chunks_left: int
-    failed: bool = False
-
-
-@dataclass
-class _Chunk:
-    """Segments moved by one backend call."""
-
-    submission: _Submission
-    lane: Lane
-    peer: str
-    segments: list[Segment]
-    nbytes: int
-
-
-class _Direction:
-    """One direction of the compute NIC: lane queues, arbiter, cap, counters, dispatcher."""
-
-    def __init__(self, kind: TransferKind, bucket: TokenBucket | None,
-                 arbiter: LaneArbiter) -> None:
-        self.kind = kind
-        self.bucket = bucket  # touched only by the dispatcher thread
-        self.arbiter = arbiter
-        self.queues: dict[Lane, deque[_Chunk]] = {lane: deque() for lane in Lane}
-        self.cond = threading.Condition()
-        self.lane_bytes = dict.fromkeys(Lane, 0)
-        self.queued_bytes = 0
-        self.closed = False
-        self.thread: threading.Thread | None = None
-
-    @property
-    def bytes_moved(self) -> int:
-        return sum(self.lane_bytes.values())
+_NIC_SIDE: dict[str, str] = {"write": "send", "read": "recv", "d2h": "send", "h2d": "recv"}
 
 
 def coalesce(segments: Sequence[Segment]) -> list[Segment]:
@@ -128,26 +109,25 @@ class TrafficManager:
     """An engine's data movement: lanes, chunking, compute-NIC caps and counters."""
 
     def __init__(self, backend: TransferBackend | None, config: TrafficConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, nic_host: str = "127.0.0.1") -> None:
         self.config = config or TrafficConfig()
         self.backend = backend
+        self.nic_host = nic_host
         self._clock = clock
         self._started_s = clock()
         weights = weights_from_pairs(self.config.lane_weights)
-        self._dirs: dict[str, _Direction] = {
-            "write": _Direction("write", self._bucket(self.config.compute_send_cap_mb_s),
-                                LaneArbiter(weights)),
-            "read": _Direction("read", self._bucket(self.config.compute_recv_cap_mb_s),
-                               LaneArbiter(weights)),
-        }
-        self._lock = threading.Lock()
-        self._copy_lane_bytes = dict.fromkeys(Lane, 0)
-        self._copy_dir_bytes: dict[str, int] = {"h2d": 0, "d2h": 0}
-        if backend is not None:
-            for d in self._dirs.values():
-                d.thread = threading.Thread(target=self._dispatch, args=(d,), daemon=True,
-                                            name=f"traffic-{_NIC_SIDE[d.kind]}")
-                d.thread.start()
+        caps = {"send": self.config.compute_send_cap_mb_s,
+                "recv": self.config.compute_recv_cap_mb_s}
+        self._dirs: dict[str, NicDirection] = {
+            side: NicDirection(side, self._bucket(cap), weights,  # type: ignore[arg-type]
+                               self.config.qos_lanes, clock)
+            for side, cap in caps.items()}
+        self._copiers = {side: PieceCopier() for side in self._dirs}
+        self._live_cond = threading.Condition()
+        self._live = 0  # submissions accepted and not yet settled
+        self._waiting: set[Submission] = set()  # of those, waiting for their ``after``
+        self._closing = False
+        self._peer_nics: dict[str, str] = {}
 
     # --- the API ------------------------------------------------------------------------
 
@@ -155,25 +135,51 @@ class TrafficManager:
         """Register a host region with the transfer backend (once per region)."""
         self._need_backend().register(address, nbytes)
 
-    def submit(self, kind: TransferKind, peer: str, segments: Sequence[Segment],
-               lane: Lane) -> Future[None]:
+    def submit(self, kind: TransferKind, peer: str, segments: Sequence[Segment], lane: Lane,
+               after: Future[Any] | None = None) -> Future[None]:
         """Queue a transfer on ``lane``; the future completes when its last chunk has moved.
 
-        ``write`` sends local → peer, ``read`` receives peer → local. A backend error fails
-        the future and drops the transfer's remaining chunks.
+        ``write`` sends local → peer, ``read`` receives peer → local. The chunks queue only
+        once ``after`` (if given) has completed; if ``after`` fails, the returned future fails
+        with a ``TransferError`` chained from it and nothing moves. A backend error fails the
+        future and drops the transfer's remaining chunks. Never blocks.
         """
-        if kind not in self._dirs:
+        if kind not in ("write", "read"):
             raise ValueError(f"kind must be 'write' or 'read', got {kind!r}")
-        self._need_backend()
+        backend = self._need_backend()
         lane = Lane(lane)
-        future: Future[None] = Future()
-        future.set_running_or_notify_cancel()  # queued work cannot be cancelled
         chunks = split_chunks(coalesce(_validated(segments)), self.config.chunk_bytes)
-        if not chunks:
-            future.set_result(None)
-            return future
-        self._enqueue(self._dirs[kind], _Submission(future, len(chunks)), lane, peer, chunks)
-        return future
+        sub = Submission(len(chunks))
+        op = backend.write if kind == "write" else backend.read
+        items: list[Work] = [MoveWork(sub, lane, sum(s[2] for s in c), partial(op, peer, c))
+                             for c in chunks]
+        self._accept(sub, after, partial(self._start_transfer, _NIC_SIDE[kind], peer, items))
+        return sub.future
+
+    def submit_copy(self, dst: Any, src: Any, lane: Lane, direction: CopyDirection | None = None,
+                    after: Future[Any] | None = None) -> Future[None]:
+        """Copy ``src`` into ``dst`` asynchronously (tensors, or buffers of equal size).
+
+        The copy queues in pieces on the NIC side it loads (``h2d``: receive, ``d2h``: send),
+        arbitrated with that side's transfers and paced by its cap; the dispatcher thread
+        copies (on CUDA: on a copy stream, after the work already queued on the submitter's
+        stream). ``direction`` is what the copy stands for (on a CPU engine both sides are host
+        memory); by default KV saves are device → host and everything else host → device.
+        ``after`` as for ``submit``. Raises ``ValueError`` at once for mismatched sizes.
+        """
+        lane = Lane(lane)
+        direction = direction or ("d2h" if lane is Lane.KV_SAVE else "h2d")
+        if direction not in ("h2d", "d2h"):
+            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+        side = _NIC_SIDE[direction]
+        pieces, _nbytes = copy_pieces(dst, src, self.config.chunk_bytes)
+        ctx = tensor_context(dst, src)
+        copier = self._copiers[side]
+        sub = Submission(len(pieces))
+        items: list[Work] = [CopyWork(sub, lane, n, partial(copier.copy, d, s, ctx))
+                             for d, s, n in pieces]
+        self._accept(sub, after, partial(self._dirs[side].put, items))
+        return sub.future
 
     def write(self, peer: str, segments: Sequence[Segment], lane: Lane) -> None:
         """Send local → peer on ``lane`` and wait."""
@@ -184,50 +190,82 @@ class TrafficManager:
         self.submit("read", peer, segments, lane).result()
 
     def copy(self, dst: Any, src: Any, lane: Lane, direction: CopyDirection | None = None) -> int:
-        """Copy ``src`` into ``dst`` (tensors, or buffers of equal size); returns the bytes.
+        """``submit_copy`` and wait; returns the bytes copied."""
+        self.submit_copy(dst, src, lane, direction).result()
+        return int(dst.nbytes) if hasattr(dst, "nbytes") else memoryview(dst).cast("B").nbytes
 
-        ``direction`` is what the copy stands for (on a CPU engine both sides are host
-        memory); by default KV saves are device → host and everything else host → device.
-        """
-        lane = Lane(lane)
-        nbytes = _copy_into(dst, src)
-        direction = direction or ("d2h" if lane is Lane.KV_SAVE else "h2d")
-        with self._lock:
-            self._copy_lane_bytes[lane] += nbytes
-            self._copy_dir_bytes[direction] += nbytes
-        return nbytes
+    @property
+    def nic_address(self) -> str | None:
+        """This NIC's grant server (``tcp://host:port``), or None when uncapped."""
+        return None
+
+    def set_peer_nic(self, endpoint: str, nic_address: str) -> None:
+        """Ask ``nic_address`` for grants before moving chunks to or from peer ``endpoint``."""
+        with self._live_cond:
+            self._peer_nics[endpoint] = nic_address
+
+    def forget_peer(self, endpoint: str) -> None:
+        """Stop asking peer ``endpoint`` for grants (it left or was lost)."""
+        with self._live_cond:
+            self._peer_nics.pop(endpoint, None)
 
     def metrics(self) -> dict[str, float | int | None]:
-        """Byte counters per NIC direction, lane and copy kind, and capped-NIC utilization."""
+        """Byte counters per NIC side, lane and kind, queues, utilization and peak rates.
+
+        The keys are listed in this module's docstring.
+        """
         elapsed = max(1e-9, self._clock() - self._started_s)
         out: dict[str, float | int | None] = {}
         lane_bytes = dict.fromkeys(Lane, 0)
-        for d in self._dirs.values():
-            side = _NIC_SIDE[d.kind]
+        copy_lane = dict.fromkeys(Lane, 0)
+        dropped = 0
+        for side, d in self._dirs.items():
             with d.cond:
-                moved, queued = d.bytes_moved, d.queued_bytes
-                for lane, n in d.lane_bytes.items():
-                    lane_bytes[lane] += n
-            out[f"cnic_{side}_bytes"] = moved
+                active, passive, copies = (dict(d.bytes[k]) for k in ("active", "passive", "copy"))
+                queued, peak, dropped = d.queued_bytes, d.peak.peak_bytes, dropped + d.dropped[
+                    "passive"]
+            total = sum(active.values()) + sum(passive.values()) + sum(copies.values())
+            for lane in Lane:
+                lane_bytes[lane] += active[lane]
+                copy_lane[lane] += copies[lane]
+                out[f"cnic_{side}_lane_bytes_{lane.value}"] = (
+                    active[lane] + passive[lane] + copies[lane])
+                out[f"cnic_{side}_passive_lane_bytes_{lane.value}"] = passive[lane]
+            out[f"cnic_{side}_bytes"] = sum(active.values())
+            out[f"cnic_{side}_passive_bytes"] = sum(passive.values())
+            out[f"cnic_{side}_total_bytes"] = total
             out[f"cnic_{side}_queue_bytes"] = queued
             out[f"cnic_{side}_utilization"] = (
-                None if d.bucket is None else moved / (d.bucket.rate_bytes_s * elapsed))
-        with self._lock:
-            out.update({f"{k}_bytes": v for k, v in self._copy_dir_bytes.items()})
-            out.update({f"copy_bytes_{lane.value}": n
-                        for lane, n in self._copy_lane_bytes.items()})
+                None if d.bucket is None else total / (d.bucket.rate_bytes_s * elapsed))
+            out[f"cnic_{side}_peak_mb_s_100ms"] = peak / d.peak.window_s / 1e6
+        out["h2d_bytes"] = self._dirs["recv"].total_bytes("copy")
+        out["d2h_bytes"] = self._dirs["send"].total_bytes("copy")
+        out.update({f"copy_bytes_{lane.value}": n for lane, n in copy_lane.items()})
         out.update({f"lane_bytes_{lane.value}": n for lane, n in lane_bytes.items()})
+        out["cnic_dropped_grants"] = dropped
         return out
 
     def close(self) -> None:
-        """Move what is queued, then stop the dispatchers (the backend stays open)."""
+        """Move what is queued, then stop the dispatchers (the backend stays open).
+
+        Submissions still waiting for an ``after`` that nothing else here will complete fail
+        with a ``TransferError`` after ``grant_timeout_s``.
+        """
+        with self._live_cond:
+            self._closing = True
+        while True:
+            with self._live_cond:
+                before = self._live
+                if before:
+                    self._live_cond.wait(self.config.grant_timeout_s)
+                if not self._live:
+                    break
+                stuck = list(self._waiting) if self._live == before == len(self._waiting) else []
+            for sub in stuck:  # outside the lock: failing settles them
+                sub.fail(TransferError("the traffic manager closed before this transfer's "
+                                       "`after` completed"))
         for d in self._dirs.values():
-            with d.cond:
-                d.closed = True
-                d.cond.notify_all()
-        for d in self._dirs.values():
-            if d.thread is not None:
-                d.thread.join()
+            d.close()
 
     def __enter__(self) -> TrafficManager:
         return self
@@ -248,68 +286,50 @@ class TrafficManager:
             raise TransferError("this traffic manager has no transfer backend")
         return self.backend
 
-    def _enqueue(self, d: _Direction, sub: _Submission, lane: Lane, peer: str,
-                 chunks: list[list[Segment]]) -> None:
-        items = [_Chunk(sub, lane, peer, c, sum(s[2] for s in c)) for c in chunks]
-        with d.cond:
-            if d.closed:
+    def _accept(self, sub: Submission, after: Future[Any] | None,
+                start: Callable[[], None]) -> None:
+        """Count ``sub`` live and start it now, or once ``after`` completes (never blocking)."""
+        with self._live_cond:
+            if self._closing:
                 raise TransferError("the traffic manager is closed")
-            d.queues[lane].extend(items)
-            d.queued_bytes += sum(c.nbytes for c in items)
-            d.cond.notify()
+            self._live += 1
+            if after is not None:
+                self._waiting.add(sub)
+        sub.future.add_done_callback(self._settled)
+        if after is None:
+            self._start(sub, start)
+        else:
+            after.add_done_callback(partial(self._after_done, sub, start))
 
-    def _dispatch(self, d: _Direction) -> None:
-        """Dispatcher loop of one direction: pick, pace, move, until closed and drained."""
-        while (chunk := self._next_chunk(d)) is not None:
-            if d.bucket is not None:
-                wait_s = d.bucket.reserve(chunk.nbytes, self._clock())
-                if wait_s > 0:
-                    time.sleep(wait_s)  # the emulated NIC's pacing
-            self._move(d, chunk)
-
-    def _next_chunk(self, d: _Direction) -> _Chunk | None:
-        """The arbiter's next chunk; sleeps while idle; None once closed and drained."""
-        with d.cond:
-            while True:
-                lane = d.arbiter.pick([lane for lane, q in d.queues.items() if q])
-                if lane is None:
-                    if d.closed:
-                        return None
-                    d.cond.wait()
-                    continue
-                chunk = d.queues[lane].popleft()
-                d.queued_bytes -= chunk.nbytes
-                if not chunk.submission.failed:
-                    return chunk
-
-    def _move(self, d: _Direction, chunk: _Chunk) -> None:
-        """One backend call; count it, and settle the submission's future when it is due."""
-        backend = self._need_backend()
-        op = backend.write if d.kind == "write" else backend.read
-        sub = chunk.submission
+    def _after_done(self, sub: Submission, start: Callable[[], None], after: Future[Any]) -> None:
+        with self._live_cond:
+            self._waiting.discard(sub)
         try:
-            op(chunk.peer, chunk.segments)
-        except Exception as exc:  # any failure belongs to the caller's future
-            with d.cond:
-                sub.failed = True
-            sub.future.set_exception(exc)
+            exc = after.exception()
+        except CancelledError as cancelled:
+            exc = cancelled
+        if exc is None:
+            self._start(sub, start)
             return
-        with d.cond:
-            d.lane_bytes[chunk.lane] += chunk.nbytes
-            sub.chunks_left -= 1
-            done = sub.chunks_left == 0
-        if done:
-            sub.future.set_result(None)
+        err = TransferError(f"the transfer's `after` failed: {exc!r}")
+        err.__cause__ = exc
+        sub.fail(err)
 
+    def _start(self, sub: Submission, start: Callable[[], None]) -> None:
+        if sub.failed or sub.complete_if_empty():
+            return
+        try:
+            start()
+        except Exception as exc:
+            err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
+            if err is not exc:
+                err.__cause__ = exc
+            sub.fail(err)
 
-def _copy_into(dst: Any, src: Any) -> int:
-    """Copy a tensor (``copy_``) or a buffer (memoryview slice assignment); the bytes copied."""
-    if hasattr(dst, "copy_"):
-        dst.copy_(src)
-        return int(dst.nbytes)
-    out = memoryview(dst).cast("B")
-    data = memoryview(src).cast("B")
-    if out.nbytes != data.nbytes:
-        raise ValueError(f"copy of {data.nbytes} bytes into a buffer of {out.nbytes}")
-    out[:] = data
-    return out.nbytes
+    def _settled(self, _future: Future[None]) -> None:
+        with self._live_cond:
+            self._live -= 1
+            self._live_cond.notify_all()
+
+    def _start_transfer(self, side: str, peer: str, items: list[Work]) -> None:
+        self._dirs[side].put(items)

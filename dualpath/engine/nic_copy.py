@@ -1,0 +1,131 @@
+"""Host↔device copies as NIC work: pieces of at most ``chunk_bytes``, and how one piece runs.
+
+PAPER §4.2: every byte into or out of the device goes through the device's compute NIC, so a
+copy is cut into chunk-sized pieces that queue in the lanes of the NIC direction it loads
+(host → device: the receive side; device → host: the send side) beside that direction's
+transfers. A piece is a flat ``uint8`` view when both sides are contiguous tensors of one
+dtype (or plain buffers), else a slice along the leading dimension (``data[:, block]`` of a
+paged cache). On CUDA the dispatcher thread issues ``copy_(non_blocking=True)`` on a dedicated
+stream per device, after an event recorded on the submitter's stream at submit time (so the
+copy sees the compute that produced its source), and waits on an event of its own before it
+counts the piece done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+Piece = tuple[Any, Any, int]
+"""One piece of a copy: ``(dst view, src view, nbytes)``."""
+
+
+def is_tensor(x: Any) -> bool:
+    """Whether ``x`` looks like a torch tensor (duck-typed: torch is imported only if used)."""
+    return hasattr(x, "copy_") and hasattr(x, "data_ptr")
+
+
+def copy_pieces(dst: Any, src: Any, chunk_bytes: int) -> tuple[list[Piece], int]:
+    """``dst`` ← ``src`` cut into pieces of at most ``chunk_bytes`` where possible, and the total.
+
+    Tensors need equal shapes (or both contiguous with equal byte counts); buffers need equal
+    byte counts. Raises ``ValueError`` otherwise.
+    """
+    if is_tensor(dst):
+        if not is_tensor(src):
+            raise ValueError("a copy into a tensor needs a tensor source")
+        same_bytes = dst.nbytes == src.nbytes and dst.dtype == src.dtype
+        if dst.shape != src.shape and not (same_bytes and _contiguous(dst, src)):
+            raise ValueError(f"copy of a {tuple(src.shape)} tensor into {tuple(dst.shape)}")
+        return _tensor_pieces(dst, src, chunk_bytes), int(dst.nbytes)
+    out = memoryview(dst).cast("B")
+    data = memoryview(src).cast("B")
+    if out.nbytes != data.nbytes:
+        raise ValueError(f"copy of {data.nbytes} bytes into a buffer of {out.nbytes}")
+    pieces = [(out[i: i + chunk_bytes], data[i: i + chunk_bytes], min(chunk_bytes, out.nbytes - i))
+              for i in range(0, out.nbytes, chunk_bytes)]
+    return pieces, out.nbytes
+
+
+def _contiguous(dst: Any, src: Any) -> bool:
+    return bool(dst.is_contiguous() and src.is_contiguous())
+
+
+def _tensor_pieces(dst: Any, src: Any, chunk_bytes: int) -> list[Piece]:
+    nbytes = int(dst.nbytes)
+    if dst.dtype == src.dtype and _contiguous(dst, src) and dst.dim() and src.dim():
+        import torch
+
+        flat_d, flat_s = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+        return [(flat_d[i: i + chunk_bytes], flat_s[i: i + chunk_bytes],
+                 min(chunk_bytes, nbytes - i)) for i in range(0, nbytes, chunk_bytes)]
+    if nbytes <= chunk_bytes or dst.dim() == 0:
+        return [(dst, src, nbytes)]
+    rows = int(dst.shape[0])
+    row_bytes = nbytes // rows
+    if row_bytes > chunk_bytes:
+        return [p for r in range(rows) for p in _tensor_pieces(dst[r], src[r], chunk_bytes)]
+    step = max(1, chunk_bytes // row_bytes)
+    return [(dst[r: r + step], src[r: r + step], row_bytes * min(step, rows - r))
+            for r in range(0, rows, step)]
+
+
+@dataclass(frozen=True)
+class TensorContext:
+    """What a tensor copy takes from its submitter's thread: device, stream order, torch modes.
+
+    Inference and grad modes are thread-local, and the dispatcher thread copies: an inference
+    tensor can only be written inside inference mode.
+    """
+
+    device: Any | None  # the CUDA device the copy touches; None for a host copy
+    ready: Any | None  # an event on the submitter's current stream of that device
+    inference: bool
+    grad: bool
+
+
+def tensor_context(dst: Any, src: Any) -> TensorContext | None:
+    """The submitter's context for a tensor copy (None for buffers); call on its thread."""
+    if not is_tensor(dst):
+        return None
+    import torch
+
+    device = next((t.device for t in (dst, src) if is_tensor(t) and t.is_cuda), None)
+    ready = None
+    if device is not None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+    return TensorContext(device, ready, torch.is_inference_mode_enabled(),
+                         torch.is_grad_enabled())
+
+
+class PieceCopier:
+    """Runs pieces: host copies inline, CUDA copies on a dedicated stream per device.
+
+    Used by one dispatcher thread only (its streams are not shared).
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[Any, Any] = {}
+
+    def copy(self, dst: Any, src: Any, ctx: TensorContext | None) -> None:
+        """Copy one piece; returns once its bytes have landed."""
+        if ctx is None:
+            dst[:] = src
+            return
+        import torch
+
+        with torch.inference_mode(ctx.inference), torch.set_grad_enabled(ctx.grad):
+            if ctx.device is None:
+                dst.copy_(src)
+                return
+            stream = self._streams.get(ctx.device)
+            if stream is None:
+                stream = self._streams[ctx.device] = torch.cuda.Stream(device=ctx.device)
+            with torch.cuda.stream(stream):
+                if ctx.ready is not None:
+                    stream.wait_event(ctx.ready)
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+        done.synchronize()
