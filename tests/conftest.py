@@ -93,3 +93,13 @@ def tiny_chaotic_dir(tmp_path_factory) -> Path:
 
     cfg = LlamaConfig(**TINY, rope_theta=10000.0, initializer_range=0.3)
     return _save_tiny(tmp_path_factory.mktemp("tiny-chaotic"), cfg, seed=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_deep_dir(tmp_path_factory) -> Path:
+    """Like ``tiny_chaotic_dir`` with 6 layers, so a 2-layer window is reused three times."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**{**TINY, "num_hidden_layers": 6}, rope_theta=10000.0,
+                      initializer_range=0.3)
+    return _save_tiny(tmp_path_factory.mktemp("tiny-deep"), cfg, seed=7)

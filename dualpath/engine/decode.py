@@ -114,17 +114,20 @@ class DecodeWorker:
         return out
 
     def _start_read(self, msg: AllocBuffer, slots: list[int]) -> list[Message]:
-        if msg.num_read_blocks == 0:
-            return [self._ready(msg.req_id, 0)]
-        keys = self.engine.key_space.keys(msg.prompt_ids)[: msg.num_read_blocks]
+        """Read hit blocks ``[read_from_block, num_read_blocks)`` (a split read leaves the
+        leading ones to the PE) into their places in the buffer."""
+        first = msg.read_from_block
+        if msg.num_read_blocks <= first:
+            return [self._ready(msg.req_id, msg.num_read_blocks)]
+        keys = self.engine.key_space.keys(msg.prompt_ids)[first : msg.num_read_blocks]
         layers = self._layer_major(slots)  # [layers, n, layer_block_bytes]
-        parts = [list(layers[:, b].unbind(0)) for b in range(msg.num_read_blocks)]
+        parts = [list(layers[:, b].unbind(0)) for b in range(first, msg.num_read_blocks)]
         self._reading.add(msg.req_id)
         future = self.storage.submit_read(keys, parts)
         # BufferReady only once no read into the buffer can still run: the PE then fills the
         # blocks the deadline gave up on, and no late block can overwrite them
         future.io_done.add_done_callback(
-            lambda _, f=future, r=msg.req_id: self._events.put(("read", (r, f))))
+            lambda _, f=future, r=msg.req_id, b=first: self._events.put(("read", (r, b, f))))
         return []
 
     def abort(self, req_id: int, quarantine_s: float = 0.0) -> list[Message]:
@@ -298,8 +301,8 @@ class DecodeWorker:
             except queue.Empty:
                 return out
             if kind == "read":
-                req_id, future = payload  # type: ignore[misc]
-                out.extend(self._read_done(req_id, future))
+                req_id, first, future = payload  # type: ignore[misc]
+                out.extend(self._read_done(req_id, first, future))
             else:
                 slot, future = payload  # type: ignore[misc]
                 self.host_pool.free([slot])
@@ -319,7 +322,8 @@ class DecodeWorker:
         self._quarantine = [q for q in self._quarantine if q[0] > now]
         return self._start_allocs()
 
-    def _read_done(self, req_id: int, future: Future[list[bool]]) -> list[Message]:
+    def _read_done(self, req_id: int, first: int,
+                   future: Future[list[bool]]) -> list[Message]:
         self._reading.discard(req_id)
         if req_id in self._orphans:  # aborted while reading: the slots are free now
             self._orphans.discard(req_id)
@@ -327,6 +331,6 @@ class DecodeWorker:
             return self._start_allocs()
         ok = future.result() if future.exception() is None else []
         loaded = next((i for i, good in enumerate(ok) if not good), len(ok))
-        return [self._ready(req_id, loaded)]
+        return [self._ready(req_id, first + loaded)]
 
 

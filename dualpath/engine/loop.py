@@ -9,6 +9,11 @@ A heartbeat thread, on a socket of its own (so a long forward does not silence i
 engine's real state every ``heartbeat_s``. If the router declares the engine lost (it answers
 ``known=False``, say after a SIGSTOP) the loop drops every request and says hello again; if the
 router falls silent for ``router_timeout_s`` the engine stops its work and exits.
+
+The router's ``Peers`` (sent whenever an engine joins or leaves) tells the traffic manager
+where each peer's compute NIC grants its bytes, and gives the EP traffic generator
+(``engine/ep_traffic.py``, on when ``traffic.ep_bytes_per_token`` > 0) the engines of this
+engine's role: every prefill forward and decode step then waits for its all-to-all with them.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from pathlib import Path
 import torch
 import zmq
 
-from dualpath.config import ClusterConfig
+from dualpath.config import ClusterConfig, EngineConfig
 from dualpath.engine.decode import DecodeWorker
+from dualpath.engine.ep_traffic import EpPeer, EpTraffic, ep_metrics_off
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillWorker
 from dualpath.engine.traffic import TrafficManager
@@ -42,6 +48,7 @@ from dualpath.protocol import (
     Hello,
     Message,
     Metrics,
+    Peers,
     Prefill,
     Shutdown,
     decode,
@@ -74,7 +81,7 @@ class EngineProcess:
 
         torch.set_num_threads(config.engine.threads)
         self.identity = identity
-        self.engine = LLMEngine(model_dir, config.engine)
+        self.engine = LLMEngine(model_dir, engine_config_for(config, identity.role))
         layout = self.engine.layout
         self.storage = StorageClient(open_store(config.storage, layout), layout.block_size,
                                      config.storage)
@@ -91,6 +98,10 @@ class EngineProcess:
                                         quota_ms=config.prefill_quota_ms)
         else:
             self.worker = DecodeWorker(*args, staging_blocks=config.save_staging_blocks)
+        self.ep = _ep_traffic(self.traffic, config, self.engine.config, identity.role)
+        if self.ep is not None:
+            self.worker.on_step = self.ep.exchange  # each step waits for its all-to-all
+        self._peer_endpoints: set[str] = set()  # other engines' transfer endpoints, as known
         self.config = config
         self.socket = _dealer(identity.name, router_address)
         self._running = True
@@ -131,8 +142,27 @@ class EngineProcess:
         return ROUTER_GONE_EXIT if self._router_gone else 0
 
     def _hello(self) -> None:
-        ident = self.identity
-        self.send([Hello(ident.name, ident.role, ident.node_id, self.backend.endpoint)])
+        ident, ep = self.identity, self.ep
+        nic = getattr(self.traffic, "nic_address", None) or ""
+        self.send([Hello(ident.name, ident.role, ident.node_id, self.backend.endpoint, nic,
+                         ep.buffer_addr if ep else 0, ep.buffer_bytes if ep else 0)])
+
+    def _peers(self, msg: Peers) -> None:
+        """The registered engines changed: tell the traffic manager where the others' NICs
+        grant, forget those that left, and hand the EP generator this role's engines."""
+        others = {p.endpoint: p for p in msg.peers if p.name != self.identity.name}
+        forget = getattr(self.traffic, "forget_peer", None)
+        for endpoint in self._peer_endpoints - others.keys():
+            if forget is not None:
+                forget(endpoint)
+        set_nic = getattr(self.traffic, "set_peer_nic", None)
+        for peer in others.values():
+            if peer.nic_address and set_nic is not None:
+                set_nic(peer.endpoint, peer.nic_address)
+        self._peer_endpoints = set(others)
+        if self.ep is not None:
+            self.ep.set_peers(EpPeer(p.name, p.endpoint, p.ep_buffer_addr, p.ep_buffer_bytes)
+                              for p in others.values() if p.role == self.identity.role)
 
     def _drop_everything(self) -> None:
         """The router declared this engine lost: drop its requests and join afresh."""
@@ -214,6 +244,9 @@ class EngineProcess:
             return worker.start_decode(msg)
         if isinstance(msg, Abort):
             return worker.abort(msg.req_id, msg.quarantine_s)
+        if isinstance(msg, Peers):
+            self._peers(msg)
+            return []
         if isinstance(msg, GetMetrics):
             return [Metrics(self.identity.name, self.metrics())]
         if isinstance(msg, Shutdown):
@@ -222,9 +255,10 @@ class EngineProcess:
         raise ValueError(f"a {self.identity.role} engine cannot handle {msg.type!r}")
 
     def metrics(self) -> dict[str, object]:
-        """Traffic, storage and engine counters of this process."""
+        """Traffic, EP, storage and engine counters of this process."""
         values: dict[str, object] = {"role": self.identity.role, "node_id": self.identity.node_id}
         values.update(self.traffic.metrics())
+        values.update(self.ep.metrics() if self.ep is not None else ep_metrics_off())
         values.update({f"storage_{k}": v for k, v in self.storage.metrics().items()})
         for name in ("num_prefilled", "num_forwards", "num_chunks", "num_hit_tokens",
                      "num_computed_tokens", "num_saved_blocks", "num_saves_dropped",
@@ -247,6 +281,21 @@ def _dealer(identity: str, router_address: str) -> zmq.Socket:
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(router_address)
     return socket
+
+
+def _ep_traffic(traffic: TrafficManager, config: ClusterConfig, engine: EngineConfig,
+                role: str) -> EpTraffic | None:
+    """The EP traffic generator when ``traffic.ep_bytes_per_token`` > 0 (else None), its buffer
+    sized for the role's largest step: a decode step's running sequences, a prefill forward's
+    token budget (a longer forward's shares wrap around the buffer). A peer that does not
+    finish in ``grant_timeout_s`` is left out for ``engine_timeout_s``, by when the router has
+    declared a dead one lost."""
+    per_token = config.traffic.ep_bytes_per_token
+    if per_token <= 0:
+        return None
+    tokens = engine.max_num_seqs if role == "decode" else engine.max_num_batched_tokens
+    return EpTraffic(traffic, per_token, tokens, timeout_s=config.traffic.grant_timeout_s,
+                     retry_s=config.engine_timeout_s)
 
 
 def _cost_model(config: ClusterConfig) -> AttentionCostModel | None:

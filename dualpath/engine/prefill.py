@@ -7,7 +7,12 @@ in arrival order under the compute quota (``scheduler/batch.py``, PAPER §5.5): 
 while the predicted time fits, then the largest chunk of the next one; the rest of a chunked
 request goes into later batches. Without a cost model (no profile) each forward takes one whole
 request. The forward computes only the miss tokens; per request, ``PrefillHooks`` load its hit
-KV (first chunk) and forward each layer's new blocks to its DE buffer.
+KV (first chunk) and forward each layer's new blocks to its DE buffer, overlapped with compute.
+
+In the layerwise modes the device cache holds a window of layers (``prefill_layer_window``), so
+the same device-KV budget holds ``num_layers / window`` times the blocks and batches grow by as
+much; a later chunk of a chunked prompt pulls its earlier blocks back from the DE buffer. A
+split read reads the leading hit blocks here and the DE reads the rest.
 
 A read that finds the host pool full waits (FIFO) for earlier requests to free their slots.
 A job is ready once no read into its slots can still run (``io_done``): blocks the storage read
@@ -40,6 +45,7 @@ class _Job:
     slots: list[int] = field(default_factory=list)  # PE host slots of the hit blocks
     read: ReadFuture | None = None
     num_hit_blocks: int = 0
+    num_pe_read_blocks: int = 0  # leading hit blocks this PE reads (PE path, split read)
     read_reported: bool = False
     seq: Sequence | None = None  # set when first scheduled; KV in PE cache blocks
     loaded: bool = False  # its hit KV is in the PE cache (first chunk done)
@@ -110,11 +116,25 @@ class PrefillWorker:
         if num_blocks > len(self._runs.free):
             raise RequestError(f"the prompt needs {num_blocks} KV blocks, the PE cache has "
                                f"{len(self._runs.free)}")
-        job = _Job(msg, num_hit_blocks=min(msg.num_hit_blocks, self.host_pool.num_slots))
-        if msg.read_path == "pe" and job.num_hit_blocks and msg.mode != "oracle":
-            job.waiting_slots = True
+        if msg.mode == "basic" and self.engine.runner.cache.is_window:
+            raise RequestError("basic prefill keeps every layer resident; this prefill engine "
+                               "holds a layer window (it runs layerwise modes)")
+        job = self._new_job(msg)
+        job.waiting_slots = job.num_pe_read_blocks > 0
         self._jobs.append(job)
         self.start_reads()
+
+    def _new_job(self, msg: Prefill) -> _Job:
+        """A job and the leading hit blocks it reads here (no more than the pool holds: a
+        hit beyond what is read on either side is computed)."""
+        hit = msg.num_hit_blocks
+        wanted = {"pe": hit, "split": min(msg.num_pe_read_blocks, hit)}.get(msg.read_path, 0)
+        if msg.mode == "oracle":
+            wanted = 0
+        pe_reads = min(wanted, self.host_pool.num_slots)
+        if pe_reads < wanted:
+            hit = pe_reads
+        return _Job(msg, num_hit_blocks=hit, num_pe_read_blocks=pe_reads)
 
     def start_reads(self) -> None:
         """Start the reads of waiting jobs, in order, while the host pool has room."""
@@ -122,11 +142,11 @@ class PrefillWorker:
         for job in self._jobs:
             if not job.waiting_slots:
                 continue
-            if job.num_hit_blocks > self.host_pool.num_free:
+            if job.num_pe_read_blocks > self.host_pool.num_free:
                 return
             job.waiting_slots = False
-            job.slots = self.host_pool.alloc(job.num_hit_blocks)
-            keys = self.engine.key_space.keys(job.msg.prompt_ids)[: job.num_hit_blocks]
+            job.slots = self.host_pool.alloc(job.num_pe_read_blocks)
+            keys = self.engine.key_space.keys(job.msg.prompt_ids)[: job.num_pe_read_blocks]
             job.read = self.storage.submit_read(keys, [self.host_pool.buffer(s) for s in job.slots])
 
     def abort(self, req_id: int, quarantine_s: float = 0.0) -> list[Message]:
@@ -215,7 +235,9 @@ class PrefillWorker:
             return []
         job.read_reported = True
         ok = job.read.result()
-        job.num_hit_blocks = next((i for i, good in enumerate(ok) if not good), len(ok))
+        good = next((i for i, good in enumerate(ok) if not good), len(ok))
+        if good < job.num_pe_read_blocks:  # the hit ends at the first block not read
+            job.num_hit_blocks = job.num_pe_read_blocks = good
         return [ReadDone(job.msg.req_id, job.num_hit_blocks)]
 
     def _pick(self, ready: list[_Job]) -> list[tuple[_Job, int]]:
@@ -256,10 +278,15 @@ class PrefillWorker:
             if job.seq is None and not self._start(job):
                 raise RequestError("no contiguous PE cache room for the request")
         items = [(job.seq, bsz) for job, bsz in batch]
-        hooks = ComposedHooks([self._hooks(job, bsz) for job, bsz in batch])
+        parts = [self._hooks(job, bsz) for job, bsz in batch]
         started_s = time.monotonic()
         inputs = engine.runner.prepare(items)  # type: ignore[arg-type]
-        hidden = engine.runner.run(inputs, hooks)
+        try:
+            hidden = engine.runner.run(inputs, ComposedHooks(parts))
+        except Exception:
+            for part in parts:  # no load or send of this forward may outlive it
+                part.settle()
+            raise
         self.on_step(sum(bsz for _, bsz in batch))
         self.forward_s_total += time.monotonic() - started_s
         self.num_forwards += 1
@@ -280,10 +307,16 @@ class PrefillWorker:
         assert seq is not None
         first_chunk = not job.loaded
         cached = seq.num_computed_tokens
+        window = self.engine.runner.cache.is_window
         plan = LayerPlan(seq.block_table, job.num_hit_blocks, msg.read_path, msg.mode,
                          msg.de_endpoint, msg.de_buffer_addr, job.slots, load_hit=first_chunk,
                          forward_from=None if first_chunk else cached // self.block_size,
-                         forward_to=-(-(cached + bsz) // self.block_size))
+                         forward_to=-(-(cached + bsz) // self.block_size),
+                         # a window kept no layer of the earlier chunks: they come back from
+                         # the DE buffer, where those chunks sent them
+                         reload_blocks=0 if first_chunk or not window
+                         else -(-cached // self.block_size),
+                         num_pe_read_blocks=job.num_pe_read_blocks)
         return PrefillHooks(plan, self.engine.runner.cache, self.traffic, self.host_pool)
 
     def _complete(self, done: list[tuple[_Job, int]], hidden) -> list[Message]:

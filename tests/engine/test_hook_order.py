@@ -1,17 +1,28 @@
-"""Hook order of layerwise prefill: proof that KV moves per layer, around each layer's compute.
+"""Hook order of layerwise prefill: proof that KV moves per layer, overlapped with each layer's
+compute, inside a window of device memory.
 
-A real forward of a tiny random model runs with ``PrefillHooks`` on a traffic manager that logs
-every KV move, and torch hooks on the decoder layer modules log when each layer computes (not
-``PrefillHooks``'s own calls). In ``layerwise`` mode (PAPER §2.1, DESIGN §3) layer i's hit KV
-must be resident before layer i computes, layer i+1's load must already be on its way while
-layer i computes (and not layer i+2's), and layer i's KV must leave after layer i and before
-layer i+1. ``basic`` loads every layer before the forward and sends every layer after it.
+A real forward of a tiny random 6-layer model runs with ``PrefillHooks`` on a traffic manager
+that logs every KV move, and torch hooks on the decoder layer modules log when each layer
+computes (not ``PrefillHooks``'s own calls). In ``layerwise`` mode (PAPER §2.1, DESIGN §3, §9):
+
+- layer i's context KV is resident before layer i computes;
+- layer i+1's load is *in flight while layer i computes*: the test's transfer backend holds
+  that load until layer i has started, so a load done before the compute (a blocking prefetch)
+  never completes in time and fails the test;
+- no load runs two layers ahead (the window holds two layers);
+- layer i's KV leaves after layer i and before layer i+1 starts;
+- with a 2-layer window, layer j reuses layer j-2's slot only after layer j-2 has left: sends
+  are slowed down and the bytes that reach the DE buffer must equal a run that keeps every
+  layer resident (same hidden states, so the same greedy tokens).
+
+``basic`` loads every layer before the forward and sends every layer after it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -36,6 +47,8 @@ NUM_HIT = 2  # leading prompt blocks whose KV is loaded (the cache hit)
 NUM_BLOCKS = 4  # prompt blocks: 2 hit, 1 full miss, 1 partial miss
 PROMPT_LEN = (NUM_BLOCKS - 1) * BLOCK + 7
 DE_ENDPOINT = "recording-de"
+GATE_S = 3.0  # how long a held load waits for the layer before it to start computing
+SLOW_SEND_S = 0.02  # a send's duration when sends are slowed down
 
 
 class EventLog:
@@ -44,10 +57,17 @@ class EventLog:
     def __init__(self) -> None:
         self.events: list[tuple[str, int]] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
 
     def add(self, event: str, layer: int) -> None:
         with self._lock:
             self.events.append((event, layer))
+            self._changed.notify_all()
+
+    def wait_for(self, event: str, layer: int, timeout_s: float) -> bool:
+        """Block until ``(event, layer)`` is logged; False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: (event, layer) in self.events, timeout_s)
 
     def first(self, event: str, layer: int) -> int:
         """Position of the first ``(event, layer)``; fails the test if there is none."""
@@ -61,6 +81,9 @@ class EventLog:
         assert hits, f"no {event} of layer {layer} in {self.events}"
         return hits[-1]
 
+    def count(self, event: str) -> int:
+        return sum(1 for e, _ in self.events if e == event)
+
     def _positions(self, event: str, layer: int) -> list[int]:
         return [i for i, e in enumerate(self.events) if e == (event, layer)]
 
@@ -68,30 +91,38 @@ class EventLog:
 class LayerMap:
     """Addresses → (layer, prompt block), by inverting the code's own address arithmetic.
 
-    ``CacheAddresses.layer_block`` and ``LayerPlan.de_layer_block`` of every layer and prompt
-    block, so a segment that is not made of whole layer blocks of this request fails the test.
+    The DE buffer and the PE host slots hold every layer at its own address, so they name the
+    layer; the PE-cache side of each move must be where ``CacheAddresses`` puts that layer's
+    block (with a window, layers i and i+W share an address).
     """
 
-    def __init__(self, addrs: CacheAddresses, plan: LayerPlan, num_layers: int) -> None:
-        self.plan = plan
+    def __init__(self, addrs: CacheAddresses, plan: LayerPlan, num_layers: int,
+                 pool: HostPool) -> None:
+        self.addrs, self.plan = addrs, plan
         self.lb = lb = addrs.layer_block_bytes
         layers = range(num_layers)
-        self._cache = {addrs.layer_block(i, b): (i, j)
-                       for i in layers for j, b in enumerate(plan.pe_blocks)}
         self._de = {plan.de_layer_block(i, j, lb): (i, j)
                     for i in layers for j in range(len(plan.pe_blocks))}
-
-    def cache_blocks(self, address: int, nbytes: int) -> set[tuple[int, int]]:
-        """(layer, prompt block) of the PE-cache layer blocks ``[address, +nbytes)`` covers."""
-        return self._blocks(self._cache, address, nbytes, "PE cache")
+        self._host = {pool.tensor(slot).data_ptr() + i * lb: (i, j)
+                      for i in layers for j, slot in enumerate(plan.pe_slots)}
 
     def segment(self, seg: Segment) -> set[tuple[int, int]]:
         """(layer, prompt block) of a PE-cache ↔ DE-buffer segment; both sides must agree."""
         local, remote, nbytes = seg
-        pe = self.cache_blocks(local, nbytes)
         de = self._blocks(self._de, remote, nbytes, "DE buffer")
-        assert pe == de, f"segment {seg}: PE side {sorted(pe)} != DE side {sorted(de)}"
-        return pe
+        self._check_cache(local, nbytes, de)
+        return de
+
+    def host_copy(self, dst: int, src: int, nbytes: int) -> set[tuple[int, int]]:
+        """(layer, prompt block) of a PE host slot → PE cache copy."""
+        host = self._blocks(self._host, src, nbytes, "PE host buffer")
+        self._check_cache(dst, nbytes, host)
+        return host
+
+    def _check_cache(self, address: int, nbytes: int, blocks: set[tuple[int, int]]) -> None:
+        expect = sorted(self.addrs.layer_block(i, self.plan.pe_blocks[j]) for i, j in blocks)
+        got = list(range(address, address + nbytes, self.lb))
+        assert got == expect, f"PE cache side {address:#x}+{nbytes} is not layer blocks {blocks}"
 
     def _blocks(self, where: dict[int, tuple[int, int]], address: int, nbytes: int,
                 side: str) -> set[tuple[int, int]]:
@@ -106,18 +137,23 @@ class RecordingBackend(TransferBackend):
 
     endpoint = "recording-pe"
 
-    def __init__(self, on_moved: Callable[[str, Sequence[Segment]], None]) -> None:
-        self.on_moved = on_moved
+    def __init__(self, on_start: Callable[[str, Sequence[Segment]], None],
+                 on_moved: Callable[[str, Sequence[Segment]], None], send_s: float) -> None:
+        self.on_start, self.on_moved, self.send_s = on_start, on_moved, send_s
 
     def register(self, address: int, nbytes: int) -> None:
         pass
 
     def write(self, peer: str, segments: Sequence[Segment]) -> None:
+        self.on_start("write", segments)
+        if self.send_s:
+            time.sleep(self.send_s)  # a slow link, so a slot reused too early shows
         for local, remote, nbytes in segments:
             ctypes.memmove(remote, local, nbytes)
         self.on_moved("write", segments)
 
     def read(self, peer: str, segments: Sequence[Segment]) -> None:
+        self.on_start("read", segments)
         for local, remote, nbytes in segments:
             ctypes.memmove(local, remote, nbytes)
         self.on_moved("read", segments)
@@ -129,55 +165,108 @@ class RecordingBackend(TransferBackend):
 class RecordingTraffic(TrafficManager):
     """A real traffic manager that logs each KV load and send by layer.
 
-    ``load_issued``/``send_issued``: when ``submit`` is called. ``load_done``: when the backend
-    has moved the last byte of a layer's load (before its future completes, so a waiter that
-    wakes always comes after it in the log); for a host → device ``copy`` (PE read path), the
-    copy call itself.
+    ``load_issued``/``send_issued``: when the hooks call ``submit``/``submit_copy``;
+    ``load_done``/``send_done``: when a layer's last byte has moved, logged before the future
+    the hooks wait on completes. With ``gate`` on, the load of layer i+1 cannot complete before
+    layer i has started computing (``gate_timeout`` is logged when that never happens).
     """
 
-    def __init__(self, log: EventLog, layers: LayerMap) -> None:
-        self.log = log
-        self.layers = layers
+    def __init__(self, log: EventLog, layers: LayerMap, gate: bool, send_s: float) -> None:
+        self.log, self.layers, self.gate = log, layers, gate
         self.blocks: dict[tuple[str, int], set[int]] = {}  # (load|send, layer) -> prompt blocks
-        self._pending: dict[int, int] = {}  # layer -> load bytes submitted, not yet moved
-        self._pending_lock = threading.Lock()
-        super().__init__(RecordingBackend(self._moved), TrafficConfig())
+        self._pending: dict[tuple[str, int], int] = {}  # bytes submitted, not yet moved
+        self._lock = threading.Lock()
+        super().__init__(RecordingBackend(self._started, self._moved, send_s), TrafficConfig())
 
-    def submit(self, kind: TransferKind, peer: str, segments: Sequence[Segment],
-               lane: Lane) -> Future[None]:
+    def submit(self, kind: TransferKind, peer: str, segments: Sequence[Segment], lane: Lane,
+               after: Future[None] | None = None) -> Future[None]:
         assert peer == DE_ENDPOINT
         touched = set().union(*(self.layers.segment(s) for s in segments))
         (layer,) = {layer for layer, _ in touched}  # one submission moves one layer
         what = "load" if kind == "read" else "send"
         assert lane is (Lane.KV_LOAD if what == "load" else Lane.KV_FORWARD)
-        self.blocks.setdefault((what, layer), set()).update(j for _, j in touched)
+        self._issue(what, layer, {j for _, j in touched}, sum(s[2] for s in segments))
         if what == "load":
-            with self._pending_lock:
-                self._pending[layer] = self._pending.get(layer, 0) + sum(s[2] for s in segments)
-        self.log.add(f"{what}_issued", layer)
-        return super().submit(kind, peer, segments, lane)
+            after = _both(after, self._gate(layer))
+        return super().submit(kind, peer, segments, lane, after=after)
 
-    def copy(self, dst: Any, src: Any, lane: Lane, direction: CopyDirection | None = None) -> int:
+    def submit_copy(self, dst: Any, src: Any, lane: Lane,
+                    direction: CopyDirection | None = None,
+                    after: Future[None] | None = None) -> Future[None]:
         if lane is not Lane.KV_LOAD:
-            return super().copy(dst, src, lane, direction)
-        touched = self.layers.cache_blocks(dst.data_ptr(), dst.nbytes)
-        (layer,) = {layer for layer, _ in touched}
-        self.blocks.setdefault(("load", layer), set()).update(j for _, j in touched)
-        self.log.add("load_issued", layer)
-        nbytes = super().copy(dst, src, lane, direction)
-        self.log.add("load_done", layer)
-        return nbytes
+            return super().submit_copy(dst, src, lane, direction, after=after)
+        touched = self.layers.host_copy(dst.data_ptr(), src.data_ptr(), dst.nbytes)
+        ((layer, block),) = touched  # one copy moves one layer block
+        self._issue("load", layer, {block}, 0)
+        inner = super().submit_copy(dst, src, lane, direction,
+                                    after=_both(after, self._gate(layer)))
+        return _then(inner, lambda: self._copied(layer))
+
+    def _issue(self, what: str, layer: int, blocks: set[int], nbytes: int) -> None:
+        with self._lock:
+            self.blocks.setdefault((what, layer), set()).update(blocks)
+            key = (what, layer)
+            self._pending[key] = self._pending.get(key, 0) + (nbytes or 1)
+        self.log.add(f"{what}_issued", layer)
+
+    def _gate(self, layer: int) -> Future[None] | None:
+        """Completes once layer ``layer - 1`` has started computing (or after ``GATE_S``)."""
+        if not self.gate or layer == 0:
+            return None
+        gate: Future[None] = Future()
+
+        def open_gate() -> None:
+            if not self.log.wait_for("compute_start", layer - 1, GATE_S):
+                self.log.add("gate_timeout", layer)
+            gate.set_result(None)
+
+        threading.Thread(target=open_gate, daemon=True).start()
+        return gate
+
+    def _copied(self, layer: int) -> None:
+        self._settle("load", layer, 1)
+
+    def _started(self, kind: str, segments: Sequence[Segment]) -> None:
+        (layer,) = {layer for seg in segments for layer, _ in self.layers.segment(seg)}
+        self.log.add("read_started" if kind == "read" else "send_started", layer)
 
     def _moved(self, kind: str, segments: Sequence[Segment]) -> None:
-        if kind != "read":
-            return
+        what = "load" if kind == "read" else "send"
         for seg in segments:
             (layer,) = {layer for layer, _ in self.layers.segment(seg)}
-            with self._pending_lock:
-                self._pending[layer] -= seg[2]
-                done = self._pending[layer] == 0
-            if done:
-                self.log.add("load_done", layer)
+            self._settle(what, layer, seg[2])
+
+    def _settle(self, what: str, layer: int, nbytes: int) -> None:
+        with self._lock:
+            self._pending[(what, layer)] -= nbytes
+            done = self._pending[(what, layer)] == 0
+        if done:
+            self.log.add(f"{what}_done", layer)
+
+
+def _both(a: Future[None] | None, b: Future[None] | None) -> Future[None] | None:
+    """A future done when both are (either may be None)."""
+    if a is None or b is None:
+        return a or b
+    out: Future[None] = Future()
+    b.add_done_callback(lambda _: a.add_done_callback(
+        lambda f: out.set_exception(f.exception()) if f.exception() else out.set_result(None)))
+    return out
+
+
+def _then(inner: Future[None], action: Callable[[], None]) -> Future[None]:
+    """A future that completes after ``action`` ran on ``inner``'s success."""
+    out: Future[None] = Future()
+
+    def done(f: Future[None]) -> None:
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+            return
+        action()
+        out.set_result(None)
+
+    inner.add_done_callback(done)
+    return out
 
 
 @contextmanager
@@ -203,13 +292,27 @@ class Run:
     log: EventLog
     plan: LayerPlan
     num_layers: int
+    hidden: torch.Tensor
+    de_buffer: torch.Tensor
     blocks: dict[tuple[str, int], set[int]] = field(default_factory=dict)
 
 
+def _engine(model_dir, window: int | None) -> LLMEngine:
+    return LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=BLOCK,
+                                             num_kv_blocks=NUM_BLOCKS + 2, layer_window=window))
+
+
 @pytest.fixture(scope="module")
-def engine(tiny_chaotic_dir) -> LLMEngine:
-    return LLMEngine(tiny_chaotic_dir, EngineConfig(dtype="float32", block_size=BLOCK,
-                                                    num_kv_blocks=NUM_BLOCKS + 2))
+def full(tiny_deep_dir) -> LLMEngine:
+    return _engine(tiny_deep_dir, None)
+
+
+@pytest.fixture(scope="module")
+def windowed(tiny_deep_dir) -> LLMEngine:
+    engine = _engine(tiny_deep_dir, 2)
+    assert engine.runner.cache.resident_layers == 2
+    assert engine.runner.cache.num_blocks == 3 * (NUM_BLOCKS + 2)  # 6 layers / 2: 3x the blocks
+    return engine
 
 
 def _random_kv(nbytes: int, seed: int) -> torch.Tensor:
@@ -218,31 +321,38 @@ def _random_kv(nbytes: int, seed: int) -> torch.Tensor:
     return torch.randn(nbytes // 4, generator=g).view(torch.uint8)
 
 
-def _prefill(engine: LLMEngine, mode: str, read_path: str) -> Run:
-    """One real prefill forward of the miss tokens, with the hit KV in a PE slot or DE buffer."""
+def _prefill(engine: LLMEngine, mode: str, read_path: str, gate: bool = False,
+             send_s: float = 0.0) -> Run:
+    """One real prefill forward of the miss tokens, with the hit KV in PE slots and/or the DE
+    buffer (a split read: block 0 on the PE, block 1 on the DE)."""
     cache = engine.runner.cache
     addrs = CacheAddresses(cache)
-    num_layers = cache.data.shape[0]
+    num_layers = cache.num_layers
     pe_blocks = [1, 2, 3, 4]  # not 0, so a block index mix-up shows
-    de_buffer = _random_kv(num_layers * NUM_BLOCKS * addrs.layer_block_bytes, seed=1)
+    de_buffer = torch.zeros(num_layers * NUM_BLOCKS * addrs.layer_block_bytes, dtype=torch.uint8)
+    de_buffer[:] = _random_kv(de_buffer.numel(), seed=1)
     pool = HostPool(engine.layout.full_block_bytes, NUM_HIT, pin=False)
-    slots = pool.alloc(NUM_HIT) if read_path == "pe" else []
-    for k, slot in enumerate(slots):
-        pool.tensor(slot).copy_(_random_kv(engine.layout.full_block_bytes, seed=10 + k))
+    pe_reads = {"pe": NUM_HIT, "split": 1, "de": 0}[read_path]
+    slots = pool.alloc(pe_reads) if pe_reads else []
+    layer_major = de_buffer.view(num_layers, NUM_BLOCKS, -1)
+    for k, slot in enumerate(slots):  # the same hit KV on both sides: every path, same math
+        pool.tensor(slot).view(num_layers, -1).copy_(layer_major[:, k])
     plan = LayerPlan(pe_blocks, NUM_HIT, read_path, mode, DE_ENDPOINT, de_buffer.data_ptr(),
-                     slots)
+                     slots, num_pe_read_blocks=pe_reads)
     seq = Seq(list(range(1, PROMPT_LEN + 1)), SamplingParams(max_tokens=1, ignore_eos=True))
     seq.block_table = pe_blocks
     seq.num_computed_tokens = NUM_HIT * BLOCK
     log = EventLog()
-    with RecordingTraffic(log, LayerMap(addrs, plan, num_layers)) as traffic:
+    layer_map = LayerMap(addrs, plan, num_layers, pool)
+    with RecordingTraffic(log, layer_map, gate, send_s) as traffic:
         hooks = PrefillHooks(plan, cache, traffic, pool)
         inputs = engine.runner.prepare([(seq, PROMPT_LEN - NUM_HIT * BLOCK)])
         with compute_events(engine.runner.model, log):
             hidden = engine.runner.run(inputs, hooks)
     assert torch.isfinite(hidden).all()
-    _assert_bytes_landed(engine, plan, de_buffer, pool)
-    return Run(log, plan, num_layers, traffic.blocks)
+    if not cache.is_window:  # the cache still holds every layer: check it against the sources
+        _assert_bytes_landed(engine, plan, de_buffer, pool)
+    return Run(log, plan, num_layers, hidden, de_buffer, traffic.blocks)
 
 
 def _assert_bytes_landed(engine: LLMEngine, plan: LayerPlan, de_buffer: torch.Tensor,
@@ -251,28 +361,26 @@ def _assert_bytes_landed(engine: LLMEngine, plan: LayerPlan, de_buffer: torch.Te
     data = engine.runner.cache.data.view(torch.uint8)
     num_layers = data.shape[0]
     de = de_buffer.view(num_layers, NUM_BLOCKS, -1)
-    for j in range(NUM_HIT):
-        cached = data[:, plan.pe_blocks[j]].reshape(num_layers, -1)
-        source = (pool.tensor(plan.pe_slots[j]).view(num_layers, -1) if plan.read_path == "pe"
-                  else de[:, j])
-        assert torch.equal(cached, source), f"hit block {j} not loaded"
-    for j in plan.forward_range():
+    for j in plan.host_loads():
+        source = pool.tensor(plan.pe_slots[j]).view(num_layers, -1)
+        assert torch.equal(data[:, plan.pe_blocks[j]].reshape(num_layers, -1), source)
+    for j in [*plan.host_loads(), *plan.forward_blocks()]:
         assert torch.equal(data[:, plan.pe_blocks[j]].reshape(num_layers, -1), de[:, j])
 
 
 def _assert_every_layer_moved(run: Run) -> None:
-    """Each layer loaded exactly the hit blocks and sent exactly the forward range."""
+    """Each layer loaded exactly the hit blocks and sent exactly the forward blocks."""
     for i in range(run.num_layers):
         assert run.blocks[("load", i)] == set(range(NUM_HIT))
-        assert run.blocks[("send", i)] == set(run.plan.forward_range())
+        assert run.blocks[("send", i)] == set(run.plan.forward_blocks())
 
 
-READ_PATHS = ["pe", "de"]
+READ_PATHS = ["pe", "de", "split"]
 
 
 @pytest.fixture(scope="module", params=READ_PATHS)
-def layerwise(request, engine) -> Run:
-    run = _prefill(engine, "layerwise", request.param)
+def layerwise(request, windowed) -> Run:
+    run = _prefill(windowed, "layerwise", request.param, gate=True)
     _assert_every_layer_moved(run)
     return run
 
@@ -284,12 +392,17 @@ def test_layerwise_loads_each_layers_hit_kv_before_that_layer_computes(layerwise
             f"layer {i} computes before its hit KV is loaded: {log.events}")
 
 
-def test_layerwise_issues_the_next_layers_load_before_a_layer_ends(layerwise):
+def test_layerwise_loads_the_next_layer_while_a_layer_computes(layerwise):
+    """The load of layer i+1 is issued before layer i ends and is still in flight when layer i
+    starts: a prefetch that blocks before the compute would hold the gate shut."""
     log = layerwise.log
+    assert log.count("gate_timeout") == 0, (
+        f"a load did not overlap the compute of the layer before it: {log.events}")
     for i in range(layerwise.num_layers - 1):
         assert log.first("load_issued", i + 1) < log.first("compute_end", i), (
-            f"layer {i + 1}'s load is not issued before layer {i} ends (no prefetch): "
-            f"{log.events}")
+            f"layer {i + 1}'s load is not issued before layer {i} ends: {log.events}")
+        assert log.last("load_done", i + 1) > log.first("compute_start", i), (
+            f"layer {i + 1}'s load finished before layer {i} started: {log.events}")
 
 
 def test_layerwise_loads_no_layer_two_ahead_of_the_one_computing(layerwise):
@@ -311,8 +424,25 @@ def test_layerwise_sends_each_layer_after_it_ends_and_before_the_next_starts(lay
 
 
 @pytest.mark.parametrize("read_path", READ_PATHS)
-def test_basic_loads_every_layer_before_layer_0_and_sends_after_the_last(engine, read_path):
-    run = _prefill(engine, "basic", read_path)
+def test_window_reuses_a_slot_only_after_its_layer_left(full, windowed, read_path):
+    """Slow sends: layer j's load or compute must wait for layer j-2's send, or layer j's KV
+    overwrites the slot before layer j-2's bytes leave — the DE buffer and the hidden states
+    must equal a run that keeps every layer resident."""
+    reference = _prefill(full, "layerwise", read_path)
+    run = _prefill(windowed, "layerwise", read_path, send_s=SLOW_SEND_S)
+    log = run.log
+    for j in range(2, run.num_layers):
+        if read_path != "pe":  # a read from the DE: its start is logged
+            assert log.first("read_started", j) > log.first("send_done", j - 2), (
+                f"layer {j} loads into a slot layer {j - 2} has not left: {log.events}")
+        assert log.first("compute_start", j) > log.first("send_done", j - 2)
+    assert torch.equal(run.de_buffer, reference.de_buffer), "the window corrupted sent KV"
+    assert torch.equal(run.hidden, reference.hidden)
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_basic_loads_every_layer_before_layer_0_and_sends_after_the_last(full, read_path):
+    run = _prefill(full, "basic", read_path)
     _assert_every_layer_moved(run)
     log, last = run.log, run.num_layers - 1
     for i in range(run.num_layers):
@@ -320,3 +450,16 @@ def test_basic_loads_every_layer_before_layer_0_and_sends_after_the_last(engine,
             f"layer {i}'s hit KV is not loaded before layer 0 computes: {log.events}")
         assert log.first("send_issued", i) > log.first("compute_end", last), (
             f"layer {i}'s KV is sent before the last layer ends: {log.events}")
+
+
+def test_basic_refuses_a_window_cache(windowed):
+    plan = LayerPlan([1], 0, "pe", "basic", DE_ENDPOINT, 1, [])
+    with pytest.raises(ValueError, match="window"):
+        PrefillHooks(plan, windowed.runner.cache, TrafficManager(None), None)
+
+
+def test_layerwise_and_basic_compute_the_same_hidden_states(full, windowed):
+    """Same greedy tokens: the window and the overlap change where KV sits, never the math."""
+    basic = _prefill(full, "basic", "pe")
+    for read_path in READ_PATHS:
+        assert torch.equal(_prefill(windowed, "layerwise", read_path).hidden, basic.hidden)
