@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from dualpath.config import ClusterConfig, EngineConfig
+from dualpath.config import ClusterConfig, EngineConfig, engine_config_for
 from dualpath.engine.decode import DecodeWorker
 from dualpath.engine.ep_traffic import EpPeer, EpTraffic, ep_metrics_off
 from dualpath.engine.llm_engine import LLMEngine
