@@ -173,9 +173,10 @@ def run_agents(cluster: LocalCluster, trajectories: list[tuple[list[int], list[l
     return row
 
 
-def _config(args: argparse.Namespace, store: Path, engine: EngineConfig) -> ClusterConfig:
+def _config(args: argparse.Namespace, store: Path, engine: EngineConfig,
+            mode: str) -> ClusterConfig:
     return ClusterConfig(
-        engine=engine,
+        engine=engine, mode=mode,
         storage=StorageConfig(root=str(store), read_cap_mb_s=args.read_cap_mb_s),
         traffic=TrafficConfig(compute_send_cap_mb_s=args.compute_cap_mb_s,
                               compute_recv_cap_mb_s=args.compute_cap_mb_s),
@@ -200,7 +201,7 @@ def run_cluster_bench(args: argparse.Namespace) -> dict[str, Any]:
             store = work / mode / "kv"
             shutil.rmtree(store, ignore_errors=True)
             store.mkdir(parents=True)
-            config = _config(args, store, engine_config(args))
+            config = _config(args, store, engine_config(args), mode)
             with LocalCluster(model_dir, config, log_dir=work / mode / "logs") as cluster:
                 row = run_agents(cluster, trajs, args.gen, mode,
                                  lambda t=task: bar.advance(t))

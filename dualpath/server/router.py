@@ -27,7 +27,7 @@ from typing import TypeVar
 import zmq
 
 from dualpath.config import ClusterConfig, engine_config_for
-from dualpath.errors import DualPathError
+from dualpath.errors import DualPathError, RequestError
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
 from dualpath.model.spec import load_spec, model_id, resolve_dtype, resolve_kv_dtype
@@ -141,6 +141,11 @@ class Router:
                            Mode(mode or self.config.mode),
                            ReadPath(read_path or self.config.read_path))
         future = RequestFuture(req.req_id)
+        if req.mode == Mode.BASIC and engine_config_for(self.config, "prefill").layer_window:
+            future.set_exception(RequestError(
+                "basic prefill keeps every layer resident, and this cluster's prefill engines "
+                "hold a layer window: start a cluster with mode=basic for it"))
+            return future
         self._futures[req.req_id] = future
         if on_tokens is not None:
             self._listeners[req.req_id] = on_tokens
@@ -343,4 +348,4 @@ def scheduler_params(config: ClusterConfig, full_block_bytes: int) -> SchedulerP
         alpha = int(3.0 * tokens_per_s * config.engine.block_size)
     return SchedulerParams(alpha_tokens=unbounded if alpha is None else alpha,
                            beta_tokens=unbounded if beta is None else beta, policy=config.policy,
-                           block_size=config.engine.block_size)
+                           block_size=config.engine.block_size, split_read=config.split_read)

@@ -289,13 +289,16 @@ class RouterState:
     def _buffer_ready(self, req: RequestState, msg: BufferReady, out: Effects) -> None:
         if req.path == ReadPath.DE:
             self._release_read(req)
-            if req.reads:
-                req.num_hit_blocks = msg.num_loaded_blocks
+        elif req.path == ReadPath.SPLIT:
+            self._release_de_read(req)
+        if req.path != ReadPath.PE and req.reads:
+            req.num_hit_blocks = msg.num_loaded_blocks
         req.phase = Phase.PREFILLING
         p, de = req.params, self.engines[req.de].info
         out.send(req.pe, Prefill(req.wire_id, req.prompt_ids, req.num_hit_blocks, req.path,
                                  de.endpoint, msg.buffer_addr, _pe_mode(req.mode),
-                                 p.temperature, p.top_p, p.seed))
+                                 p.temperature, p.top_p, p.seed,
+                                 num_pe_read_blocks=req.num_pe_read_blocks))
 
     def _prefilled(self, req: RequestState, msg: Prefilled, out: Effects) -> None:
         req.num_hit_blocks = msg.num_hit_blocks
@@ -351,28 +354,39 @@ class RouterState:
         req.wire_id, self._next_wire = self._next_wire, self._next_wire + 1
         self._by_wire[req.wire_id] = req
         req.pe, req.de = a.prefill, a.decode
-        req.path = self._choose_path(req, a.read_path)
+        req.path = self._choose_path(req, a)
         req.phase = Phase.BUFFERING
         self._hold(req)
         self.decisions.append((req.req_id, req.pe, req.de, req.path, req.num_hit_blocks))
         num_blocks = -(-len(req.prompt_ids) // self.capacity.block_size)
-        de_reads = req.num_hit_blocks if req.path == ReadPath.DE and req.reads else 0
-        out.send(req.de, AllocBuffer(req.wire_id, req.prompt_ids, num_blocks, de_reads))
+        de_reads = req.num_hit_blocks if req.path != ReadPath.PE and req.reads else 0
+        out.send(req.de, AllocBuffer(req.wire_id, req.prompt_ids, num_blocks, de_reads,
+                                     read_from_block=req.num_pe_read_blocks))
 
-    def _choose_path(self, req: RequestState, scheduled: str) -> str:
-        """basic/layerwise read on the PE; a forced path wins; else the scheduler's choice,
-        moved to the DE when the PE's host pool cannot take the hit now."""
+    def _choose_path(self, req: RequestState, a: Assignment) -> str:
+        """basic/layerwise read on the PE; a forced path wins (a forced split halves the hit);
+        else the scheduler's choice, moved to the DE when the PE's host pool cannot take its
+        part now. Sets the PE's part of a split read."""
+        req.num_pe_read_blocks = 0
         if req.mode in (Mode.BASIC, Mode.LAYERWISE):
             return ReadPath.PE
-        if req.read_path != ReadPath.AUTO:
-            return str(req.read_path)
-        if scheduled not in (ReadPath.PE, ReadPath.DE):
-            raise DualPathError(f"read path {scheduled!r} is not supported by the engines")
+        path = str(req.read_path) if req.read_path != ReadPath.AUTO else a.read_path
+        if path not in (ReadPath.PE, ReadPath.DE, ReadPath.SPLIT):
+            raise DualPathError(f"read path {path!r} is not supported by the engines")
+        if path == ReadPath.SPLIT:
+            hit = req.num_hit_blocks
+            pe_blocks = (a.pe_read_tokens // self.capacity.block_size
+                         if req.read_path == ReadPath.AUTO else hit // 2)
+            if not req.reads or not 0 < pe_blocks < hit:
+                return ReadPath.PE if req.read_path != ReadPath.AUTO or pe_blocks else ReadPath.DE
+            req.num_pe_read_blocks = pe_blocks
         pe = self.engines[req.pe].load
-        if scheduled == ReadPath.PE and req.reads and (
-                pe.pool_blocks + req.num_hit_blocks > self.capacity.host_pool_blocks):
+        wanted = req.num_pe_read_blocks or (req.num_hit_blocks if path == ReadPath.PE else 0)
+        if (req.read_path == ReadPath.AUTO and req.reads
+                and pe.pool_blocks + wanted > self.capacity.host_pool_blocks):
+            req.num_pe_read_blocks = 0
             return ReadPath.DE
-        return scheduled
+        return path
 
     def _hold(self, req: RequestState) -> None:
         h, pe, de = req.holds, self.engines[req.pe].load, self.engines[req.de].load
@@ -385,8 +399,17 @@ class RouterState:
         de.buffer_blocks += h.de_buffer_blocks
         if req.path == ReadPath.PE and req.reads:
             h.pe_pool_blocks = req.num_hit_blocks
-            pe.pool_blocks += h.pe_pool_blocks
-        if req.reads:
+        h.pe_pool_blocks += req.num_pe_read_blocks
+        pe.pool_blocks += h.pe_pool_blocks
+        if req.path == ReadPath.SPLIT:
+            block = self.capacity.block_size
+            h.read_node = self.engines[req.pe].info.node_id
+            h.read_tokens = req.num_pe_read_blocks * block
+            h.de_read_node = self.engines[req.de].info.node_id
+            h.de_read_tokens = self._read_tokens(req) - h.read_tokens
+            self.read_queue_tokens[h.read_node] += h.read_tokens
+            self.read_queue_tokens[h.de_read_node] += h.de_read_tokens
+        elif req.reads:
             reader = self.engines[req.pe if req.path == ReadPath.PE else req.de]
             h.read_node, h.read_tokens = reader.info.node_id, self._read_tokens(req)
             self.read_queue_tokens[h.read_node] += h.read_tokens
@@ -461,9 +484,17 @@ class RouterState:
 
     def _release_read(self, req: RequestState) -> None:
         h = req.holds
+        self._release_de_read(req)
         if h.read_node is not None:
             self.read_queue_tokens[h.read_node] -= h.read_tokens
             h.read_node, h.read_tokens = None, 0
+
+    def _release_de_read(self, req: RequestState) -> None:
+        """A split read's DE part is done (or dropped)."""
+        h = req.holds
+        if h.de_read_node is not None:
+            self.read_queue_tokens[h.de_read_node] -= h.de_read_tokens
+            h.de_read_node, h.de_read_tokens = None, 0
 
     # -- rules ----------------------------------------------------------------------------------
     def _never_fits(self, req: RequestState) -> str | None:

@@ -29,6 +29,7 @@ class ReadPath(StrEnum):
     AUTO = "auto"
     PE = "pe"
     DE = "de"
+    SPLIT = "split"  # the PE reads the leading hit blocks, the DE the rest
 
 
 class Phase(StrEnum):
@@ -121,6 +122,8 @@ class Holds:
     pe_pool_blocks: int = 0
     read_node: int | None = None
     read_tokens: int = 0
+    de_read_node: int | None = None  # a split read's DE part
+    de_read_tokens: int = 0
 
 
 @dataclass
@@ -137,7 +140,8 @@ class RequestState:
     wire_id: int = 0  # the current attempt's id on the engines
     pe: str = ""
     de: str = ""
-    path: str = ""  # the chosen read path of this attempt ("pe" | "de")
+    path: str = ""  # the chosen read path of this attempt ("pe" | "de" | "split")
+    num_pe_read_blocks: int = 0  # a split read: leading hit blocks the PE reads
     attempts: int = 0
     num_computed_tokens: int = 0
     num_streamed: int = 0  # output tokens handed to the caller

@@ -6,6 +6,8 @@ Mooncake, hit KV really comes back from the ``fs`` store from turn 2 on.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from multiturn import cluster_outputs, make_conversations, node_sum, reference_outputs, wipe
 
@@ -14,24 +16,32 @@ from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
 
 RUNS = [("basic", "auto"), ("layerwise", "auto"), ("dualpath", "pe"), ("dualpath", "de"),
-        ("dualpath", "auto"), ("recompute", "auto")]
+        ("dualpath", "auto"), ("dualpath", "split"), ("recompute", "auto")]
 
 
 def _check_all_runs(model_dir, tmp_path, engine_cfg, convs, params) -> None:
+    """Basic on a cluster that keeps every layer resident; the rest on one whose prefill
+    engine holds a 2-layer window (the layerwise modes' default)."""
     want = reference_outputs(model_dir, engine_cfg, convs, params)
     store = tmp_path / "kv"
-    config = ClusterConfig(engine=engine_cfg, storage=StorageConfig(root=str(store)),
-                           host_pool_blocks=256)
-    with LocalCluster(model_dir, config, log_dir=tmp_path / "logs") as cluster:
-        for mode, read_path in RUNS:
-            wipe(store)
-            before = cluster.metrics()
-            served = []
-            got, hits = cluster_outputs(cluster, convs, params, mode, read_path, served)
-            after = cluster.metrics()
-            assert got == want, f"{mode}/{read_path} diverged from the single-process runner"
-            _check_traffic(mode, read_path, hits, before, after)
-            _check_computed(mode, read_path, served)
+    for cluster_mode in ("basic", "dualpath"):
+        runs = [(m, p) for m, p in RUNS if (m == "basic") == (cluster_mode == "basic")]
+        config = ClusterConfig(engine=engine_cfg, storage=StorageConfig(root=str(store)),
+                               host_pool_blocks=256, mode=cluster_mode)
+        with LocalCluster(model_dir, config, log_dir=tmp_path / "logs") as cluster:
+            _check_runs(cluster, store, runs, want, convs, params)
+
+
+def _check_runs(cluster, store, runs, want, convs, params) -> None:
+    for mode, read_path in runs:
+        wipe(store)
+        before = cluster.metrics()
+        served = []
+        got, hits = cluster_outputs(cluster, convs, params, mode, read_path, served)
+        after = cluster.metrics()
+        assert got == want, f"{mode}/{read_path} diverged from the single-process runner"
+        _check_traffic(mode, read_path, hits, before, after)
+        _check_computed(mode, read_path, served)
 
 
 def _check_computed(mode, read_path, served) -> None:
@@ -56,7 +66,11 @@ def _check_traffic(mode, read_path, hits, before, after) -> None:
         assert later_hits == 0
         return
     assert later_hits > 0, f"{mode}/{read_path}: turns >= 2 hit nothing"
-    if read_path == "de":
+    if read_path == "split":  # the leading hit blocks on the PE node, the rest on the DE's
+        assert delta("decode", "storage_snic_read_bytes") > 0
+        assert delta("prefill", "storage_snic_read_bytes") > 0
+        assert delta("prefill", "cnic_recv_bytes") > 0
+    elif read_path == "de":
         assert delta("decode", "storage_snic_read_bytes") > 0
         assert delta("prefill", "cnic_recv_bytes") > 0  # pulled from the DE buffer
         assert delta("prefill", "storage_snic_read_bytes") == 0
@@ -98,16 +112,20 @@ def test_quota_batching_and_chunking_keep_tokens(tiny_chaotic_dir, tmp_path):
     store = tmp_path / "kv"
     config = ClusterConfig(engine=engine_cfg, storage=StorageConfig(root=str(store)),
                            host_pool_blocks=256, profile_path=str(profile), prefill_quota_ms=40)
-    with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp_path / "logs") as cluster:
-        for mode, read_path in [("dualpath", "pe"), ("dualpath", "de"), ("basic", "auto")]:
-            wipe(store)
-            served = []
-            got, _ = cluster_outputs(cluster, convs, params, mode, read_path, served)
-            assert got == want, f"{mode}/{read_path} diverged under quota batching"
-            _check_computed(mode, read_path, served)
-        pe = next(m for m in cluster.metrics().values() if m["role"] == "prefill")
-    assert pe["num_chunks"] > pe["num_prefilled"]  # some prompts took several forwards
-    assert pe["num_forwards"] < pe["num_chunks"]  # some forwards carried several requests
+    for cluster_mode, runs in [("dualpath", [("dualpath", "pe"), ("dualpath", "de")]),
+                               ("basic", [("basic", "auto")])]:
+        with LocalCluster(tiny_chaotic_dir, replace(config, mode=cluster_mode),
+                          log_dir=tmp_path / "logs") as cluster:
+            for mode, read_path in runs:
+                wipe(store)
+                served = []
+                got, _ = cluster_outputs(cluster, convs, params, mode, read_path, served)
+                assert got == want, f"{mode}/{read_path} diverged under quota batching"
+                _check_computed(mode, read_path, served)
+            pe = next(m for m in cluster.metrics().values() if m["role"] == "prefill")
+        # with a window, later chunks pull their earlier blocks back from the DE buffer
+        assert pe["num_chunks"] > pe["num_prefilled"]  # some prompts took several forwards
+        assert pe["num_forwards"] < pe["num_chunks"]  # some forwards carried several requests
 
 
 def test_seeded_sampling_gives_the_single_process_tokens(tiny_chaotic_dir, tmp_path):

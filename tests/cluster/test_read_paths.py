@@ -3,6 +3,8 @@ while basic reads only on the prefill node."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from multiturn import cluster_outputs, make_conversations, node_sum, wipe
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
@@ -21,9 +23,10 @@ def test_dualpath_uses_every_storage_nic(tiny_chaotic_dir, tmp_path):
                                append_lengths=[21, 17], seed=11)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     read_bytes = {}
-    with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp_path / "logs") as cluster:
-        for mode in ("basic", "dualpath"):
-            wipe(store)
+    for mode in ("basic", "dualpath"):
+        wipe(store)
+        with LocalCluster(tiny_chaotic_dir, replace(config, mode=mode),
+                          log_dir=tmp_path / "logs") as cluster:
             before = cluster.metrics()
             outputs, _ = cluster_outputs(cluster, convs, params, mode, "auto")
             after = cluster.metrics()
@@ -32,7 +35,7 @@ def test_dualpath_uses_every_storage_nic(tiny_chaotic_dir, tmp_path):
                 - node_sum(before, role, "storage_snic_read_bytes")
                 for role in ("prefill", "decode")}
             assert outputs  # every turn of every conversation finished
-        paths = {d[3] for d in cluster.router.decisions[-len(convs) * 2:]}
+            paths = {d[3] for d in cluster.router.decisions[-len(convs) * 2:]}
     assert read_bytes["basic"]["prefill"] > 0 and read_bytes["basic"]["decode"] == 0
     assert read_bytes["dualpath"]["prefill"] > 0 and read_bytes["dualpath"]["decode"] > 0
     assert paths == {"pe", "de"}

@@ -90,7 +90,8 @@ class EngineModel:
         if isinstance(msg, AllocBuffer):
             return [BufferReady(msg.req_id, 4096, msg.num_blocks, msg.num_read_blocks)]
         if isinstance(msg, Prefill):
-            read = [ReadDone(msg.req_id, msg.num_hit_blocks)] if msg.read_path == "pe" else []
+            reads = msg.read_path in ("pe", "split")
+            read = [ReadDone(msg.req_id, msg.num_hit_blocks)] if reads else []
             computed = len(msg.prompt_ids) - msg.num_hit_blocks * BLOCK
             return [*read, Prefilled(msg.req_id, 7, msg.num_hit_blocks, computed)]
         if isinstance(msg, Decode):
