@@ -144,6 +144,13 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_layerwise(args: argparse.Namespace) -> int:
+    from dualpath.bench.layerwise import print_summary, run_layerwise_bench
+
+    print_summary(run_layerwise_bench(args))
+    return 0
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     from dualpath.bench.profile import run_profile
 
@@ -336,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     clu.add_argument("--keep", action="store_true", help="keep the store and logs")
     _add_engine_args(clu)
     clu.set_defaults(func=_cmd_bench_cluster)
+
+    lay = bench_sub.add_parser("layerwise", help="the paper's mechanisms: layerwise memory, "
+                               "QoS lanes under EP traffic, split reads (JSON + PNG)")
+    from dualpath.bench.layerwise import add_arguments as _layerwise_args
+
+    _layerwise_args(lay)
+    lay.set_defaults(func=_cmd_bench_layerwise)
 
     sch = bench_sub.add_parser("scheduler", help="global scheduler decisions/s at 48P96D scale")
     sch.add_argument("--json", required=True, help="where to write the results")

@@ -1,0 +1,48 @@
+"""``dualpath bench layerwise``: one invocation, one JSON with a summary and a PNG, on a tiny
+model (the default model's figures are in the README)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dualpath.cli import main
+
+
+def _run(tmp_path, model_dir, parts: str, *extra: str) -> dict:
+    out = tmp_path / "layerwise.json"
+    args = ["bench", "layerwise", "--model", str(model_dir), "--parts", parts, "--out", str(out),
+            "--block-size", "16", "--dir", str(tmp_path / "work"), *extra]
+    assert main(args) == 0
+    assert out.with_suffix(".png").stat().st_size > 0
+    data = json.loads(out.read_text())
+    assert data["machine"]["cpu_model"]
+    return data
+
+
+def test_layerwise_prefill_holds_more_than_basic_with_the_same_tokens(tiny_deep_dir, tmp_path):
+    """A 1 MiB PE budget: 42 full blocks of this model in basic, 3x that with a 2-of-6-layer
+    window; the ladder's top (60 blocks) fits only layerwise, and prompts both complete give
+    the same greedy tokens."""
+    data = _run(tmp_path, tiny_deep_dir, "a", "--prefill-kv-blocks", "40",
+                "--hit-blocks", "4,20,40,60")
+    summary, rows = data["summary"], data["parts"]["a"]
+    assert summary["max_prefill_hit_tokens"] == {"basic": 40 * 16, "layerwise": 60 * 16}
+    assert summary["max_prefill_tokens_ratio_layerwise_vs_basic"] == pytest.approx(1.5)
+    assert summary["same_tokens_checked_hit_blocks"] == [4, 20, 40]
+    failed = [s for s in rows["basic"]["steps"] if not s["ok"]]
+    assert len(failed) == 1 and "device KV" in failed[0]["error"]  # refused at once, clearly
+    assert rows["layerwise"]["pe_max_forward_hit_tokens"] == 60 * 16
+
+
+def test_split_reads_part_reports_jct_and_reads_per_node(tiny_llama_dir, tmp_path):
+    data = _run(tmp_path, tiny_llama_dir, "c", "--dtype", "float32", "--agents", "2",
+                "--turns", "3", "--first", "64", "--append", "16", "--gen", "4",
+                "--read-cap-mb-s", "2")
+    summary, rows = data["summary"], data["parts"]["c"]
+    assert summary["split_read_jct_ratio"] > 0
+    assert rows["split_on"]["read_paths"].get("split", 0) > 0  # some hits were split
+    assert "split" not in rows["split_off"]["read_paths"]
+    on = summary["read_bytes_per_node"]["split_on"]
+    assert len(on) == 3 and sum(on.values()) > 0
