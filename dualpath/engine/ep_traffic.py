@@ -49,10 +49,11 @@ DeepSeek-V3.2 (58 MoE layers, hidden 7,168, 8 of 256 experts, at most 4 nodes pe
 1,255,826 B/token over a 2-node EP group, 3,416,040 B over 4 nodes (the paper's 2P4D: the PEs'
 and the DEs' groups).
 
-On the testbed the model's step is ~1,000× slower per token than a Hopper GPU's while the
-compute NIC is capped at a few hundred MB/s, so copying the real bytes would swamp the NIC.
-Keep instead the *fraction of the compute NIC that EP takes*, ``u = tokens/s × bytes/token /
-NIC bandwidth`` — the share of each step the NIC spends on the all-to-all:
+The real bytes would swamp the testbed: its decode moves ~130–290 tokens/s through a
+compute NIC capped at a few hundred MB/s (a Hopper GPU: ~750 through 50 GB/s), and 131
+tokens/s × 3.4 MB is 450 MB/s, more than the whole capped NIC. Keep instead the *fraction of
+the compute NIC that EP takes*, ``u = tokens/s × bytes/token / NIC bandwidth`` — the share of
+each step the NIC spends on the all-to-all:
 
 * real: the simulator's DS-V3.2 2P4D on Hopper (``SimConfig`` defaults, 50 GB/s NICs, 32K
   context) decodes 64 requests per GPU in 85.8 ms, 746 tokens/s × 3.42 MB = 2.55 GB/s,
@@ -60,12 +61,16 @@ NIC bandwidth`` — the share of each step the NIC spends on the all-to-all:
   1.26 MB = 2.1 GB/s, u ≈ 4.2%;
 * testbed: ``ep_bytes_per_token = u × cap / (tokens/s)``. SmolLM2-135M on one core decodes
   ≈ 131 tokens/s at batch 8 (61 ms steps) and ≈ 289 at batch 32 (README, ``dualpath bench
-  engine``); with a 200 MB/s compute-NIC cap and u = 5%, 0.05 × 200e6 / 131 = 76 KB and
-  0.05 × 200e6 / 289 = 35 KB. **Proposed: 49,152 B (48 KiB) per 200 MB/s of cap** (scale it
-  with the cap: ≈ 250 B per MB/s), u = 3.1% at batch 8 and 7.1% at batch 32, bracketing the
-  real 5.1% the way the real 2–8% spans its batches. A PE group (two or more PEs) then sees
-  536 tokens/s × 48 KiB ≈ 26 MB/s, 13% (above the real 4.2%: the CPU prefills relatively
-  faster than it decodes); with one PE it has no peers and sends nothing.
+  engine``; ``dualpath profile`` gives a machine's ``decode_step_ms = (base, per_seq)``, and
+  tokens/s at batch b = 1000·b / (base + per_seq·b)). With a 200 MB/s compute-NIC cap and
+  u = 5%: 0.05 × 200e6 / 131 = 76 KB and 0.05 × 200e6 / 289 = 35 KB.
+
+**Proposed testbed value: 49,152 B (48 KiB) with 200 MB/s compute-NIC caps** — about 250 B per
+MB/s of cap (32 KiB at the demo's 128 MB/s). Then u = 131 × 49,152 / 200e6 = 3.2% at batch 8
+and 7.1% at batch 32, bracketing the real 5.1% as the real 2–8% spans its batches; a batch-8
+step writes 393 KB, 2.0 ms of its 61 ms at the cap. A PE group (two or more PEs) would see
+536 tokens/s × 48 KiB ≈ 26 MB/s, 13% (above the real 4.2%: the CPU prefills relatively faster
+than it decodes); with one PE it has no peers and sends nothing.
 """
 
 from __future__ import annotations
