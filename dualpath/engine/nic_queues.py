@@ -8,151 +8,27 @@ the next item — by smooth weighted round robin over the backlogged lanes, or i
 over all lanes when QoS lanes are off — paces it through the direction's token bucket when the
 NIC is capped, runs it, and counts its bytes per kind and lane. It also tracks the most bytes
 charged in any 100 ms window.
+
+An item that is not ``ready`` (a grant request whose requester already holds all the grants it
+may hold) keeps the head of its lane: with lanes, the other lanes go on; with one FIFO, the
+NIC waits for it, as a work queue does. Items whose owner gave up are dropped uncharged.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
-from typing import ClassVar, Literal
+from typing import Literal
 
+from dualpath.engine.nic_work import WORK_KINDS, Work, WorkKind
 from dualpath.errors import TransferError
 from dualpath.storage.throttle import TokenBucket
 from dualpath.transfer.lanes import Lane, LaneArbiter
 
 NicSide = Literal["send", "recv"]
-WorkKind = Literal["active", "passive", "copy"]
-WORK_KINDS: tuple[WorkKind, ...] = ("active", "passive", "copy")
 PEAK_WINDOW_S = 0.1
-
-
-class Submission:
-    """One ``submit``/``submit_copy`` call: its future and how many of its chunks are left.
-
-    Thread-safe: chunks finish on dispatcher threads, failures come from anywhere. The future
-    settles exactly once; ``on_fail`` (e.g. cancel outstanding grant requests) runs on failure.
-    """
-
-    def __init__(self, chunks: int, on_fail: Callable[[], None] | None = None) -> None:
-        self.future: Future[None] = Future()
-        self.future.set_running_or_notify_cancel()  # queued work cannot be cancelled
-        self.on_fail = on_fail
-        self.chunks = chunks
-        self._left = chunks
-        self._settled = False
-        self._lock = threading.Lock()
-        self.failed = False
-
-    def chunk_done(self) -> None:
-        """One chunk moved; the last one completes the future."""
-        with self._lock:
-            self._left -= 1
-            done = self._left <= 0 and not self._settled
-            self._settled = self._settled or done
-        if done:
-            self.future.set_result(None)
-
-    def complete_if_empty(self) -> bool:
-        """Complete a submission of no chunks at all; True if it was one."""
-        if self.chunks:
-            return False
-        with self._lock:
-            done, self._settled = not self._settled, True
-        if done:
-            self.future.set_result(None)
-        return True
-
-    def fail(self, exc: BaseException) -> bool:
-        """Fail the future with ``exc`` (once); False if it had already settled."""
-        with self._lock:
-            if self._settled:
-                return False
-            self._settled = self.failed = True
-        self.future.set_exception(exc)
-        if self.on_fail is not None:
-            self.on_fail()
-        return True
-
-
-class Work(ABC):
-    """One item of a NIC direction's queues: at most ``chunk_bytes`` on one lane."""
-
-    kind: ClassVar[WorkKind]
-
-    def __init__(self, lane: Lane, nbytes: int) -> None:
-        self.lane = lane
-        self.nbytes = nbytes
-
-    def dropped(self, now_s: float) -> bool:
-        """True if the item is to be skipped without charging the NIC (its owner gave up)."""
-        return False
-
-    def on_drop(self) -> None:
-        """Called (outside the queue lock) for an item that ``dropped`` skipped."""
-        return None
-
-    @abstractmethod
-    def run(self) -> bool:
-        """Do the work, once paced; True if its bytes moved (then they are counted).
-
-        Must not raise: a failure belongs to the item's owner (its submission's future).
-        """
-
-
-class _SubmissionWork(Work):
-    """A work item that belongs to a ``Submission``: skipped once the submission failed."""
-
-    def __init__(self, sub: Submission, lane: Lane, nbytes: int) -> None:
-        super().__init__(lane, nbytes)
-        self.sub = sub
-
-    def dropped(self, now_s: float) -> bool:
-        return self.sub.failed
-
-    def finish(self, op: Callable[[], None], what: str) -> bool:
-        """Run ``op``; count the chunk done, or fail the submission with a ``TransferError``."""
-        try:
-            op()
-        except Exception as exc:  # any failure belongs to the caller's future
-            err = exc if isinstance(exc, TransferError) else TransferError(f"{what}: {exc}")
-            if err is not exc:
-                err.__cause__ = exc
-            self.sub.fail(err)
-            return False
-        self.sub.chunk_done()
-        return True
-
-
-class MoveWork(_SubmissionWork):
-    """A chunk of a transfer this engine started: one backend call."""
-
-    kind = "active"
-
-    def __init__(self, sub: Submission, lane: Lane, nbytes: int,
-                 op: Callable[[], None]) -> None:
-        super().__init__(sub, lane, nbytes)
-        self.op = op
-
-    def run(self) -> bool:
-        return self.finish(self.op, "transfer")
-
-
-class CopyWork(_SubmissionWork):
-    """A piece of a host↔device copy (the dispatcher is the copy thread)."""
-
-    kind = "copy"
-
-    def __init__(self, sub: Submission, lane: Lane, nbytes: int,
-                 op: Callable[[], None]) -> None:
-        super().__init__(sub, lane, nbytes)
-        self.op = op
-
-    def run(self) -> bool:
-        return self.finish(self.op, "copy")
 
 
 class PeakWindow:
@@ -177,10 +53,12 @@ class NicDirection:
     """One direction of the compute NIC with its dispatcher thread (the copy thread too)."""
 
     def __init__(self, side: NicSide, bucket: TokenBucket | None, weights: Mapping[Lane, int],
-                 qos_lanes: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+                 qos_lanes: bool = True, clock: Callable[[], float] = time.monotonic,
+                 recheck_s: float = 0.05) -> None:
         self.side = side
         self.bucket = bucket  # touched only by the dispatcher thread
         self._clock = clock
+        self._recheck_s = recheck_s  # how often a lane whose head is not ready is re-checked
         self._arbiter = LaneArbiter(weights) if qos_lanes else None
         self._queues: dict[Lane, deque[Work]] = {lane: deque() for lane in Lane}
         self._fifo: deque[Work] = deque()
@@ -190,7 +68,7 @@ class NicDirection:
         self.dropped: dict[WorkKind, int] = dict.fromkeys(WORK_KINDS, 0)
         self.peak = PeakWindow()
         self.queued_bytes = 0
-        self.progress_s = clock()  # last time the dispatcher took an item (or became busy)
+        self.progress_s = clock()  # last time the dispatcher looked at its queues
         self.closed = False
         self._thread = threading.Thread(target=self._dispatch, daemon=True,
                                         name=f"traffic-{side}")
@@ -209,8 +87,13 @@ class NicDirection:
                 self.queued_bytes += item.nbytes
             self.cond.notify()
 
+    def wake(self) -> None:
+        """Re-check the heads of the lanes (an item may have become ready)."""
+        with self.cond:
+            self.cond.notify()
+
     def stalled(self, now_s: float, timeout_s: float) -> bool:
-        """True if work has waited ``timeout_s`` without the dispatcher taking any of it."""
+        """True if work waits and the dispatcher has not looked at it for ``timeout_s``."""
         return self.queued_bytes > 0 and now_s - self.progress_s > timeout_s
 
     def total_bytes(self, kind: WorkKind | None = None) -> int:
@@ -245,23 +128,61 @@ class NicDirection:
     def _next(self) -> Work | None:
         """The next item to run; waits while idle; None once closed and drained."""
         while True:
+            dropped: list[Work] = []
             with self.cond:
-                item = self._pop()
-                while item is None:
-                    if self.closed:
+                while True:
+                    self.progress_s = now = self._clock()
+                    item, blocked = self._pop(now, dropped)
+                    if item is not None or dropped:
+                        break
+                    if self.closed and not blocked:
                         return None
-                    self.cond.wait()
-                    item = self._pop()
-                self.queued_bytes -= item.nbytes
-                now = self._clock()
-                self.progress_s = now
-                if not item.dropped(now):
-                    return item
-                self.dropped[item.kind] += 1
-            item.on_drop()
+                    self.cond.wait(self._recheck_s if blocked else None)
+                for gone in dropped:
+                    self.queued_bytes -= gone.nbytes
+                    self.dropped[gone.kind] += 1
+                if item is not None:
+                    self.queued_bytes -= item.nbytes
+            for gone in dropped:  # outside the lock
+                gone.on_drop()
+            if item is not None:
+                return item
 
-    def _pop(self) -> Work | None:
+    def _pop(self, now: float, dropped: list[Work]) -> tuple[Work | None, bool]:
+        """The next item (None if none is ready) and whether a not-ready head waits."""
         if self._arbiter is None:
-            return self._fifo.popleft() if self._fifo else None
-        lane = self._arbiter.pick([lane for lane, q in self._queues.items() if q])
-        return None if lane is None else self._queues[lane].popleft()
+            if not self._head_ready(self._fifo, now, dropped):
+                return None, bool(self._fifo)
+            return self._fifo.popleft(), False
+        ready = [lane for lane, q in self._queues.items() if self._head_ready(q, now, dropped)]
+        blocked = len(ready) < sum(1 for q in self._queues.values() if q)
+        lane = self._arbiter.pick(ready)
+        return (None if lane is None else self._queues[lane].popleft()), blocked
+
+    @staticmethod
+    def _head_ready(q: deque[Work], now: float, dropped: list[Work]) -> bool:
+        """Drop dropped items off the head of ``q``; whether its head is ready to run."""
+        while q and q[0].dropped(now):
+            dropped.append(q.popleft())
+        return bool(q) and q[0].ready()
+
+
+def direction_metrics(d: NicDirection, elapsed_s: float) -> dict[str, float | int | None]:
+    """The ``cnic_{side}_*`` metrics of one NIC direction (keys: ``traffic``'s docstring)."""
+    side = d.side
+    with d.cond:
+        active, passive, copies = (dict(d.bytes[k]) for k in WORK_KINDS)
+        queued, peak = d.queued_bytes, d.peak.peak_bytes
+    total = sum(active.values()) + sum(passive.values()) + sum(copies.values())
+    out: dict[str, float | int | None] = {}
+    for lane in Lane:
+        out[f"cnic_{side}_lane_bytes_{lane.value}"] = active[lane] + passive[lane] + copies[lane]
+        out[f"cnic_{side}_passive_lane_bytes_{lane.value}"] = passive[lane]
+    out[f"cnic_{side}_bytes"] = sum(active.values())
+    out[f"cnic_{side}_passive_bytes"] = sum(passive.values())
+    out[f"cnic_{side}_total_bytes"] = total
+    out[f"cnic_{side}_queue_bytes"] = queued
+    out[f"cnic_{side}_utilization"] = (
+        None if d.bucket is None else total / (d.bucket.rate_bytes_s * elapsed_s))
+    out[f"cnic_{side}_peak_mb_s_100ms"] = peak / d.peak.window_s / 1e6
+    return out

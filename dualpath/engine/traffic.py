@@ -12,6 +12,12 @@ runs it. So high-lane traffic gets about 99% of a busy link, KV traffic the rest
 traffic all of an idle one. Everything is asynchronous: ``submit``/``submit_copy`` return a
 future at once and may wait for another future (``after``) before their chunks queue.
 
+Caps bind both ends of a transfer: a capped traffic manager runs a grant server
+(``nic_address``); told a peer's grant server (``set_peer_nic``), it asks that peer's NIC for a
+grant on the opposite side before each chunk moves, and the peer arbitrates and paces the
+request beside its own work (``nic_grants``, ``nic_grant_client``). Uncapped engines talking to
+uncapped peers run no grant server and make no per-chunk RPC.
+
 Metric keys (``metrics()``), ``{side}`` = ``send`` | ``recv``, ``{lane}`` = a ``Lane`` value:
 
 - ``cnic_{side}_bytes``: bytes of transfers this engine started (its side of them);
@@ -40,79 +46,32 @@ from functools import partial
 from typing import Any, Literal
 
 from dualpath.config import TrafficConfig
+from dualpath.engine.nic_chunks import coalesce, split_chunks, validated
 from dualpath.engine.nic_copy import PieceCopier, copy_pieces, tensor_context
-from dualpath.engine.nic_queues import CopyWork, MoveWork, NicDirection, Submission, Work
+from dualpath.engine.nic_grant_client import GrantClient, PendingGrant
+from dualpath.engine.nic_grants import GrantServer
+from dualpath.engine.nic_queues import NicDirection, direction_metrics
+from dualpath.engine.nic_work import CopyWork, MoveWork, Submission, Work
 from dualpath.errors import TransferError
 from dualpath.storage.throttle import TokenBucket
 from dualpath.transfer.base import Segment, TransferBackend
 from dualpath.transfer.lanes import Lane, weights_from_pairs
 
+__all__ = ["CopyDirection", "TrafficManager", "TransferKind", "coalesce", "split_chunks"]
+
 TransferKind = Literal["write", "read"]
 CopyDirection = Literal["h2d", "d2h"]
 _NIC_SIDE: dict[str, str] = {"write": "send", "read": "recv", "d2h": "send", "h2d": "recv"}
-
-
-def coalesce(segments: Sequence[Segment]) -> list[Segment]:
-    """Merge each segment into the previous one when both sides continue contiguously.
-
-    Layer-major placement (layer i of a request's blocks side by side in the PE cache and the DE
-    buffer) turns a layer's many layer blocks into one segment on the wire.
-    """
-    merged: list[Segment] = []
-    for local, remote, nbytes in segments:
-        if merged:
-            p_local, p_remote, p_bytes = merged[-1]
-            if p_local + p_bytes == local and p_remote + p_bytes == remote:
-                merged[-1] = (p_local, p_remote, p_bytes + nbytes)
-                continue
-        merged.append((local, remote, nbytes))
-    return merged
-
-
-def split_chunks(segments: Sequence[Segment], chunk_bytes: int) -> list[list[Segment]]:
-    """Pack segments, in order, into chunks of at most ``chunk_bytes``.
-
-    A segment that fits in a chunk is never split (it starts a new chunk if the current one
-    lacks room); a larger one is cut to fill the current chunk, whole chunks, then a tail.
-    Zero-length segments are dropped.
-    """
-    chunks: list[list[Segment]] = []
-    current: list[Segment] = []
-    room = chunk_bytes
-    for local, remote, nbytes in segments:
-        if current and room < nbytes <= chunk_bytes:
-            chunks.append(current)
-            current, room = [], chunk_bytes
-        offset = 0
-        while offset < nbytes:
-            take = min(room, nbytes - offset)
-            current.append((local + offset, remote + offset, take))
-            offset += take
-            room -= take
-            if room == 0:
-                chunks.append(current)
-                current, room = [], chunk_bytes
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def _validated(segments: Sequence[Segment]) -> list[Segment]:
-    out = [tuple(s) for s in segments]
-    for seg in out:
-        if len(seg) != 3 or any(not isinstance(v, int) or v < 0 for v in seg):
-            raise ValueError(f"a segment is (local_addr, remote_addr, nbytes) of ints >= 0: {seg}")
-    return out  # type: ignore[return-value]
+_OPPOSITE = {"send": "recv", "recv": "send"}
 
 
 class TrafficManager:
-    """An engine's data movement: lanes, chunking, compute-NIC caps and counters."""
+    """An engine's data movement: lanes, chunking, compute-NIC caps (both ends) and counters."""
 
     def __init__(self, backend: TransferBackend | None, config: TrafficConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, nic_host: str = "127.0.0.1") -> None:
         self.config = config or TrafficConfig()
         self.backend = backend
-        self.nic_host = nic_host
         self._clock = clock
         self._started_s = clock()
         weights = weights_from_pairs(self.config.lane_weights)
@@ -120,7 +79,7 @@ class TrafficManager:
                 "recv": self.config.compute_recv_cap_mb_s}
         self._dirs: dict[str, NicDirection] = {
             side: NicDirection(side, self._bucket(cap), weights,  # type: ignore[arg-type]
-                               self.config.qos_lanes, clock)
+                               self.config.qos_lanes, clock, self.config.grant_timeout_s / 8)
             for side, cap in caps.items()}
         self._copiers = {side: PieceCopier() for side in self._dirs}
         self._live_cond = threading.Condition()
@@ -128,6 +87,13 @@ class TrafficManager:
         self._waiting: set[Submission] = set()  # of those, waiting for their ``after``
         self._closing = False
         self._peer_nics: dict[str, str] = {}
+        self._unpaced_chunks = 0
+        self._client: GrantClient | None = None
+        self._server: GrantServer | None = None
+        if any(cap is not None for cap in caps.values()):
+            self._server = GrantServer(nic_host, self.config.grant_timeout_s,
+                                       self.config.burst_chunks, self._enqueue_passive,
+                                       self._stalled, self._wake, clock)
 
     # --- the API ------------------------------------------------------------------------
 
@@ -141,19 +107,20 @@ class TrafficManager:
 
         ``write`` sends local → peer, ``read`` receives peer → local. The chunks queue only
         once ``after`` (if given) has completed; if ``after`` fails, the returned future fails
-        with a ``TransferError`` chained from it and nothing moves. A backend error fails the
-        future and drops the transfer's remaining chunks. Never blocks.
+        with a ``TransferError`` chained from it and nothing moves. A backend error, or a
+        peer NIC that grants nothing for ``grant_timeout_s``, fails the future with a
+        ``TransferError`` and drops the transfer's remaining chunks. Never blocks.
         """
         if kind not in ("write", "read"):
             raise ValueError(f"kind must be 'write' or 'read', got {kind!r}")
         backend = self._need_backend()
         lane = Lane(lane)
-        chunks = split_chunks(coalesce(_validated(segments)), self.config.chunk_bytes)
+        chunks = split_chunks(coalesce(validated(segments)), self.config.chunk_bytes)
         sub = Submission(len(chunks))
         op = backend.write if kind == "write" else backend.read
         items: list[Work] = [MoveWork(sub, lane, sum(s[2] for s in c), partial(op, peer, c))
                              for c in chunks]
-        self._accept(sub, after, partial(self._start_transfer, _NIC_SIDE[kind], peer, items))
+        self._accept(sub, after, partial(self._start_transfer, _NIC_SIDE[kind], peer, sub, items))
         return sub.future
 
     def submit_copy(self, dst: Any, src: Any, lane: Lane, direction: CopyDirection | None = None,
@@ -197,17 +164,26 @@ class TrafficManager:
     @property
     def nic_address(self) -> str | None:
         """This NIC's grant server (``tcp://host:port``), or None when uncapped."""
-        return None
+        return None if self._server is None else self._server.address
 
     def set_peer_nic(self, endpoint: str, nic_address: str) -> None:
-        """Ask ``nic_address`` for grants before moving chunks to or from peer ``endpoint``."""
+        """Ask ``nic_address`` for grants before moving chunks to or from peer ``endpoint``.
+
+        ``endpoint`` is the peer's transfer-backend endpoint, as ``submit`` names it.
+        """
+        if nic_address == self.nic_address:
+            return  # ourselves
         with self._live_cond:
+            if self._client is None:
+                self._client = GrantClient(self.config.grant_timeout_s, self._clock)
             self._peer_nics[endpoint] = nic_address
+            self._client.set_peer(endpoint, nic_address)
 
     def forget_peer(self, endpoint: str) -> None:
-        """Stop asking peer ``endpoint`` for grants (it left or was lost)."""
+        """Stop asking peer ``endpoint`` for grants; transfers waiting on its grants fail."""
         with self._live_cond:
-            self._peer_nics.pop(endpoint, None)
+            if self._peer_nics.pop(endpoint, None) is not None and self._client is not None:
+                self._client.forget_peer(endpoint)
 
     def metrics(self) -> dict[str, float | int | None]:
         """Byte counters per NIC side, lane and kind, queues, utilization and peak rates.
@@ -219,40 +195,33 @@ class TrafficManager:
         lane_bytes = dict.fromkeys(Lane, 0)
         copy_lane = dict.fromkeys(Lane, 0)
         dropped = 0
-        for side, d in self._dirs.items():
+        for d in self._dirs.values():
+            out.update(direction_metrics(d, elapsed))
             with d.cond:
-                active, passive, copies = (dict(d.bytes[k]) for k in ("active", "passive", "copy"))
-                queued, peak, dropped = d.queued_bytes, d.peak.peak_bytes, dropped + d.dropped[
-                    "passive"]
-            total = sum(active.values()) + sum(passive.values()) + sum(copies.values())
-            for lane in Lane:
-                lane_bytes[lane] += active[lane]
-                copy_lane[lane] += copies[lane]
-                out[f"cnic_{side}_lane_bytes_{lane.value}"] = (
-                    active[lane] + passive[lane] + copies[lane])
-                out[f"cnic_{side}_passive_lane_bytes_{lane.value}"] = passive[lane]
-            out[f"cnic_{side}_bytes"] = sum(active.values())
-            out[f"cnic_{side}_passive_bytes"] = sum(passive.values())
-            out[f"cnic_{side}_total_bytes"] = total
-            out[f"cnic_{side}_queue_bytes"] = queued
-            out[f"cnic_{side}_utilization"] = (
-                None if d.bucket is None else total / (d.bucket.rate_bytes_s * elapsed))
-            out[f"cnic_{side}_peak_mb_s_100ms"] = peak / d.peak.window_s / 1e6
+                for lane in Lane:
+                    lane_bytes[lane] += d.bytes["active"][lane]
+                    copy_lane[lane] += d.bytes["copy"][lane]
+                dropped += d.dropped["passive"]
         out["h2d_bytes"] = self._dirs["recv"].total_bytes("copy")
         out["d2h_bytes"] = self._dirs["send"].total_bytes("copy")
         out.update({f"copy_bytes_{lane.value}": n for lane, n in copy_lane.items()})
         out.update({f"lane_bytes_{lane.value}": n for lane, n in lane_bytes.items()})
         out["cnic_dropped_grants"] = dropped
+        out["unpaced_peer_chunks"] = self._unpaced_chunks
+        out["grant_timeouts"] = 0 if self._client is None else self._client.timeouts
         return out
 
     def close(self) -> None:
-        """Move what is queued, then stop the dispatchers (the backend stays open).
+        """Move what is queued, then stop the dispatchers and grant sockets (not the backend).
 
-        Submissions still waiting for an ``after`` that nothing else here will complete fail
-        with a ``TransferError`` after ``grant_timeout_s``.
+        Peers' requests still queued here are refused. Submissions still waiting for an
+        ``after`` that nothing else here will complete fail with a ``TransferError`` after
+        ``grant_timeout_s``.
         """
         with self._live_cond:
             self._closing = True
+        if self._server is not None:
+            self._server.refuse_all()
         while True:
             with self._live_cond:
                 before = self._live
@@ -266,6 +235,9 @@ class TrafficManager:
                                        "`after` completed"))
         for d in self._dirs.values():
             d.close()
+        for loop in (self._client, self._server):
+            if loop is not None:
+                loop.close()
 
     def __enter__(self) -> TrafficManager:
         return self
@@ -331,5 +303,42 @@ class TrafficManager:
             self._live -= 1
             self._live_cond.notify_all()
 
-    def _start_transfer(self, side: str, peer: str, items: list[Work]) -> None:
+    def _start_transfer(self, side: str, peer: str, sub: Submission, items: list[Work]) -> None:
+        """Queue the chunks now (peer NIC unknown), or each once the peer NIC grants it."""
+        d = self._dirs[side]
+        with self._live_cond:
+            known = peer in self._peer_nics
+            client = self._client
+            if not known and (client is not None or self._server is not None):
+                self._unpaced_chunks += len(items)
+        if not known or client is None:
+            d.put(items)
+            return
+        grants = []
+        for item in items:
+            grant = PendingGrant(_OPPOSITE[side], item.lane, item.nbytes, lambda: None, sub)
+            grant.on_grant = partial(self._granted, d, item, partial(client.done, peer, grant.rid))
+            grants.append(grant)
+        sub.on_fail = partial(client.cancel, peer, grants)
+        client.request(peer, grants)
+
+    @staticmethod
+    def _granted(d: NicDirection, item: Work, release: Callable[[], None]) -> None:
+        """A peer granted ``item``: queue it; ``release`` once it moved or was dropped."""
+        assert isinstance(item, MoveWork)
+        item.release = release
+        try:
+            d.put([item])
+        except TransferError as exc:
+            item.sub.fail(exc)
+            item.on_drop()
+
+    def _enqueue_passive(self, side: str, items: Sequence[Work]) -> None:
         self._dirs[side].put(items)
+
+    def _wake(self) -> None:
+        for d in self._dirs.values():
+            d.wake()
+
+    def _stalled(self, now: float) -> bool:
+        return any(d.stalled(now, self.config.grant_timeout_s) for d in self._dirs.values())

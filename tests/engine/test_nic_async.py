@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dualpath.config import TrafficConfig
+from dualpath.engine.nic_copy import copy_pieces
 from dualpath.engine.traffic import TrafficManager
 from dualpath.errors import TransferError
 from dualpath.transfer.base import Segment, TransferBackend
@@ -123,6 +124,20 @@ def test_copies_are_counted_per_lane_and_direction_on_their_nic_side():
     assert m["copy_bytes_kv_save"] == 2048 and m["cnic_send_bytes"] == 0
     assert m["cnic_send_peak_mb_s_100ms"] > 0
     tm.close()
+
+
+@pytest.mark.parametrize("shape,index", [((6, 4, 100), None), ((6, 4, 100), 1),
+                                         ((2, 3, 1000), 2), ((5, 8), None)])
+def test_copy_pieces_are_at_most_a_chunk_and_cover_the_copy(shape, index):
+    cache = torch.zeros(*shape, dtype=torch.float16)
+    dst = cache if index is None else cache[:, index]  # [:, block] of a paged cache: strided
+    src = torch.arange(dst.numel(), dtype=torch.float16).view(dst.shape)
+    pieces, nbytes = copy_pieces(dst, src, 256)
+    assert nbytes == dst.nbytes == sum(n for _, _, n in pieces)
+    assert all(n <= 256 and d.nbytes == n for d, _, n in pieces)
+    for d, s, _ in pieces:
+        d.copy_(s)
+    assert torch.equal(dst, src)
 
 
 def test_copies_are_paced_by_the_cap_of_their_side():

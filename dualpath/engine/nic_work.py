@@ -1,0 +1,162 @@
+"""Work in a NIC direction's queues: transfer chunks, copy pieces, and their submissions.
+
+A ``Work`` item is at most ``chunk_bytes`` on one lane, of one kind: ``active`` (a chunk of a
+transfer this engine started), ``passive`` (a peer's grant request, ``nic_grants``) or ``copy``
+(a piece of a host↔device copy). A ``Submission`` is one ``submit``/``submit_copy`` call: its
+future settles once, when its last item has run or its first failure.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import ClassVar, Literal
+
+from dualpath.errors import TransferError
+from dualpath.transfer.lanes import Lane
+
+WorkKind = Literal["active", "passive", "copy"]
+WORK_KINDS: tuple[WorkKind, ...] = ("active", "passive", "copy")
+
+
+class Submission:
+    """One ``submit``/``submit_copy`` call: its future and how many of its chunks are left.
+
+    Thread-safe: chunks finish on dispatcher threads, failures come from anywhere. The future
+    settles exactly once; ``on_fail`` (e.g. cancel outstanding grant requests) runs on failure.
+    """
+
+    def __init__(self, chunks: int, on_fail: Callable[[], None] | None = None) -> None:
+        self.future: Future[None] = Future()
+        self.future.set_running_or_notify_cancel()  # queued work cannot be cancelled
+        self.on_fail = on_fail
+        self.chunks = chunks
+        self._left = chunks
+        self._settled = False
+        self._lock = threading.Lock()
+        self.failed = False
+
+    def chunk_done(self) -> None:
+        """One chunk moved; the last one completes the future."""
+        with self._lock:
+            self._left -= 1
+            done = self._left <= 0 and not self._settled
+            self._settled = self._settled or done
+        if done:
+            self.future.set_result(None)
+
+    def complete_if_empty(self) -> bool:
+        """Complete a submission of no chunks at all; True if it was one."""
+        if self.chunks:
+            return False
+        with self._lock:
+            done, self._settled = not self._settled, True
+        if done:
+            self.future.set_result(None)
+        return True
+
+    def fail(self, exc: BaseException) -> bool:
+        """Fail the future with ``exc`` (once); False if it had already settled."""
+        with self._lock:
+            if self._settled:
+                return False
+            self._settled = self.failed = True
+        self.future.set_exception(exc)
+        if self.on_fail is not None:
+            self.on_fail()
+        return True
+
+
+class Work(ABC):
+    """One item of a NIC direction's queues: at most ``chunk_bytes`` on one lane."""
+
+    kind: ClassVar[WorkKind]
+
+    def __init__(self, lane: Lane, nbytes: int) -> None:
+        self.lane = lane
+        self.nbytes = nbytes
+
+    def dropped(self, now_s: float) -> bool:
+        """True if the item is to be skipped without charging the NIC (its owner gave up)."""
+        return False
+
+    def ready(self) -> bool:
+        """False while the item may not start (its lane waits; re-checked when woken)."""
+        return True
+
+    def on_drop(self) -> None:
+        """Called (outside the queue lock) for an item that ``dropped`` skipped."""
+        return None
+
+    @abstractmethod
+    def run(self) -> bool:
+        """Do the work, once paced; True if its bytes moved (then they are counted).
+
+        Must not raise: a failure belongs to the item's owner (its submission's future).
+        """
+
+
+class _SubmissionWork(Work):
+    """A work item that belongs to a ``Submission``: skipped once the submission failed."""
+
+    def __init__(self, sub: Submission, lane: Lane, nbytes: int) -> None:
+        super().__init__(lane, nbytes)
+        self.sub = sub
+
+    def dropped(self, now_s: float) -> bool:
+        return self.sub.failed
+
+    def finish(self, op: Callable[[], None], what: str) -> bool:
+        """Run ``op``; count the chunk done, or fail the submission with a ``TransferError``."""
+        try:
+            op()
+        except Exception as exc:  # any failure belongs to the caller's future
+            err = exc if isinstance(exc, TransferError) else TransferError(f"{what}: {exc}")
+            if err is not exc:
+                err.__cause__ = exc
+            self.sub.fail(err)
+            return False
+        self.sub.chunk_done()
+        return True
+
+
+class MoveWork(_SubmissionWork):
+    """A chunk of a transfer this engine started: one backend call.
+
+    ``release`` (set when a peer NIC granted the chunk) runs once the chunk has moved or was
+    dropped: the peer may then grant this engine another chunk.
+    """
+
+    kind = "active"
+
+    def __init__(self, sub: Submission, lane: Lane, nbytes: int,
+                 op: Callable[[], None]) -> None:
+        super().__init__(sub, lane, nbytes)
+        self.op = op
+        self.release: Callable[[], None] | None = None
+
+    def run(self) -> bool:
+        moved = self.finish(self.op, "transfer")
+        self.on_drop()
+        return moved
+
+    def on_drop(self) -> None:
+        release, self.release = self.release, None
+        if release is not None:
+            release()
+
+
+class CopyWork(_SubmissionWork):
+    """A piece of a host↔device copy (the dispatcher is the copy thread)."""
+
+    kind = "copy"
+
+    def __init__(self, sub: Submission, lane: Lane, nbytes: int,
+                 op: Callable[[], None]) -> None:
+        super().__init__(sub, lane, nbytes)
+        self.op = op
+
+    def run(self) -> bool:
+        return self.finish(self.op, "copy")
