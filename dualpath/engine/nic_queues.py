@@ -42,11 +42,15 @@ class PeakWindow:
 
     def add(self, now_s: float, nbytes: int) -> None:
         """Charge ``nbytes`` at ``now_s`` (times must not go backwards)."""
-        self._events.append((now_s, nbytes))
-        self._sum += nbytes
-        while self._events[0][0] <= now_s - self.window_s:
-            self._sum -= self._events.popleft()[1]
-        self.peak_bytes = max(self.peak_bytes, self._sum)
+        events = self._events
+        events.append((now_s, nbytes))
+        total = self._sum + nbytes
+        cutoff = now_s - self.window_s
+        while events[0][0] <= cutoff:
+            total -= events.popleft()[1]
+        self._sum = total
+        if total > self.peak_bytes:
+            self.peak_bytes = total
 
 
 class NicDirection:
@@ -154,8 +158,14 @@ class NicDirection:
             if not self._head_ready(self._fifo, now, dropped):
                 return None, bool(self._fifo)
             return self._fifo.popleft(), False
-        ready = [lane for lane, q in self._queues.items() if self._head_ready(q, now, dropped)]
-        blocked = len(ready) < sum(1 for q in self._queues.values() if q)
+        ready: list[Lane] = []
+        blocked = False
+        for lane, q in self._queues.items():
+            if q:
+                if self._head_ready(q, now, dropped):
+                    ready.append(lane)
+                else:
+                    blocked = blocked or bool(q)
         lane = self._arbiter.pick(ready)
         return (None if lane is None else self._queues[lane].popleft()), blocked
 

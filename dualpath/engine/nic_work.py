@@ -72,6 +72,7 @@ class Submission:
 class Work(ABC):
     """One item of a NIC direction's queues: at most ``chunk_bytes`` on one lane."""
 
+    __slots__ = ("lane", "nbytes")
     kind: ClassVar[WorkKind]
 
     def __init__(self, lane: Lane, nbytes: int) -> None:
@@ -98,48 +99,42 @@ class Work(ABC):
         """
 
 
-class _SubmissionWork(Work):
-    """A work item that belongs to a ``Submission``: skipped once the submission failed."""
+class SubmissionWork(Work):
+    """An item of a ``Submission``: runs ``op``; skipped once the submission failed.
 
-    def __init__(self, sub: Submission, lane: Lane, nbytes: int) -> None:
-        super().__init__(lane, nbytes)
+    ``release`` (set when a peer NIC granted the chunk) runs once the item has run or was
+    dropped: the peer may then grant this engine another chunk.
+    """
+
+    __slots__ = ("op", "release", "sub")
+
+    def __init__(self, sub: Submission, lane: Lane, nbytes: int,
+                 op: Callable[[], None]) -> None:
+        self.lane = lane
+        self.nbytes = nbytes
         self.sub = sub
+        self.op = op
+        self.release: Callable[[], None] | None = None
 
     def dropped(self, now_s: float) -> bool:
         return self.sub.failed
 
-    def finish(self, op: Callable[[], None], what: str) -> bool:
+    def run(self) -> bool:
         """Run ``op``; count the chunk done, or fail the submission with a ``TransferError``."""
         try:
-            op()
+            self.op()
         except Exception as exc:  # any failure belongs to the caller's future
-            err = exc if isinstance(exc, TransferError) else TransferError(f"{what}: {exc}")
-            if err is not exc:
+            err = exc
+            if not isinstance(exc, TransferError):
+                err = TransferError(f"{'transfer' if self.kind == 'active' else 'copy'}: {exc}")
                 err.__cause__ = exc
             self.sub.fail(err)
-            return False
-        self.sub.chunk_done()
-        return True
-
-
-class MoveWork(_SubmissionWork):
-    """A chunk of a transfer this engine started: one backend call.
-
-    ``release`` (set when a peer NIC granted the chunk) runs once the chunk has moved or was
-    dropped: the peer may then grant this engine another chunk.
-    """
-
-    kind = "active"
-
-    def __init__(self, sub: Submission, lane: Lane, nbytes: int,
-                 op: Callable[[], None]) -> None:
-        super().__init__(sub, lane, nbytes)
-        self.op = op
-        self.release: Callable[[], None] | None = None
-
-    def run(self) -> bool:
-        moved = self.finish(self.op, "transfer")
-        self.on_drop()
+            moved = False
+        else:
+            self.sub.chunk_done()
+            moved = True
+        if self.release is not None:
+            self.on_drop()
         return moved
 
     def on_drop(self) -> None:
@@ -148,15 +143,15 @@ class MoveWork(_SubmissionWork):
             release()
 
 
-class CopyWork(_SubmissionWork):
+class MoveWork(SubmissionWork):
+    """A chunk of a transfer this engine started: one backend call."""
+
+    __slots__ = ()
+    kind = "active"
+
+
+class CopyWork(SubmissionWork):
     """A piece of a host↔device copy (the dispatcher is the copy thread)."""
 
+    __slots__ = ()
     kind = "copy"
-
-    def __init__(self, sub: Submission, lane: Lane, nbytes: int,
-                 op: Callable[[], None]) -> None:
-        super().__init__(sub, lane, nbytes)
-        self.op = op
-
-    def run(self) -> bool:
-        return self.finish(self.op, "copy")
