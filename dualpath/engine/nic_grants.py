@@ -27,8 +27,9 @@ Liveness, so nothing leaks or wedges:
   hung, unreachable, or its dispatcher stalled) fails every transfer waiting on it with a
   ``TransferError``; the rest of its requests are cancelled.
 - The passive side drops, uncharged, a request that was cancelled, or whose requester has been
-  silent for ``timeout`` (a dead requester cannot hold its queue); a closing server refuses
-  its outstanding and new requests, which fails them on the active side at once.
+  silent for ``timeout`` (a dead requester cannot hold its queue; should it be alive after all,
+  it is told, and its transfer fails rather than waits forever); a closing server refuses its
+  outstanding and new requests, which fails them on the active side at once.
 - A request the peer cannot queue (its sockets' queue full) fails at once.
 
 Wire format (one msgpack frame; ROUTER adds the requester's identity frame). To the server:
@@ -183,7 +184,8 @@ class GrantRequest(Work):
         return self.requester.held < self.server.credit
 
     def on_drop(self) -> None:
-        self.server.post(("drop", self.requester.identity, self.rid))
+        cancelled = self.cancelled or self.server.refusing  # else: expired (requester silent)
+        self.server.post(("drop" if cancelled else "expire", self.requester.identity, self.rid))
 
     def run(self) -> bool:
         with self.requester.lock:
@@ -227,14 +229,18 @@ class GrantServer(IoLoop):
 
     def _commands_batch(self, commands: list[tuple[Any, ...]]) -> None:
         goes: dict[bytes, list[int]] = defaultdict(list)
+        expired: dict[bytes, list[int]] = defaultdict(list)
         for cmd in commands:
-            if cmd[0] in ("go", "drop"):
-                if self._inbound.pop((cmd[1], cmd[2]), None) is not None and cmd[0] == "go":
-                    goes[cmd[1]].append(cmd[2])
+            if cmd[0] in ("go", "drop", "expire"):
+                if self._inbound.pop((cmd[1], cmd[2]), None) is not None and cmd[0] != "drop":
+                    (goes if cmd[0] == "go" else expired)[cmd[1]].append(cmd[2])
             elif cmd[0] == "refuse":
                 self._refuse_inbound()
         for identity, rids in goes.items():
             self._reply(identity, ["go", rids])
+        for identity, rids in expired.items():  # if the requester is alive after all, it hears
+            self._reply(identity, ["refused", [rids, f"expired: the requester was silent for "
+                                                     f"{self.timeout_s:g} s"]])
 
     def _readable(self, sock: Any) -> None:
         while True:
