@@ -3,7 +3,8 @@
 A ``Work`` item is at most ``chunk_bytes`` on one lane, of one kind: ``active`` (a chunk of a
 transfer this engine started), ``passive`` (a peer's grant request, ``nic_grants``) or ``copy``
 (a piece of a host↔device copy). A ``Submission`` is one ``submit``/``submit_copy`` call: its
-future settles once, when its last item has run or its first failure.
+future settles once, when its last item has run or its first failure. ``LiveSubmissions``
+starts them (now or after another future) and lets a closing manager wait for them.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import ClassVar, Literal
+from concurrent.futures import CancelledError, Future
+from functools import partial
+from typing import Any, ClassVar, Literal
 
 from dualpath.errors import TransferError
 from dualpath.transfer.lanes import Lane
@@ -67,6 +69,90 @@ class Submission:
         if self.on_fail is not None:
             self.on_fail()
         return True
+
+
+class LiveSubmissions:
+    """Submissions accepted and not yet settled: each starts now or once its ``after`` is done.
+
+    ``after`` failing (or cancelled) fails the submission with a ``TransferError`` chained from
+    it, and nothing of it moves. Never blocks the submitter (``add_done_callback``).
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.closing = False
+        self._cond = threading.Condition()
+        self._live = 0
+        self._waiting: set[Submission] = set()  # live, waiting for their ``after``
+
+    def accept(self, sub: Submission, after: Future[Any] | None,
+               start: Callable[[], None]) -> None:
+        """Count ``sub`` live and run ``start`` now or after ``after``; raises once closing."""
+        with self._cond:
+            if self.closing:
+                raise TransferError("the traffic manager is closed")
+            self._live += 1
+            if after is not None:
+                self._waiting.add(sub)
+        sub.future.add_done_callback(self._settled)
+        if after is None:
+            self._start(sub, start)
+        else:
+            after.add_done_callback(partial(self._after_done, sub, start))
+
+    def close(self) -> None:
+        """Accept nothing more (``accept`` raises ``TransferError``)."""
+        with self._cond:
+            self.closing = True
+
+    def wait_settled(self) -> None:
+        """Wait until every accepted submission has settled (call after ``close``).
+
+        Those still waiting for an ``after`` that nothing else here will complete fail after
+        ``grace_s`` without progress.
+        """
+        while True:
+            with self._cond:
+                before = self._live
+                if before:
+                    self._cond.wait(self.grace_s)
+                if not self._live:
+                    return
+                stuck = list(self._waiting) if self._live == before == len(self._waiting) else []
+            for sub in stuck:  # outside the lock: failing settles them
+                sub.fail(TransferError("the traffic manager closed before this transfer's "
+                                       "`after` completed"))
+
+    def _after_done(self, sub: Submission, start: Callable[[], None], after: Future[Any]) -> None:
+        with self._cond:
+            self._waiting.discard(sub)
+        try:
+            exc = after.exception()
+        except CancelledError as cancelled:
+            exc = cancelled
+        if exc is None:
+            self._start(sub, start)
+            return
+        err = TransferError(f"the transfer's `after` failed: {exc!r}")
+        err.__cause__ = exc
+        sub.fail(err)
+
+    @staticmethod
+    def _start(sub: Submission, start: Callable[[], None]) -> None:
+        if sub.failed or sub.complete_if_empty():
+            return
+        try:
+            start()
+        except Exception as exc:
+            err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
+            if err is not exc:
+                err.__cause__ = exc
+            sub.fail(err)
+
+    def _settled(self, _future: Future[None]) -> None:
+        with self._cond:
+            self._live -= 1
+            self._cond.notify_all()
 
 
 class Work(ABC):

@@ -41,7 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from functools import partial
 from typing import Any, Literal
 
@@ -51,7 +51,7 @@ from dualpath.engine.nic_copy import PieceCopier, copy_pieces, tensor_context
 from dualpath.engine.nic_grant_client import GrantClient, PendingGrant
 from dualpath.engine.nic_grants import GrantServer
 from dualpath.engine.nic_queues import NicDirection, direction_metrics
-from dualpath.engine.nic_work import CopyWork, MoveWork, Submission, Work
+from dualpath.engine.nic_work import CopyWork, LiveSubmissions, MoveWork, Submission, Work
 from dualpath.errors import TransferError
 from dualpath.storage.throttle import TokenBucket
 from dualpath.transfer.base import Segment, TransferBackend
@@ -66,7 +66,12 @@ _OPPOSITE = {"send": "recv", "recv": "send"}
 
 
 class TrafficManager:
-    """An engine's data movement: lanes, chunking, compute-NIC caps (both ends) and counters."""
+    """An engine's data movement: lanes, chunking, compute-NIC caps (both ends) and counters.
+
+    ``nic_host`` is the address a capped manager's grant server binds (peers must reach it).
+    Returned futures complete on a dispatcher thread: their callbacks must not wait on this
+    manager (chain with ``after=`` instead).
+    """
 
     def __init__(self, backend: TransferBackend | None, config: TrafficConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, nic_host: str = "127.0.0.1") -> None:
@@ -82,10 +87,8 @@ class TrafficManager:
                                self.config.qos_lanes, clock, self.config.grant_timeout_s / 8)
             for side, cap in caps.items()}
         self._copiers = {side: PieceCopier() for side in self._dirs}
-        self._live_cond = threading.Condition()
-        self._live = 0  # submissions accepted and not yet settled
-        self._waiting: set[Submission] = set()  # of those, waiting for their ``after``
-        self._closing = False
+        self._live = LiveSubmissions(self.config.grant_timeout_s)
+        self._lock = threading.Lock()  # peers, counters
         self._peer_nics: dict[str, str] = {}
         self._unpaced_chunks = 0
         self._client: GrantClient | None = None
@@ -120,7 +123,8 @@ class TrafficManager:
         op = backend.write if kind == "write" else backend.read
         items: list[Work] = [MoveWork(sub, lane, sum(s[2] for s in c), partial(op, peer, c))
                              for c in chunks]
-        self._accept(sub, after, partial(self._start_transfer, _NIC_SIDE[kind], peer, sub, items))
+        start = partial(self._start_transfer, _NIC_SIDE[kind], peer, sub, items)
+        self._live.accept(sub, after, start)
         return sub.future
 
     def submit_copy(self, dst: Any, src: Any, lane: Lane, direction: CopyDirection | None = None,
@@ -145,7 +149,7 @@ class TrafficManager:
         sub = Submission(len(pieces))
         items: list[Work] = [CopyWork(sub, lane, n, partial(copier.copy, d, s, ctx))
                              for d, s, n in pieces]
-        self._accept(sub, after, partial(self._dirs[side].put, items))
+        self._live.accept(sub, after, partial(self._dirs[side].put, items))
         return sub.future
 
     def write(self, peer: str, segments: Sequence[Segment], lane: Lane) -> None:
@@ -173,7 +177,7 @@ class TrafficManager:
         """
         if nic_address == self.nic_address:
             return  # ourselves
-        with self._live_cond:
+        with self._lock:
             if self._client is None:
                 self._client = GrantClient(self.config.grant_timeout_s, self._clock)
             self._peer_nics[endpoint] = nic_address
@@ -181,7 +185,7 @@ class TrafficManager:
 
     def forget_peer(self, endpoint: str) -> None:
         """Stop asking peer ``endpoint`` for grants; transfers waiting on its grants fail."""
-        with self._live_cond:
+        with self._lock:
             if self._peer_nics.pop(endpoint, None) is not None and self._client is not None:
                 self._client.forget_peer(endpoint)
 
@@ -218,21 +222,10 @@ class TrafficManager:
         ``after`` that nothing else here will complete fail with a ``TransferError`` after
         ``grant_timeout_s``.
         """
-        with self._live_cond:
-            self._closing = True
+        self._live.close()
         if self._server is not None:
             self._server.refuse_all()
-        while True:
-            with self._live_cond:
-                before = self._live
-                if before:
-                    self._live_cond.wait(self.config.grant_timeout_s)
-                if not self._live:
-                    break
-                stuck = list(self._waiting) if self._live == before == len(self._waiting) else []
-            for sub in stuck:  # outside the lock: failing settles them
-                sub.fail(TransferError("the traffic manager closed before this transfer's "
-                                       "`after` completed"))
+        self._live.wait_settled()
         for d in self._dirs.values():
             d.close()
         for loop in (self._client, self._server):
@@ -258,55 +251,10 @@ class TrafficManager:
             raise TransferError("this traffic manager has no transfer backend")
         return self.backend
 
-    def _accept(self, sub: Submission, after: Future[Any] | None,
-                start: Callable[[], None]) -> None:
-        """Count ``sub`` live and start it now, or once ``after`` completes (never blocking)."""
-        with self._live_cond:
-            if self._closing:
-                raise TransferError("the traffic manager is closed")
-            self._live += 1
-            if after is not None:
-                self._waiting.add(sub)
-        sub.future.add_done_callback(self._settled)
-        if after is None:
-            self._start(sub, start)
-        else:
-            after.add_done_callback(partial(self._after_done, sub, start))
-
-    def _after_done(self, sub: Submission, start: Callable[[], None], after: Future[Any]) -> None:
-        with self._live_cond:
-            self._waiting.discard(sub)
-        try:
-            exc = after.exception()
-        except CancelledError as cancelled:
-            exc = cancelled
-        if exc is None:
-            self._start(sub, start)
-            return
-        err = TransferError(f"the transfer's `after` failed: {exc!r}")
-        err.__cause__ = exc
-        sub.fail(err)
-
-    def _start(self, sub: Submission, start: Callable[[], None]) -> None:
-        if sub.failed or sub.complete_if_empty():
-            return
-        try:
-            start()
-        except Exception as exc:
-            err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
-            if err is not exc:
-                err.__cause__ = exc
-            sub.fail(err)
-
-    def _settled(self, _future: Future[None]) -> None:
-        with self._live_cond:
-            self._live -= 1
-            self._live_cond.notify_all()
-
     def _start_transfer(self, side: str, peer: str, sub: Submission, items: list[Work]) -> None:
         """Queue the chunks now (peer NIC unknown), or each once the peer NIC grants it."""
         d = self._dirs[side]
-        with self._live_cond:
+        with self._lock:
             known = peer in self._peer_nics
             client = self._client
             if not known and (client is not None or self._server is not None):

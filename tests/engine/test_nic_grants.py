@@ -361,3 +361,23 @@ def test_failed_transfer_cancels_its_outstanding_requests(engines):
     second.pull(de, 256 * KB).result(5)
     assert time.monotonic() - start < 0.1  # the cancelled backlog no longer holds the NIC
     assert de.tm.metrics()["cnic_send_passive_bytes"] < 4 * MB
+
+
+def test_close_stops_the_threads_and_frees_the_grant_port():
+    before = {t.ident for t in threading.enumerate()}
+    de = Engine(_capped(20))
+    pe = Engine(TrafficConfig(chunk_bytes=CHUNK))
+    pe.knows(de)
+    pe.pull(de, 256 * KB).result(5)
+    address = de.tm.nic_address
+    assert address is not None and address.startswith("tcp://127.0.0.1:")
+    assert pe.tm.nic_address is None  # uncapped: no grant server
+    pe.close()
+    de.close()
+    left = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert left == []
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        sock.bind(address)  # the port is free again
+    finally:
+        sock.close(linger=0)
