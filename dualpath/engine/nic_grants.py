@@ -27,9 +27,10 @@ Liveness, so nothing leaks or wedges:
   hung, unreachable, or its dispatcher stalled) fails every transfer waiting on it with a
   ``TransferError``; the rest of its requests are cancelled.
 - The passive side drops, uncharged, a request that was cancelled, or whose requester has been
-  silent for ``timeout`` (a dead requester cannot hold its queue; should it be alive after all,
-  it is told, and its transfer fails rather than waits forever); a closing server refuses its
-  outstanding and new requests, which fails them on the active side at once.
+  silent for ``timeout``, or has held all its credit (below) for ``timeout`` without moving a
+  chunk (a dead or stuck requester cannot hold the head of a lane; should it be alive after
+  all, it is told, and its transfer fails rather than waits forever); a closing server refuses
+  its outstanding and new requests, which fails them on the active side at once.
 - A request the peer cannot queue (its sockets' queue full) fails at once.
 
 Wire format (one msgpack frame; ROUTER adds the requester's identity frame). To the server:
@@ -160,6 +161,7 @@ class _Requester:
     identity: bytes
     last_seen: float
     held: int = 0  # grants it holds: granted, not yet reported moved ("done")
+    credit_s: float = 0.0  # when it last took a grant while holding none, or returned one
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -177,8 +179,9 @@ class GrantRequest(Work):
         self.cancelled = False
 
     def dropped(self, now_s: float) -> bool:
-        return (self.cancelled or self.server.refusing
-                or now_s - self.requester.last_seen > self.server.timeout_s)
+        r, timeout = self.requester, self.server.timeout_s
+        return (self.cancelled or self.server.refusing or now_s - r.last_seen > timeout
+                or (r.held >= self.server.credit and now_s - r.credit_s > timeout))
 
     def ready(self) -> bool:
         return self.requester.held < self.server.credit
@@ -189,6 +192,8 @@ class GrantRequest(Work):
 
     def run(self) -> bool:
         with self.requester.lock:
+            if self.requester.held == 0:
+                self.requester.credit_s = self.server._clock()
             self.requester.held += 1
         self.server.post(("go", self.requester.identity, self.rid))
         return True
@@ -270,6 +275,7 @@ class GrantServer(IoLoop):
         elif kind == "done":
             with requester.lock:
                 requester.held = max(0, requester.held - len(body))
+                requester.credit_s = now
             self._wake()
         elif kind == "req":
             self._queue_requests(requester, body)
