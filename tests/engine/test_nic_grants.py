@@ -218,8 +218,9 @@ def test_high_lane_overtakes_peers_backlog_only_with_qos_lanes(engines):
     fifo = _high_wait_s(engines, qos_lanes=False)
     print(f"HIGH write behind a 8 MB pulled backlog at 40 MB/s: lanes {lanes * 1e3:.1f} ms, "
           f"FIFO {fifo * 1e3:.1f} ms")
-    assert lanes < 0.03  # about a chunk (1.6 ms at 40 MB/s) and the hand-offs
-    assert fifo > 0.1  # behind most of the backlog
+    # about a chunk (1.6 ms at 40 MB/s) and the threads' hand-offs (~25 ms on a starved CPU)
+    assert lanes < 0.06
+    assert fifo > 0.15  # behind most of the backlog (210 ms of the link)
 
 
 # --- a busy peer is not a dead one ------------------------------------------------------------
