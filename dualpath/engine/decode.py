@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dualpath.engine.futures import all_of
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.traffic import TrafficManager
 from dualpath.errors import HostPoolExhaustedError, OutOfBlocksError
@@ -43,6 +44,17 @@ from dualpath.protocol import (
 from dualpath.request import SamplingParams, Sequence
 from dualpath.storage.client import StorageClient
 from dualpath.transfer.lanes import Lane
+
+
+@dataclass
+class _CopyIn:
+    """A request whose prompt KV is on its way from the buffer into its reserved blocks."""
+
+    msg: Decode
+    seq: Sequence
+    slots: list[int]
+    copies: Future[None]
+    aborted: bool = False
 
 
 @dataclass
@@ -71,6 +83,7 @@ class DecodeWorker:
         self._orphans: set[int] = set()  # aborted while reading: free the slots when it ends
         self._pending_allocs: deque[AllocBuffer] = deque()  # waiting for a contiguous run
         self._pending_decodes: deque[Decode] = deque()  # waiting for device KV blocks
+        self._copying: list[_CopyIn] = []  # prompt KV moving buffer -> cache (async, paced)
         self._active: dict[int, _Active] = {}  # seq_id -> request
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._quarantine: list[tuple[float, list[int]]] = []  # (free at, slots) of dropped buffers
@@ -145,6 +158,9 @@ class DecodeWorker:
             if active.req_id == req_id:
                 self.engine.abort(active.seq)
                 del self._active[seq_id]
+        for copy in self._copying:
+            if copy.msg.req_id == req_id:
+                copy.aborted = True  # its slots and blocks are freed when the copies end
         return [Aborted(req_id), *self._start_allocs()]
 
     def held_requests(self) -> tuple[int, ...]:
@@ -152,6 +168,7 @@ class DecodeWorker:
         ids = {m.req_id for m in self._pending_allocs} | set(self._buffers)
         ids |= {m.req_id for m in self._pending_decodes}
         ids |= {a.req_id for a in self._active.values()}
+        ids |= {c.msg.req_id for c in self._copying if not c.aborted}
         return tuple(sorted(ids - self._orphans))
 
     def _ready(self, req_id: int, num_loaded: int) -> BufferReady:
@@ -175,33 +192,50 @@ class DecodeWorker:
         return out
 
     def _start_decodes(self) -> list[Message]:
-        out: list[Message] = []
+        """Reserve device blocks for waiting decodes (FIFO) and start their copy-in; the
+        sequences run once their KV has landed (``_end_copies``), so decoding never stalls
+        on a copy."""
         while self._pending_decodes:
             msg = self._pending_decodes[0]
-            slots = self._buffers[msg.req_id]
             params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature,
                                     top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos,
                                     stop=tuple(msg.stop), min_tokens=msg.min_tokens)
-            fill = ((lambda table: None) if msg.oracle
-                    else (lambda table, s=slots: self._copy_in(s, table)))
             try:
-                seq = self.engine.add_prefilled(list(msg.prompt_ids), msg.first_token, params,
-                                                fill)
+                seq = self.engine.reserve_prefilled(list(msg.prompt_ids), params)
             except OutOfBlocksError:
-                return out  # running sequences free blocks as they finish
+                break  # running sequences free blocks as they finish
             self._pending_decodes.popleft()
-            self.host_pool.free(self._buffers.pop(msg.req_id))
-            self._active[seq.seq_id] = _Active(msg.req_id, seq, msg.num_stored_blocks,
-                                               persist=not msg.oracle)
-            out.extend(self._after_step([seq] if seq.is_finished else []))
-        return out + self._start_allocs()
+            slots = self._buffers.pop(msg.req_id)
+            copies = all_of([] if msg.oracle else self._copy_in(slots, seq.block_table))
+            self._copying.append(_CopyIn(msg, seq, slots, copies))
+        return self._end_copies()
 
-    def _copy_in(self, slots: list[int], table: list[int]) -> None:
+    def _copy_in(self, slots: list[int], table: list[int]) -> list[Future[None]]:
+        """Host buffer -> device cache, block by block, on the NIC's KV-load lane."""
         data = self.engine.runner.cache.data
         layer_major = self._layer_major(slots).view(data.dtype)
         layer_major = layer_major.view(data.shape[0], len(slots), *data.shape[2:])
-        for b, block in enumerate(table[: len(slots)]):  # the table has room to grow
-            self.traffic.copy(data[:, block], layer_major[:, b], Lane.KV_LOAD)  # host -> device
+        return [self.traffic.submit_copy(data[:, block], layer_major[:, b], Lane.KV_LOAD)
+                for b, block in enumerate(table[: len(slots)])]  # the table has room to grow
+
+    def _end_copies(self) -> list[Message]:
+        """Start the sequences whose copy-in ended; free their buffers."""
+        out: list[Message] = []
+        for copy in [c for c in self._copying if c.copies.done()]:
+            self._copying.remove(copy)
+            self.host_pool.free(copy.slots)
+            req_id, error = copy.msg.req_id, copy.copies.exception()
+            if copy.aborted or error is not None:
+                self.engine.release_reserved(copy.seq)
+                if not copy.aborted:
+                    out.append(Failed(req_id, f"copy-in failed: {type(error).__name__}: {error}"))
+                continue
+            seq = copy.seq
+            self.engine.start_prefilled(seq, copy.msg.first_token)
+            self._active[seq.seq_id] = _Active(req_id, seq, copy.msg.num_stored_blocks,
+                                               persist=not copy.msg.oracle)
+            out.extend(self._after_step([seq] if seq.is_finished else []))
+        return out + self._start_allocs()
 
     @property
     def free_kv_blocks(self) -> int:
@@ -210,7 +244,8 @@ class DecodeWorker:
 
     @property
     def has_work(self) -> bool:
-        """True while sequences decode."""
+        """True while sequences decode (a copy-in in flight is picked up by ``drain_events``,
+        which the loop runs at least every idle poll)."""
         return self.engine.has_unfinished
 
     def step(self) -> list[Message]:
@@ -294,7 +329,7 @@ class DecodeWorker:
     def drain_events(self) -> list[Message]:
         """Handle finished storage reads and writes and ended quarantines; returns messages
         to send."""
-        out: list[Message] = self._end_quarantines()
+        out: list[Message] = self._end_quarantines() + self._end_copies()
         while True:
             try:
                 kind, payload = self._events.get_nowait()

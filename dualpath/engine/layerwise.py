@@ -29,12 +29,12 @@ holds a full block ``[layers, tokens, bytes]`` (the storage layout).
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
 
+from dualpath.engine.futures import all_of
 from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.cache import PagedKVCache
 from dualpath.kv.host_pool import HostPool
@@ -196,7 +196,7 @@ class PrefillHooks(LayerHooks):
                          plan.de_layer_block(layer_idx, j, self.lb), self.lb) for j in remote]
             futures.append(self.traffic.submit("read", plan.de_endpoint, segments,
                                                Lane.KV_LOAD, after=after))
-        return futures[0] if len(futures) == 1 else _all_of(futures)
+        return futures[0] if len(futures) == 1 else all_of(futures)
 
     def _start_forward(self, layer_idx: int) -> Future[None]:
         plan = self.plan
@@ -217,29 +217,3 @@ class PrefillHooks(LayerHooks):
         if self._on_cuda:
             torch.cuda.current_stream(self.cache.data.device).synchronize()
 
-
-def _all_of(futures: list[Future[None]]) -> Future[None]:
-    """A future that completes when every one of ``futures`` has (failing with the first
-    error)."""
-    combined: Future[None] = Future()
-    combined.set_running_or_notify_cancel()
-    left = [len(futures)]
-    lock = threading.Lock()
-    if not futures:
-        combined.set_result(None)
-        return combined
-
-    def done(f: Future[None]) -> None:
-        exc = f.exception()
-        with lock:
-            left[0] -= 1
-            if combined.done():
-                return
-            if exc is not None:
-                combined.set_exception(exc)
-            elif left[0] == 0:
-                combined.set_result(None)
-
-    for future in futures:
-        future.add_done_callback(done)
-    return combined

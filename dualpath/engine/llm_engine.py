@@ -80,16 +80,33 @@ class LLMEngine:
         Allocates cache blocks for the prompt, lets ``fill_kv(block_table)`` copy the prompt KV
         in, then runs the sequence from ``first_token`` (which may already finish it).
         """
+        seq = self.reserve_prefilled(prompt_ids, params)
+        fill_kv(seq.block_table)
+        self.start_prefilled(seq, first_token)
+        return seq
+
+    def reserve_prefilled(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Allocate cache blocks for a prompt whose KV arrives from elsewhere; the sequence
+        does not run until ``start_prefilled`` (``OutOfBlocksError`` when there is no room)."""
         seq = Sequence(list(prompt_ids), params)
         self.batcher.check_fits(seq)
         seq.block_table = self.pool.allocate(-(-(len(prompt_ids) + 1) // self.config.block_size))
-        fill_kv(seq.block_table)
-        seq.num_computed_tokens = len(prompt_ids)
+        return seq
+
+    def start_prefilled(self, seq: Sequence, first_token: int) -> None:
+        """The reserved sequence's prompt KV is in its blocks: run it from ``first_token``
+        (which may already finish it)."""
+        seq.num_computed_tokens = len(seq.prompt_ids)
         seq.status = SeqStatus.RUNNING
         self.batcher.running.append(seq)
         self.batcher.publish_blocks(seq)
         self._append(seq, first_token)
-        return seq
+
+    def release_reserved(self, seq: Sequence) -> None:
+        """Give back the blocks of a reserved sequence that will never run."""
+        self.pool.free(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = "abort"
 
     def abort(self, seq: Sequence) -> None:
         """Stop a waiting or running sequence and free its blocks."""

@@ -43,7 +43,9 @@ JUNK = st.one_of(JUNK_SCALAR, st.lists(JUNK_SCALAR, max_size=3),
 WORDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)  # no lone surrogates
 TOKEN_IDS = st.lists(st.integers(0, 299), min_size=1, max_size=40)
 MODES = ["basic", "layerwise", "dualpath", "oracle", "recompute"]
-READ_PATHS = ["auto", "pe", "de"]
+# basic keeps every layer resident: a cluster whose PEs hold a layer window refuses it (a 400)
+SERVED_MODES = [m for m in MODES if m != "basic"]
+READ_PATHS = ["auto", "pe", "de", "split"]
 ROLES = ["system", "developer", "user", "assistant", "tool"]
 
 # every optional field of _Sampling with values a request may carry; generations stay tiny
@@ -59,7 +61,7 @@ SAMPLING = {
     "logprobs": st.sampled_from([False, None]),
     "ignore_eos": st.booleans(),
     "min_tokens": st.integers(0, 8),
-    "dualpath": st.fixed_dictionaries({}, optional={"mode": st.sampled_from(MODES),
+    "dualpath": st.fixed_dictionaries({}, optional={"mode": st.sampled_from(SERVED_MODES),
                                                     "read_path": st.sampled_from(READ_PATHS)}),
     "user": TEXT,  # accepted and ignored
 }
