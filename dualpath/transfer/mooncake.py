@@ -8,17 +8,27 @@ glog on stderr.
 
 Mooncake's TCP transport checks remote addresses against the peer's registered buffers but does
 not check local ones, so this backend checks local ranges itself before submitting.
+
+Mooncake's synchronous batch calls busy-poll until the transfer ends: measured here, a read
+from a peer that answered after 1 s burned 0.83 s of CPU, and on a 2-core testbed that spinning
+starves the engines whose work the transfer waits for. So each segment is submitted as its own
+asynchronous batch and polled with ``transfer_check_status`` (non-blocking; it checks a batch's
+first task, hence one segment per batch), spinning only briefly and then sleeping with backoff.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from dualpath.errors import TransferError
 from dualpath.transfer.base import RegionSet, Segment, TransferBackend
 
+SPIN_CHECKS = 20  # status checks before the first sleep (a small transfer ends within these)
+POLL_MIN_S = 50e-6
+POLL_MAX_S = 1e-3
 _INSTALL_HINT = ("install `mooncake-transfer-engine-non-cuda` (CPU) or "
                  "`mooncake-transfer-engine` (CUDA), plus Debian's `libibverbs1`")
 
@@ -59,11 +69,11 @@ class MooncakeBackend(TransferBackend):
                                     f"returned {rc}")
 
     def write(self, peer: str, segments: Sequence[Segment]) -> None:
-        """All segments local → peer in one ``batch_transfer_sync_write``."""
+        """All segments local → peer, submitted together; returns when all have landed."""
         self._batch("write", peer, segments)
 
     def read(self, peer: str, segments: Sequence[Segment]) -> None:
-        """All segments peer → local in one ``batch_transfer_sync_read``."""
+        """All segments peer → local, submitted together; returns when all have landed."""
         self._batch("read", peer, segments)
 
     def close(self) -> None:
@@ -86,15 +96,42 @@ class MooncakeBackend(TransferBackend):
             engine = self._live()
             for local_addr, _, nbytes in segments:
                 self._regions.check(local_addr, nbytes, "local")
-        local = [s[0] for s in segments]
-        remote = [s[1] for s in segments]
-        lengths = [s[2] for s in segments]
-        submit = (engine.batch_transfer_sync_write if kind == "write"
-                  else engine.batch_transfer_sync_read)
-        rc = submit(peer, local, remote, lengths)
-        if rc != 0:
-            raise TransferError(f"Mooncake batch {kind} of {len(segments)} segments "
-                                f"({sum(lengths)} bytes) with {peer} returned {rc}")
+        submit = (engine.batch_transfer_async_write if kind == "write"
+                  else engine.batch_transfer_async_read)
+        total = sum(s[2] for s in segments)
+        pending = []
+        for local, remote, nbytes in segments:
+            batch = submit(peer, [local], [remote], [nbytes])
+            if not batch:
+                self._settle(engine, pending)  # nothing may still write into the caller's buffer
+                raise TransferError(f"Mooncake could not submit a {kind} of {nbytes} bytes "
+                                    f"with {peer}")
+            pending.append(batch)
+        failed = self._settle(engine, pending)
+        if failed:
+            raise TransferError(f"Mooncake {kind} of {len(segments)} segments ({total} bytes) "
+                                f"with {peer}: {failed} failed or timed out")
+
+    @staticmethod
+    def _settle(engine: Any, batches: list[int]) -> int:
+        """Wait for every batch (a short spin, then sleeps backing off to ``POLL_MAX_S``);
+        returns how many failed or timed out."""
+        failed, spins, sleep_s = 0, 0, POLL_MIN_S
+        while batches:
+            still = []
+            for batch in batches:
+                status = engine.transfer_check_status(batch)
+                if status == 0:
+                    still.append(batch)
+                elif status < 0:
+                    failed += 1
+            batches = still
+            if batches:
+                spins += 1
+                if spins > SPIN_CHECKS:
+                    time.sleep(sleep_s)
+                    sleep_s = min(2 * sleep_s, POLL_MAX_S)
+        return failed
 
     def _live(self) -> Any:
         if self._engine is None:
