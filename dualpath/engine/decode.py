@@ -20,7 +20,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -314,16 +314,28 @@ class DecodeWorker:
                 return  # saved at a later step, when writes have freed staging slots
             slot = self.host_pool.alloc(1)[0]
             self._staging_in_use += 1
-            self._gather(seq.block_table[k], slot)
             key = space.key(hashes[k], hashes[k - 1] if k else None)
-            future = self.storage.submit_write([key], [self.host_pool.buffer(slot)])
-            future.add_done_callback(lambda f, s=slot: self._events.put(("saved", (s, f))))
+            copied = self._gather(seq.block_table[k], slot)
+            if seq.is_finished:  # its blocks are handed out again after this step
+                wait([copied])
+            copied.add_done_callback(lambda f, s=slot, key=key: self._write_saved(f, s, key))
             active.num_saved_blocks = k + 1
 
-    def _gather(self, block: int, slot: int) -> None:
+    def _gather(self, block: int, slot: int) -> Future[None]:
+        """Device -> host staging on the KV-save lane, asynchronous (paced by the NIC cap, it
+        must not hold up the decode loop); a full block is never written again while its
+        sequence runs."""
         data = self.engine.runner.cache.data
         dst = self.host_pool.tensor(slot).view(data.dtype).view(data.shape[0], *data.shape[2:])
-        self.traffic.copy(dst, data[:, block], Lane.KV_SAVE)  # device -> host staging
+        return self.traffic.submit_copy(dst, data[:, block], Lane.KV_SAVE)
+
+    def _write_saved(self, copied: Future[None], slot: int, key: object) -> None:
+        """Once staged, store the block (runs on the traffic manager's thread)."""
+        if copied.exception() is not None:
+            self._events.put(("saved", (slot, copied)))
+            return
+        future = self.storage.submit_write([key], [self.host_pool.buffer(slot)])  # type: ignore[list-item]
+        future.add_done_callback(lambda f, s=slot: self._events.put(("saved", (s, f))))
 
     # -- completions from storage threads --------------------------------------------------------
     def drain_events(self) -> list[Message]:
