@@ -48,12 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="(a) the PE's device-KV budget, in full blocks of every layer")
     parser.add_argument("--hit-blocks", default="2,4,7,15,31,63,118",
                         help="(a) the ladder of hit blocks")
-    parser.add_argument("--compute-cap-mb-s", type=float, default=50.0,
+    parser.add_argument("--compute-cap-mb-s", type=float, default=20.0,
                         help="(b) every engine's compute-NIC cap, each way")
-    parser.add_argument("--ep-bytes-per-token", type=int, default=256 << 10,
+    parser.add_argument("--ep-bytes-per-token", type=int, default=48 << 10,
                         help="(b) EP traffic generator bytes per token (see engine/ep_traffic)")
     parser.add_argument("--chunk-kb", type=int, default=64, help="(b) lane arbitration unit")
     parser.add_argument("--kv-hit-tokens", type=int, default=1024, help="(b) hit per KV request")
+    parser.add_argument("--kv-in-flight", type=int, default=4,
+                        help="(b) DE-path KV requests kept in flight in the loaded phase")
+    parser.add_argument("--prefill", type=int, default=1,
+                        help="(b) prefill engines (one: each extra one is a busy process on "
+                        "a small machine)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="(b) tokens per decode")
     parser.add_argument("--read-cap-mb-s", type=float, default=30.0,
                         help="(c) storage-NIC read cap of every node")
@@ -95,9 +100,10 @@ def run_layerwise_bench(args: argparse.Namespace) -> dict[str, Any]:
         if "b" in parts:
             config = _lanes_config(args, engine, _fresh(work / "b" / "kv"))
             options = LanesOptions(kv_hit_tokens=args.kv_hit_tokens,
-                                   decode_tokens=args.decode_tokens)
+                                   decode_tokens=args.decode_tokens,
+                                   kv_in_flight=args.kv_in_flight)
             rows = lanes_experiment(model_dir, config, vocab, options, work / "b" / "logs",
-                                    step("(b) lanes vs FIFO", 4))
+                                    step("(b) lanes vs FIFO", 4 * options.rounds))
             result["parts"]["b"], result["configs"]["b"] = rows, asdict(config)
         if "c" in parts:
             result["parts"]["c"], result["configs"]["c"] = _split_reads(
@@ -132,7 +138,8 @@ def _lanes_config(args: argparse.Namespace, engine: EngineConfig, store: Path) -
                             chunk_bytes=args.chunk_kb << 10,
                             ep_bytes_per_token=args.ep_bytes_per_token)
     return ClusterConfig(engine=engine, storage=StorageConfig(root=str(store)),
-                         traffic=traffic, num_prefill=2, num_decode=2, mode="dualpath")
+                         traffic=traffic, num_prefill=args.prefill, num_decode=2,
+                         mode="dualpath")
 
 
 def _split_reads(args: argparse.Namespace, engine: EngineConfig, model_dir: Path, vocab: int,
@@ -177,6 +184,17 @@ def _summary(parts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                              for name in ("lanes", "fifo") for phase in ("quiet", "loaded")}
         summary["pe_forward_s"] = {f"{name}_{phase}": b[name][phase]["pe_forward_s"]
                                    for name in ("lanes", "fifo") for phase in ("quiet", "loaded")}
+        # what the NIC adds to a decode step (its EP exchange waits), apart from compute: on a
+        # 2-core testbed the KV traffic's own CPU work also slows every step, lanes or not
+        summary["de_ep_wait_ms"] = {
+            f"{name}_{phase}": 1000 * (b[name][phase]["de_ep_wait_s"] or 0.0)
+            for name in ("lanes", "fifo") for phase in ("quiet", "loaded")}
+        summary["de_step_ms"] = {f"{name}_{phase}": 1000 * b[name][phase]["de_step_s"]
+                                 for name in ("lanes", "fifo") for phase in ("quiet", "loaded")}
+        for name in ("lanes", "fifo"):
+            quiet = b[name]["quiet"]
+            added = (b[name]["loaded"]["de_ep_wait_s"] or 0.0) - (quiet["de_ep_wait_s"] or 0.0)
+            summary[f"tpot_inflation_{name}_nic_only"] = (quiet["tpot_s"] + added) / quiet["tpot_s"]
         summary["testbed"] = {"compute_cap_mb_s": args.compute_cap_mb_s,
                               "ep_bytes_per_token": args.ep_bytes_per_token,
                               "chunk_bytes": args.chunk_kb << 10}

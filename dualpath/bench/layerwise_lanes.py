@@ -30,12 +30,13 @@ from dualpath.server.launch import LocalCluster
 class LanesOptions:
     """Sizes of part (b)."""
 
-    decode_requests: int = 4
+    decode_requests: int = 8
     decode_tokens: int = 64
     decode_prompt_tokens: int = 64
     kv_prompts: int = 6  # distinct stored prompts the KV traffic pulls
     kv_hit_tokens: int = 1024
     kv_in_flight: int = 4  # DE-path requests kept in flight during the loaded phase
+    rounds: int = 2  # quiet/loaded pairs per cluster
     seed: int = 5
 
 
@@ -73,13 +74,28 @@ def lanes_experiment(model_dir: Path, base: ClusterConfig, vocab: int, options: 
             if not rows:  # the first cluster stores the KV prompts' blocks
                 cluster.generate(kv_prompts, SamplingParams(max_tokens=1, ignore_eos=True),
                                  timeout_s=1800)
-            quiet = _phase(cluster, decode_prompts, [], options, rand)
-            progress()
-            loaded = _phase(cluster, decode_prompts, kv_prompts, options, rand)
-            progress()
+            phases: dict[str, list[dict[str, Any]]] = {"quiet": [], "loaded": []}
+            for _ in range(options.rounds):  # alternated, so drift hits both alike
+                phases["quiet"].append(_phase(cluster, decode_prompts, [], options, rand))
+                progress()
+                phases["loaded"].append(_phase(cluster, decode_prompts, kv_prompts, options,
+                                               rand))
+                progress()
+        quiet, loaded = (_merge(phases[k]) for k in ("quiet", "loaded"))
         rows[name] = {"quiet": quiet, "loaded": loaded,
                       "tpot_inflation": loaded["tpot_s"] / quiet["tpot_s"]}
     return rows
+
+
+def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one phase: mean TPOT and forward time, every round kept."""
+    forwards = [r["pe_forward_s"] for r in rounds if r["pe_forward_s"] is not None]
+    waits = [r["de_ep_wait_s"] for r in rounds if r["de_ep_wait_s"] is not None]
+    return {"tpot_s": statistics.mean(r["tpot_s"] for r in rounds),
+            "de_step_s": statistics.mean(r["de_step_s"] or 0.0 for r in rounds),
+            "de_ep_wait_s": statistics.mean(waits) if waits else None,
+            "pe_forward_s": statistics.mean(forwards) if forwards else None,
+            "rounds": rounds}
 
 
 def _phase(cluster: LocalCluster, decode_prompts: list[list[int]], kv_prompts: list[list[int]],
@@ -138,6 +154,8 @@ def _engine_deltas(before: dict[str, dict], after: dict[str, dict]) -> dict[str,
             "de_step_s": (delta("decode", "step_s_total") / steps
                           if (steps := delta("decode", "num_steps")) else None),
             "de_ep_bytes": delta("decode", "ep_bytes_sent"),
+            "de_ep_wait_s": (delta("decode", "ep_wait_s_total") / exchanges
+                             if (exchanges := delta("decode", "ep_exchanges")) else None),
             "pe_ep_bytes": delta("prefill", "ep_bytes_sent"),
             "de_cnic_send_bytes": delta("decode", "cnic_send_bytes"),
             "pe_cnic_recv_bytes": delta("prefill", "cnic_recv_bytes"),
