@@ -26,9 +26,9 @@ def test_a_decode_engine_pulled_by_two_prefill_engines_stays_under_its_cap(
                                seed=3)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp_path / "logs") as cluster:
-        firsts = [c[0] for c in convs]
+        firsts = [c.first for c in convs]
         cluster.generate(firsts, params, timeout_s=120)  # their blocks go to the store
-        seconds = [c[0] + c[1] for c in convs]  # 2nd turns: big hits, read on the DE side
+        seconds = [c.first + c.appended[0] for c in convs]  # big hits, read on the DE side
         futures = [cluster.submit(p, params, read_path="de") for p in seconds]
         outs = [f.result(timeout=120) for f in futures]
         metrics = cluster.metrics()
