@@ -12,6 +12,7 @@ a fresh cluster over the same warm store.
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -68,12 +69,13 @@ def lanes_experiment(model_dir: Path, base: ClusterConfig, vocab: int, options: 
     kv_prompts = [rand(options.kv_hit_tokens) for _ in range(options.kv_prompts)]
     decode_prompts = [rand(options.decode_prompt_tokens) for _ in range(options.decode_requests)]
     rows: dict[str, Any] = {}
+    with LocalCluster(model_dir, base, log_dir=log_dir / "warm") as cluster:
+        cluster.generate(kv_prompts, SamplingParams(max_tokens=1, ignore_eos=True),
+                         timeout_s=1800)  # stores the KV prompts' blocks
+    os.sync()  # their writeback must not land in the first measured cluster only
     for name, qos in (("lanes", True), ("fifo", False)):
         config = replace(base, traffic=replace(base.traffic, qos_lanes=qos))
         with LocalCluster(model_dir, config, log_dir=log_dir / name) as cluster:
-            if not rows:  # the first cluster stores the KV prompts' blocks
-                cluster.generate(kv_prompts, SamplingParams(max_tokens=1, ignore_eos=True),
-                                 timeout_s=1800)
             phases: dict[str, list[dict[str, Any]]] = {"quiet": [], "loaded": []}
             for _ in range(options.rounds):  # alternated, so drift hits both alike
                 phases["quiet"].append(_phase(cluster, decode_prompts, [], options, rand))
