@@ -46,3 +46,20 @@ def test_split_reads_part_reports_jct_and_reads_per_node(tiny_llama_dir, tmp_pat
     assert "split" not in rows["split_off"]["read_paths"]
     on = summary["read_bytes_per_node"]["split_on"]
     assert len(on) == 3 and sum(on.values()) > 0
+
+
+def test_lanes_part_measures_tpot_quiet_and_loaded_with_ep_traffic(tiny_llama_dir, tmp_path):
+    """Part (b) on a tiny model: both lane settings run quiet and loaded phases; the DEs
+    exchanged EP bytes and the PE pulled KV out of the DE buffers while loaded."""
+    data = _run(tmp_path, tiny_llama_dir, "b", "--kv-hit-tokens", "96", "--decode-tokens", "8",
+                "--compute-cap-mb-s", "20", "--chunk-kb", "16", "--ep-bytes-per-token", "4096")
+    summary, rows = data["summary"], data["parts"]["b"]
+    for name in ("lanes", "fifo"):
+        assert summary[f"tpot_inflation_{name}"] > 0
+        assert summary[f"tpot_inflation_{name}_nic_only"] > 0
+        for phase in ("quiet", "loaded"):
+            for r in rows[name][phase]["rounds"]:
+                assert r["de_ep_bytes"] > 0 and r["tpot_s"] > 0
+        loaded = rows[name]["loaded"]["rounds"]
+        assert all(r["kv_requests"] > 0 and r["pe_cnic_recv_bytes"] > 0 for r in loaded)
+    assert data["configs"]["b"]["traffic"]["ep_bytes_per_token"] == 4096
