@@ -28,12 +28,19 @@ def plot_layerwise(path: str | Path, result: dict[str, Any]) -> Path:
     return path
 
 
+def _bars(ax: Any, names: list[str], values: list[float], color: str, fmt: str,
+          ylabel: str, title: str) -> None:
+    """Two labelled bars: the baseline in grey, the mechanism in ``color``."""
+    bars = ax.bar(names, values, color=["grey", color])
+    ax.bar_label(bars, fmt=fmt)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+
+
 def _plot_batch(ax: Any, rows: dict[str, Any]) -> None:
     modes = ["basic", "layerwise"]
-    bars = ax.bar(modes, [rows[m]["max_hit_tokens"] for m in modes], color=["grey", "tab:blue"])
-    ax.bar_label(bars, fmt="%d")
-    ax.set_ylabel("hit tokens")
-    ax.set_title("(a) largest prefill, same device-KV budget", fontsize=9)
+    _bars(ax, modes, [rows[m]["max_hit_tokens"] for m in modes], "tab:blue", "%d",
+          "hit tokens", "(a) largest prefill, same device-KV budget")
 
 
 def _plot_lanes(ax: Any, rows: dict[str, Any]) -> None:
@@ -52,10 +59,8 @@ def _plot_lanes(ax: Any, rows: dict[str, Any]) -> None:
 
 def _plot_split(ax: Any, rows: dict[str, Any]) -> None:
     names = ["split_off", "split_on"]
-    bars = ax.bar(names, [rows[n]["jct_s"] for n in names], color=["grey", "tab:green"])
-    ax.bar_label(bars, fmt="%.1f s")
-    ax.set_ylabel("JCT (s)")
-    ax.set_title("(c) split reads: JCT", fontsize=9)
+    _bars(ax, names, [rows[n]["jct_s"] for n in names], "tab:green", "%.1f s", "JCT (s)",
+          "(c) split reads: JCT")
     notes = [f"{n}: " + ", ".join(f"node {k} {v / 1e6:.0f} MB"
                                   for k, v in sorted(rows[n]["read_bytes_per_node"].items()))
              for n in names]

@@ -6,7 +6,6 @@ requests with continuous batching, chunked prefill and prefix reuse.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,21 +72,10 @@ class LLMEngine:
         self.batcher.add(seq)
         return seq
 
-    def add_prefilled(self, prompt_ids: list[int], first_token: int, params: SamplingParams,
-                      fill_kv: Callable[[list[int]], None]) -> Sequence:
-        """Start decoding a prompt whose KV was computed elsewhere (the decode engine's entry).
-
-        Allocates cache blocks for the prompt, lets ``fill_kv(block_table)`` copy the prompt KV
-        in, then runs the sequence from ``first_token`` (which may already finish it).
-        """
-        seq = self.reserve_prefilled(prompt_ids, params)
-        fill_kv(seq.block_table)
-        self.start_prefilled(seq, first_token)
-        return seq
-
     def reserve_prefilled(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Allocate cache blocks for a prompt whose KV arrives from elsewhere; the sequence
-        does not run until ``start_prefilled`` (``OutOfBlocksError`` when there is no room)."""
+        """Allocate cache blocks for a prompt whose KV is computed elsewhere (the decode
+        engine's entry); the sequence does not run until ``start_prefilled``
+        (``OutOfBlocksError`` when there is no room)."""
         seq = Sequence(list(prompt_ids), params)
         self.batcher.check_fits(seq)
         seq.block_table = self.pool.allocate(-(-(len(prompt_ids) + 1) // self.config.block_size))
