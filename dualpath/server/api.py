@@ -7,6 +7,11 @@ missing or mistyped field, an unknown model, a prompt longer than the context (t
 in the message), a wrong or missing API key (401), a body over ``max_body_bytes`` (413), more
 than ``max_concurrent_requests`` generations at once (429). A client that goes away aborts its
 request on the engines.
+
+With ``return_token_ids`` a whole response carries ``prompt_token_ids`` and its choice the
+generated ``token_ids``; a stream's first chunk carries ``prompt_token_ids`` and every chunk's
+choice the ``token_ids`` it adds (a chunk is sent for new tokens even when their text is held
+back), so the chunks' ids joined are the whole response's.
 """
 
 from __future__ import annotations
@@ -289,8 +294,8 @@ async def _stream(reply: _Reply, metrics: ServeMetrics, gate: _Gate) -> AsyncIte
         yield _sse(reply.chunk(role=True))
         async for tokens in run.chunks():
             delta = reply.text.add(tokens)
-            if delta:
-                yield _sse(reply.chunk(delta))
+            if delta or reply.return_ids:
+                yield _sse(reply.chunk(delta, token_ids=tokens))
         try:
             output = _result(run)
         except APIError as exc:
@@ -298,7 +303,8 @@ async def _stream(reply: _Reply, metrics: ServeMetrics, gate: _Gate) -> AsyncIte
             return
         metrics_done(metrics, run, output)
         tail = reply.text.finish(output.output_ids)
-        yield _sse(reply.chunk(tail, finish_reason=output.finish_reason))
+        yield _sse(reply.chunk(tail, finish_reason=output.finish_reason,
+                               token_ids=output.output_ids[reply.ids_sent:]))
         if reply.include_usage:
             yield _sse(reply.usage_chunk(output))
         yield "data: [DONE]\n\n"
@@ -345,6 +351,9 @@ class _Reply:
         self.created = int(time.time())
         self.text = TextStream(model.decode, prepared.params.stop)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.return_ids = body.return_token_ids
+        self.prompt_ids = prepared.prompt_ids
+        self.ids_sent = 0  # generated ids a stream has handed on
 
     def _object(self, chunk: bool) -> str:
         base = "chat.completion" if self.kind == "chat" else "text_completion"
@@ -362,10 +371,16 @@ class _Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = output.finish_reason
-        return {**self._envelope(False, [choice]), "usage": _usage(output)}
+        reply = self._envelope(False, [choice])
+        if self.return_ids:
+            choice["token_ids"] = list(output.output_ids)
+            reply["prompt_token_ids"] = list(output.prompt_ids)
+        return {**reply, "usage": _usage(output)}
 
-    def chunk(self, text: str = "", role: bool = False,
-              finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(self, text: str = "", role: bool = False, finish_reason: str | None = None,
+              token_ids: tuple[int, ...] | list[int] = ()) -> dict[str, Any]:
+        """One SSE chunk; with ``return_token_ids`` its choice carries ``token_ids`` (the
+        role chunk: none, and the envelope ``prompt_token_ids``)."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
                 {"content": text} if text else {})
@@ -373,7 +388,13 @@ class _Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = finish_reason
-        return self._envelope(True, [choice])
+        chunk = self._envelope(True, [choice])
+        if self.return_ids:
+            choice["token_ids"] = list(token_ids)
+            self.ids_sent += len(token_ids)
+            if role:
+                chunk["prompt_token_ids"] = list(self.prompt_ids)
+        return chunk
 
     def usage_chunk(self, output: ClusterOutput) -> dict[str, Any]:
         return {**self._envelope(True, []), "usage": _usage(output)}

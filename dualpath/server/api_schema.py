@@ -2,8 +2,9 @@
 
 Fields the OpenAI API defines and dualpath ignores (``user``, ``logprobs: false`` …) are
 accepted and ignored, as vLLM does; fields it cannot honour (``n`` > 1, ``logprobs``) are
-refused with 400. Extensions for trace replay and ablations: ``ignore_eos``, ``min_tokens`` and
-a ``dualpath`` object (``mode``, ``read_path``).
+refused with 400. Extensions for trace replay and ablations: ``ignore_eos``, ``min_tokens``,
+``return_token_ids`` (vLLM's name: the prompt and generated token ids come back with the text)
+and a ``dualpath`` object (``mode``, ``read_path``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class _Sampling(BaseModel):
     logprobs: Literal[False, None] = None
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
+    return_token_ids: bool = False
     dualpath: DualPathOptions | None = None
 
     @field_validator("stop")
