@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=("paper-fig7", "paper-ablation", "paper-scale", "paper-online",
                                "testbed"))
     simp.add_argument("--json", default=None,
-                      help="where to write the results (a PNG figure is written beside it)")
+                      help="write the full result as JSON here, a PNG figure beside it "
+                      "(the terminal gets tables of the main numbers)")
     simp.add_argument("--agents", default=None, help="comma-separated agent counts (fig7, "
                       "ablation)")
     simp.add_argument("--aps", default=None, help="comma-separated agents/s (online)")
@@ -291,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
                       ("cnic", "compute NIC per GPU")):
         planp.add_argument(f"--{nic}-gbps", type=float, default=None,
                            help=f"what-if: {what} in GB/s instead of the hardware's")
-    planp.add_argument("--json", default=None, help="where to write the plan")
+    planp.add_argument("--json", default=None,
+                       help="write the full plan as JSON here, a PNG figure beside it "
+                       "(the terminal gets a table of the candidates)")
     planp.set_defaults(func=_cmd_plan)
 
     bench = sub.add_parser("bench", help="benchmarks")
