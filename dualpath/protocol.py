@@ -102,6 +102,13 @@ class Prefilled(Message):
     first_token: int
     num_hit_blocks: int  # hit blocks actually used (after any read failure)
     num_computed_tokens: int = 0  # prompt tokens the PE's forwards really computed
+    # where the PE's time went, by its own clock (seconds): from accepting the request to its
+    # first forward, less its storage read (waiting for host-pool room or for the forwards of
+    # requests ahead); the read (submitted to verified, PE path); the first forward's start to
+    # the last one's end (layer loads and sends overlap the forwards)
+    wait_s: float = 0.0
+    read_s: float = 0.0
+    forward_s: float = 0.0
 
 
 @dataclass(frozen=True)

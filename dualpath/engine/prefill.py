@@ -51,6 +51,23 @@ class _Job:
     loaded: bool = False  # its hit KV is in the PE cache (first chunk done)
     num_computed_tokens: int = 0  # prompt tokens its forwards computed
     waiting_slots: bool = False  # its read waits for host-pool room
+    # monotonic seconds: accepted; its read submitted and verified; its first forward's start
+    # and its last forward's end (reported in Prefilled as where the PE's time went)
+    accepted_s: float = field(default_factory=time.monotonic)
+    read_submitted_s: float | None = None
+    read_done_s: float | None = None
+    first_forward_s: float | None = None
+    last_forward_end_s: float | None = None
+
+    def timings(self) -> dict[str, float]:
+        """``wait_s``, ``read_s`` and ``forward_s`` as :class:`Prefilled` carries them."""
+        start = self.first_forward_s or self.accepted_s
+        end = self.last_forward_end_s or start
+        read = 0.0
+        if self.read_submitted_s is not None and self.read_done_s is not None:
+            read = max(0.0, self.read_done_s - self.read_submitted_s)
+        return {"wait_s": max(0.0, start - self.accepted_s - read), "read_s": read,
+                "forward_s": max(0.0, end - start)}
 
     @property
     def ready(self) -> bool:
@@ -147,7 +164,10 @@ class PrefillWorker:
             job.waiting_slots = False
             job.slots = self.host_pool.alloc(job.num_pe_read_blocks)
             keys = self.engine.key_space.keys(job.msg.prompt_ids)[: job.num_pe_read_blocks]
+            job.read_submitted_s = time.monotonic()
             job.read = self.storage.submit_read(keys, [self.host_pool.buffer(s) for s in job.slots])
+            job.read.add_done_callback(lambda _, j=job: setattr(j, "read_done_s",
+                                                                time.monotonic()))
 
     def abort(self, req_id: int, quarantine_s: float = 0.0) -> list[Message]:
         """Drop a request between forwards and free what it holds; answers ``Aborted``
@@ -288,7 +308,11 @@ class PrefillWorker:
                 part.settle()
             raise
         self.on_step(sum(bsz for _, bsz in batch))
-        self.forward_s_total += time.monotonic() - started_s
+        ended_s = time.monotonic()
+        self.forward_s_total += ended_s - started_s
+        for job, _ in batch:
+            job.first_forward_s = job.first_forward_s or started_s
+            job.last_forward_end_s = ended_s
         self.num_forwards += 1
         hit = sum(job.num_hit_blocks * self.block_size for job, _ in batch if not job.loaded)
         self.max_forward_hit_tokens = max(self.max_forward_hit_tokens, hit)
@@ -335,5 +359,5 @@ class PrefillWorker:
             self._jobs.remove(job)
             self.num_prefilled += 1
             out.append(Prefilled(job.msg.req_id, token, job.num_hit_blocks,
-                                 job.num_computed_tokens))
+                                 job.num_computed_tokens, **job.timings()))
         return out

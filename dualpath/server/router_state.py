@@ -61,6 +61,7 @@ from dualpath.server.router_types import (
     RequestAborted,
     RequestFailed,
     RequestState,
+    timeline,
 )
 
 MAX_ATTEMPTS = 4  # placements of one request before an engine problem fails it
@@ -90,11 +91,14 @@ class RouterState:
         self._by_wire: dict[int, RequestState] = {}
         self._next_wire = 1
         self._members_changed = False  # an engine joined or left during this call: send Peers
+        self._now_s = 0.0  # the time of the input being applied (requests' timeline marks)
 
     # -- inputs ---------------------------------------------------------------------------------
     def submit(self, req: RequestState, now_s: float) -> Effects:
         """Admit a new request (its hit already looked up) or refuse one that can never fit."""
         out = Effects()
+        self._now_s = now_s
+        req.marks["submitted"] = now_s
         error = self._never_fits(req)
         if error is not None:
             out.finish(req.req_id, RequestError(error))
@@ -118,6 +122,7 @@ class RouterState:
     def on_message(self, engine: str, msg: Message, now_s: float) -> Effects:
         """Apply one engine message; late, duplicated or unknown ones are counted and dropped."""
         out = Effects()
+        self._now_s = now_s
         if isinstance(msg, Hello):
             self._hello(msg, now_s, out)
         elif isinstance(msg, Heartbeat):
@@ -134,6 +139,7 @@ class RouterState:
     def tick(self, now_s: float) -> Effects:
         """Declare engines lost whose heartbeats stopped more than the timeout ago."""
         out = Effects()
+        self._now_s = now_s
         for name, engine in list(self.engines.items()):
             if now_s - engine.last_heard_s > self.engine_timeout_s:
                 self._lose(name, f"engine {name} silent for over {self.engine_timeout_s:g} s", out)
@@ -276,6 +282,7 @@ class RouterState:
         if req is None or req.phase != Phase.DECODING or engine != req.de:
             self.dropped_messages += 1
             return
+        req.marks.setdefault("first_decode", self._now_s)
         self._stream(req, first, tokens, out)
 
     def _stream(self, req: RequestState, first: int, tokens: tuple[int, ...],
@@ -294,6 +301,7 @@ class RouterState:
         if req.path != ReadPath.PE and req.reads:
             req.num_hit_blocks = msg.num_loaded_blocks
         req.phase = Phase.PREFILLING
+        req.marks["buffer_ready"] = self._now_s
         p, de = req.params, self.engines[req.de].info
         out.send(req.pe, Prefill(req.wire_id, req.prompt_ids, req.num_hit_blocks, req.path,
                                  de.endpoint, msg.buffer_addr, _pe_mode(req.mode),
@@ -303,6 +311,8 @@ class RouterState:
     def _prefilled(self, req: RequestState, msg: Prefilled, out: Effects) -> None:
         req.num_hit_blocks = msg.num_hit_blocks
         req.num_computed_tokens = msg.num_computed_tokens
+        req.marks["prefilled"] = self._now_s
+        req.pe_timings = {"wait_s": msg.wait_s, "read_s": msg.read_s, "forward_s": msg.forward_s}
         h, pe, de = req.holds, self.engines[req.pe].load, self.engines[req.de].load
         self._release_read(req)
         _count(pe, req, -1)
@@ -318,10 +328,12 @@ class RouterState:
         self._stream(req, 0, (msg.first_token,), out)  # the time to first token ends here
 
     def _finished(self, req: RequestState, msg: Finished, out: Effects) -> None:
+        req.marks.setdefault("first_decode", self._now_s)
         self._stream(req, 0, msg.output_ids, out)  # whatever the last Tokens did not carry
         result = ClusterOutput(req.req_id, list(req.prompt_ids), list(msg.output_ids),
                                msg.finish_reason, req.num_hit_blocks * self.capacity.block_size,
-                               req.path, req.pe, req.de, req.num_computed_tokens, req.attempts)
+                               req.path, req.pe, req.de, req.num_computed_tokens, req.attempts,
+                               timeline(req.marks, req.pe_timings))
         self._release(req)
         self._forget(req)
         out.finish(req.req_id, result)
@@ -351,6 +363,7 @@ class RouterState:
 
     def _dispatch(self, req: RequestState, a: Assignment, out: Effects) -> None:
         req.attempts += 1
+        req.marks["dispatched"] = self._now_s
         req.wire_id, self._next_wire = self._next_wire, self._next_wire + 1
         self._by_wire[req.wire_id] = req
         req.pe, req.de = a.prefill, a.decode

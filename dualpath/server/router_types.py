@@ -77,6 +77,9 @@ class ClusterOutput:
     decode_engine: str
     num_computed_tokens: int = 0  # prompt tokens its prefill engine computed
     num_attempts: int = 1  # placements it took (> 1 after an engine was lost)
+    # where the time to first token went, and the transfer to decode after it (seconds; see
+    # :func:`timeline`): ttft_s, queue_s, read_s, prefill_s, other_s, transfer_s
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -147,11 +150,36 @@ class RequestState:
     num_streamed: int = 0  # output tokens handed to the caller
     holds: Holds = field(default_factory=Holds)
     unseen: dict[str, int] = field(default_factory=dict)  # engine -> heartbeats without it
+    # router clock (seconds) at submitted, dispatched (the last attempt), buffer_ready,
+    # prefilled and first_decode (the DE's first tokens); the PE's own durations (Prefilled)
+    marks: dict[str, float] = field(default_factory=dict)
+    pe_timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def reads(self) -> bool:
         """Whether this request reads its hit from storage at all."""
         return self.mode != Mode.ORACLE and self.num_hit_blocks > 0
+
+
+def timeline(marks: dict[str, float], pe: dict[str, float]) -> dict[str, float]:
+    """Where a request's time to first token went (seconds), from the router's marks of the
+    last attempt and the PE's own durations: ``queue_s`` (submitted to placed, plus the PE's
+    wait before its first forward), ``read_s`` (placed to the DE's buffer being ready, which
+    holds the DE's storage read on the DE path, plus the PE's own read), ``prefill_s`` (the
+    PE's forwards), ``other_s`` (messages and loop latency: the rest of ``ttft_s``); then
+    ``transfer_s``, from the first token to the DE's first tokens (the KV copied into the
+    decode engine and its first step). An earlier failed attempt counts as queueing."""
+    if not {"submitted", "dispatched", "buffer_ready", "prefilled"} <= marks.keys():
+        return {}
+    ttft = marks["prefilled"] - marks["submitted"]
+    queue = marks["dispatched"] - marks["submitted"] + pe.get("wait_s", 0.0)
+    read = marks["buffer_ready"] - marks["dispatched"] + pe.get("read_s", 0.0)
+    prefill = pe.get("forward_s", 0.0)
+    out = {"ttft_s": ttft, "queue_s": queue, "read_s": read, "prefill_s": prefill,
+           "other_s": ttft - queue - read - prefill}
+    if "first_decode" in marks:
+        out["transfer_s"] = marks["first_decode"] - marks["prefilled"]
+    return out
 
 
 @dataclass

@@ -53,6 +53,18 @@ def _check_computed(mode, read_path, served) -> None:
             f"prompt tokens, its miss is {miss}")
         if mode == "recompute":
             assert out.num_hit_tokens == 0
+        _check_timings(mode, read_path, out)
+
+
+def _check_timings(mode, read_path, out) -> None:
+    """The TTFT breakdown: parts measured, none negative beyond clock noise, adding up."""
+    t = out.timings
+    assert t["prefill_s"] > 0 and t["ttft_s"] >= t["prefill_s"] and t["transfer_s"] > 0
+    assert min(t["queue_s"], t["read_s"]) >= 0 and t["other_s"] > -0.01, t
+    parts = t["queue_s"] + t["read_s"] + t["prefill_s"] + t["other_s"]
+    assert abs(parts - t["ttft_s"]) < 1e-6
+    if out.num_hit_tokens and mode not in ("oracle", "recompute") and read_path in ("pe", "de"):
+        assert t["read_s"] > 0, (mode, read_path, t)
 
 
 def _check_traffic(mode, read_path, hits, before, after) -> None:

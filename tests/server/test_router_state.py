@@ -409,3 +409,24 @@ def _check_non_negative(state: RouterState) -> None:
         load = engine.load
         held = (load.seq, load.tok, load.kv_tokens, load.buffer_blocks, load.pool_blocks)
         assert min(held) >= 0, name
+
+
+def test_the_output_says_where_the_time_to_first_token_went():
+    """Router marks (submitted and placed 1.0, buffer ready 3.0, prefilled 7.0, DE tokens 7.5)
+    and the PE's own durations add up to the TTFT; the rest is 'other'."""
+    state, done, sends = make_state(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1, hit_blocks=2, path=ReadPath.DE), 1.0), done, sends)
+    (de, alloc), = sends
+    sends.clear()
+    apply(state.on_message(de, BufferReady(alloc.req_id, 4096, alloc.num_blocks, 2), 3.0),
+          done, sends)
+    (pe, _), = sends
+    sends.clear()
+    prefilled = Prefilled(alloc.req_id, 7, 2, 8, wait_s=0.5, read_s=0.0, forward_s=2.0)
+    apply(state.on_message(pe, prefilled, 7.0), done, sends)
+    apply(state.on_message(de, Tokens(((alloc.req_id, 1, (8,)),)), 7.5), done, sends)
+    apply(state.on_message(de, Finished(alloc.req_id, (7, 8, 9), "length"), 8.0), done, sends)
+    t = done[1].timings
+    assert t["ttft_s"] == 6.0 and t["queue_s"] == 0.5 and t["read_s"] == 2.0
+    assert t["prefill_s"] == 2.0 and t["other_s"] == 1.5 and t["transfer_s"] == 0.5
