@@ -1,0 +1,287 @@
+"""Multi-turn agents replayed through an OpenAI-compatible server (``dualpath serve``).
+
+The HTTP twin of :func:`dualpath.bench.cluster.run_turns`: each agent runs its
+:class:`AgentTurn` list in order, the next turn as soon as the previous one returned (zero think
+time), agents concurrently from their start offsets (all 0 offline; Poisson arrivals online,
+drawn by the caller). A turn is one streamed ``POST /v1/completions`` whose ``prompt`` is token
+ids (the kept context, then the turn's new tokens) with ``max_tokens=gen``, ``ignore_eos``,
+``temperature=0`` and ``return_token_ids``; the next turn's context is that prompt plus the ids
+the server returned. Every turn yields an :class:`HttpTurnRecord` (timings from the SSE chunks,
+sizes, the cache hit from ``usage.prompt_tokens_details.cached_tokens``). A failed turn is
+recorded with its HTTP status and message, and its agent stops.
+
+The client is ``httpx2``'s async client (the HTTP library under the ``openai`` package): each
+SSE line is one ``json.loads``, light enough for a hundred streams on the same small machine as
+the server, and the extension fields need no wrapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+
+from dualpath.bench.cluster import AgentTurn
+
+COMPLETIONS_PATH = "/v1/completions"
+
+
+@dataclass(frozen=True)
+class HttpTurnRecord:
+    """One turn as the client saw it. Times are seconds; ``submitted_s`` is ``time.monotonic()``
+    when the request was sent, the others are measured from it (TPOT: between the first and the
+    last token, per token after the first). A failed turn has ``error`` set (and ``status``, the
+    HTTP status, when the server answered); its timings are None where they did not happen."""
+
+    agent: int
+    turn: int
+    submitted_s: float
+    prompt_tokens: int
+    generated_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
+    ttft_s: float | None = None  # until the first chunk carrying generated tokens
+    time_to_second_token_s: float | None = None
+    tpot_s: float | None = None
+    latency_s: float | None = None  # until the stream ended ([DONE])
+    finish_reason: str | None = None
+    status: int | None = None
+    error: str | None = None
+    output_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the turn was served to its end."""
+        return self.error is None
+
+    @property
+    def finished_s(self) -> float:
+        """``time.monotonic()`` when the turn ended (its submission when it never answered)."""
+        return self.submitted_s + (self.latency_s or 0.0)
+
+
+class TurnFailed(Exception):
+    """A turn that did not complete: the HTTP status (None without an answer) and why."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _ignore(_: HttpTurnRecord) -> None:
+    """The default progress callback."""
+
+
+def open_client(base_url: str, api_key: str | None = None, timeout_s: float = 3600.0,
+                connections: int = 100) -> httpx2.AsyncClient:
+    """An async client for ``base_url`` (the server's root, without ``/v1``), keeping up to
+    ``connections`` connections alive; proxies from the environment are ignored."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=connections)
+    return httpx2.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, limits=limits,
+                              timeout=httpx2.Timeout(timeout_s), trust_env=False)
+
+
+def turn_body(prompt: list[int], gen_tokens: int, model: str,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The request body of one turn; ``extra`` is merged last (it may override a field)."""
+    return {"model": model, "prompt": prompt, "max_tokens": gen_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True, "temperature": 0, **(extra or {})}
+
+
+class _Stream:
+    """What the SSE chunks of one turn said: token ids with arrival times, finish, usage."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        # monotonic arrival of the first, the second and the last id
+        self.first_s: float | None = None
+        self.second_s: float | None = None
+        self.last_s: float | None = None
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.done = False
+
+    def take(self, data: str) -> None:
+        """One ``data:`` payload; raises :class:`TurnFailed` on an error chunk."""
+        if data == "[DONE]":
+            self.done = True
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise TurnFailed(200, _message(chunk))
+        now = time.monotonic()
+        for choice in chunk.get("choices") or ():
+            new = choice.get("token_ids")
+            if new is None:
+                raise TurnFailed(200, "a chunk carried no token_ids: does the server support "
+                                      "return_token_ids?")
+            if new:
+                self._arrived(now, new)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+
+    def _arrived(self, now: float, ids: list[int]) -> None:
+        """Take ids that arrived at ``now``."""
+        self.ids.extend(ids)
+        if self.first_s is None:
+            self.first_s = now
+        if self.second_s is None and len(self.ids) >= 2:
+            self.second_s = now
+        self.last_s = now
+
+    def record(self, agent: int, turn: int, submitted_s: float,
+               prompt_tokens: int) -> HttpTurnRecord:
+        """The finished turn's record."""
+        n = len(self.ids)
+        first = None if self.first_s is None else self.first_s - submitted_s
+        second = None if self.second_s is None else self.second_s - submitted_s
+        tpot = None
+        if n > 1 and self.first_s is not None and self.last_s is not None:
+            tpot = (self.last_s - self.first_s) / (n - 1)
+        details = (self.usage or {}).get("prompt_tokens_details") or {}
+        return HttpTurnRecord(
+            agent, turn, submitted_s, prompt_tokens, n, details.get("cached_tokens"),
+            first, second, tpot, time.monotonic() - submitted_s, self.finish_reason, 200,
+            output_ids=tuple(self.ids))
+
+
+def _message(payload: Any) -> str:
+    """The message of an OpenAI error object (or the payload itself)."""
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return str(payload["error"].get("message", payload))
+    return str(payload)
+
+
+async def _failed_status(response: httpx2.Response) -> TurnFailed:
+    """A non-200 answer as :class:`TurnFailed` with the server's message."""
+    body = (await response.aread()).decode("utf-8", "replace")
+    try:
+        message = _message(json.loads(body))
+    except json.JSONDecodeError:
+        message = body[:500]
+    return TurnFailed(response.status_code, message)
+
+
+async def post_turn(client: httpx2.AsyncClient, prompt: list[int], gen_tokens: int, *,
+                    model: str, agent: int = 0, turn: int = 0,
+                    extra: dict[str, Any] | None = None) -> HttpTurnRecord:
+    """Send one turn and read its stream to the end; the record of a served turn carries the
+    generated ids (``output_ids``). Raises :class:`TurnFailed` when it was not served."""
+    submitted = time.monotonic()
+    stream = _Stream()
+    try:
+        async with client.stream("POST", COMPLETIONS_PATH,
+                                 json=turn_body(prompt, gen_tokens, model, extra)) as response:
+            if response.status_code != 200:
+                raise await _failed_status(response)
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    stream.take(line[len("data:"):].strip())
+                    if stream.done:
+                        break
+    except httpx2.HTTPError as exc:
+        raise TurnFailed(None, f"{type(exc).__name__}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise TurnFailed(200, f"a chunk was not JSON: {exc}") from exc
+    if not stream.done:
+        raise TurnFailed(200, "the stream ended before [DONE]")
+    return stream.record(agent, turn, submitted, len(prompt))
+
+
+def _error_record(agent: int, turn: int, submitted_s: float, prompt_tokens: int,
+                  status: int | None, message: str) -> HttpTurnRecord:
+    return HttpTurnRecord(agent, turn, submitted_s, prompt_tokens,
+                          latency_s=time.monotonic() - submitted_s, status=status, error=message)
+
+
+def _prompt(context: list[int], turn: AgentTurn) -> list[int]:
+    """The kept context and the turn's new tokens; ValueError if ``keep`` exceeds the context."""
+    if turn.keep is not None and turn.keep > len(context):
+        raise ValueError(f"the turn keeps {turn.keep} tokens of a {len(context)}-token context")
+    kept = context if turn.keep is None else context[:turn.keep]
+    return kept + list(turn.new)
+
+
+def _loop_time(monotonic_s: float | None) -> float | None:
+    """A ``time.monotonic()`` instant on the running event loop's clock."""
+    if monotonic_s is None:
+        return None
+    return asyncio.get_running_loop().time() + (monotonic_s - time.monotonic())
+
+
+async def run_agent_http(client: httpx2.AsyncClient, turns: list[AgentTurn], *, model: str,
+                         agent: int = 0, first_turn: int = 0, context: list[int] | None = None,
+                         extra: dict[str, Any] | None = None,
+                         progress: Callable[[HttpTurnRecord], None] = _ignore,
+                         stop_s: float | None = None,
+                         deadline_s: float | None = None) -> tuple[list[HttpTurnRecord],
+                                                                   list[int]]:
+    """One agent's turns in order, each as soon as the previous returned; its records and its
+    context after the last turn served. No turn starts at or after ``stop_s`` (monotonic), and
+    a turn still running at ``deadline_s`` is cut off and recorded as failed; after a failed
+    turn the agent stops. Turns are numbered from ``first_turn``."""
+    context, records = list(context or []), []
+    for index, turn in enumerate(turns, first_turn):
+        if stop_s is not None and time.monotonic() >= stop_s:
+            break
+        submitted = time.monotonic()
+        try:
+            prompt = _prompt(context, turn)
+        except ValueError as exc:
+            records.append(_error_record(agent, index, submitted, 0, None, str(exc)))
+            progress(records[-1])
+            break
+        try:
+            async with asyncio.timeout_at(_loop_time(deadline_s)):
+                record = await post_turn(client, prompt, turn.gen, model=model, agent=agent,
+                                         turn=index, extra=extra)
+        except TurnFailed as exc:
+            record = _error_record(agent, index, submitted, len(prompt), exc.status,
+                                   exc.message)
+        except TimeoutError:
+            record = _error_record(agent, index, submitted, len(prompt), None,
+                                   "no answer before the run's deadline")
+        records.append(record)
+        progress(record)
+        if not record.ok:
+            break
+        context = prompt + list(record.output_ids)
+    return records, context
+
+
+async def run_agents_http(base_url: str, agents: list[list[AgentTurn]], *, model: str,
+                          api_key: str | None = None,
+                          start_offsets_s: list[float] | None = None,
+                          progress: Callable[[HttpTurnRecord], None] = _ignore,
+                          timeout_s: float = 3600.0,
+                          extra: dict[str, Any] | None = None) -> list[list[HttpTurnRecord]]:
+    """Replay every agent's turns through ``base_url`` (the server's root, e.g.
+    ``http://127.0.0.1:8000``); per agent, its :class:`HttpTurnRecord` list.
+
+    Agent i starts ``start_offsets_s[i]`` seconds after the call (default: all at once) and
+    runs its turns back to back. ``extra`` is merged into every request body (e.g.
+    ``{"dualpath": {"mode": "basic"}}``); ``progress`` gets each record as it is made. Turns
+    still running ``timeout_s`` after the call are cut off and recorded as failed.
+    """
+    offsets = start_offsets_s if start_offsets_s is not None else [0.0] * len(agents)
+    if len(offsets) != len(agents):
+        raise ValueError(f"{len(offsets)} start offsets for {len(agents)} agents")
+    start = time.monotonic()
+    deadline = start + timeout_s
+
+    async def agent_run(client: httpx2.AsyncClient, index: int) -> list[HttpTurnRecord]:
+        await asyncio.sleep(max(0.0, start + offsets[index] - time.monotonic()))
+        records, _ = await run_agent_http(client, agents[index], model=model, agent=index,
+                                          extra=extra, progress=progress,
+                                          stop_s=deadline, deadline_s=deadline)
+        return records
+
+    async with open_client(base_url, api_key, timeout_s, max(1, len(agents))) as client:
+        return list(await asyncio.gather(*(agent_run(client, i) for i in range(len(agents)))))

@@ -1,0 +1,148 @@
+"""``run_agents_http``: multi-turn agents through the OpenAI API of a real tiny cluster.
+
+The app (``build_app``) runs in this process over a ``LocalCluster`` of a tiny random Llama
+(1 PE + 1 DE, 16-token blocks), served by uvicorn on a loopback port. Two agents replay three
+turns each: every turn's ids are the cluster's own greedy output for that prompt, turns 2 and 3
+hit the store, and the records' sizes and timings are consistent. A turn the server refuses is
+recorded with its status and message, and its agent stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from dualpath.bench.agents_http import HttpTurnRecord, run_agents_http
+from dualpath.bench.cluster import AgentTurn
+from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
+from dualpath.config_file import ServeConfig
+from dualpath.model.spec import load_spec
+from dualpath.request import SamplingParams
+from dualpath.server.api import ModelInfo, build_app
+from dualpath.server.launch import LocalCluster
+from dualpath.server.metrics import ServeMetrics
+
+MODEL = "tiny"
+BLOCK_TOKENS = 16
+FIRST, APPEND, GEN = 70, 20, 6
+
+
+def _tiny_model(model_dir: Path) -> ModelInfo:
+    """The tiny model as the API sees it (no tokenizer: bytes stand in for text)."""
+    def decode(ids: list[int]) -> str:
+        return bytes(t % 256 for t in ids).decode("utf-8", "replace")
+
+    def encode(text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    return ModelInfo(MODEL, load_spec(model_dir).vocab_size, 1024, encode, decode,
+                     lambda messages: encode("".join(m["content"] for m in messages)))
+
+
+@contextlib.contextmanager
+def _serving(app: FastAPI) -> Iterator[str]:
+    """``app`` on a free loopback port (uvicorn on a thread); yields its root URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_chaotic_dir, tmp_path_factory) -> Iterator[tuple[str, LocalCluster]]:
+    tmp = tmp_path_factory.mktemp("agents-http")
+    config = ClusterConfig(engine=EngineConfig(dtype="float32", block_size=BLOCK_TOKENS,
+                                               num_kv_blocks=256),
+                           storage=StorageConfig(root=str(tmp / "kv")), host_pool_blocks=96,
+                           num_decode=1)
+    with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp / "logs") as cluster:
+        router = cluster.router
+        app = build_app(router, _tiny_model(tiny_chaotic_dir), ServeConfig(),
+                        ServeMetrics(router))
+        with _serving(app) as url:
+            yield url, cluster
+
+
+def _random_ids(generator: torch.Generator, n: int) -> list[int]:
+    return torch.randint(3, 298, (n,), generator=generator).tolist()
+
+
+def _agents(count: int, turns: int, seed: int) -> list[list[AgentTurn]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[AgentTurn(_random_ids(g, FIRST if t == 0 else APPEND), GEN) for t in range(turns)]
+            for _ in range(count)]
+
+
+def _prompts(turns: list[AgentTurn], records: list[HttpTurnRecord]) -> list[list[int]]:
+    """Every turn's prompt, rebuilt from the turns and the ids the server returned."""
+    prompts, context = [], []
+    for turn, record in zip(turns, records, strict=True):
+        prompts.append(context + turn.new)
+        context = prompts[-1] + list(record.output_ids)
+    return prompts
+
+
+def test_two_agents_three_turns_match_the_cluster_and_hit_from_turn_two(served):
+    url, cluster = served
+    agents = _agents(2, 3, seed=11)
+    seen: list[HttpTurnRecord] = []
+    start = time.monotonic()
+    results = asyncio.run(run_agents_http(url, agents, model=MODEL, start_offsets_s=[0.0, 0.3],
+                                          progress=seen.append, timeout_s=120,
+                                          extra={"dualpath": {"mode": "dualpath"}}))
+    assert [len(r) for r in results] == [3, 3] and len(seen) == 6
+    assert min(r.submitted_s for r in results[1]) >= start + 0.3
+    for agent, (turns, records) in enumerate(zip(agents, results, strict=True)):
+        prompts = _prompts(turns, records)
+        expected = cluster.generate(prompts, SamplingParams(max_tokens=GEN, ignore_eos=True),
+                                    timeout_s=60)
+        for index, (record, prompt, out) in enumerate(zip(records, prompts, expected,
+                                                          strict=True)):
+            assert record.ok and record.status == 200, record
+            assert (record.agent, record.turn) == (agent, index)
+            assert list(record.output_ids) == list(out.output_ids), (agent, index)
+            assert record.prompt_tokens == len(prompt) == FIRST + index * (GEN + APPEND)
+            assert record.generated_tokens == GEN and record.finish_reason == "length"
+            assert 0 < record.ttft_s <= record.time_to_second_token_s <= record.latency_s
+            assert 0 <= record.tpot_s < record.latency_s
+            assert record.cached_tokens is not None and record.cached_tokens % BLOCK_TOKENS == 0
+            if index > 0:  # the previous turn's full blocks are in the store (they are
+                # saved as they fill, so the last may still be on its way: at least one block)
+                previous = FIRST + (index - 1) * (GEN + APPEND) + GEN
+                full = previous // BLOCK_TOKENS * BLOCK_TOKENS
+                assert 0 < record.cached_tokens <= full, (agent, index, record.cached_tokens)
+        assert records[0].cached_tokens == 0
+
+
+def test_a_refused_turn_is_recorded_and_its_agent_stops(served):
+    url, _ = served
+    agents = _agents(2, 3, seed=12)
+    too_long = AgentTurn(agents[0][1].new, 5000)  # over the 1,024-token context
+    agents[0] = [agents[0][0], too_long, agents[0][2]]
+    results = asyncio.run(run_agents_http(url, agents, model=MODEL, timeout_s=120))
+    failed = results[0]
+    assert len(failed) == 2 and failed[0].ok and not failed[1].ok
+    assert failed[1].status == 400 and "maximum context length" in failed[1].error
+    assert failed[1].generated_tokens == 0 and failed[1].ttft_s is None
+    assert [r.ok for r in results[1]] == [True, True, True]
