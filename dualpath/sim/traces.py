@@ -2,7 +2,9 @@
 
 Each loader turns recorded requests into :class:`~dualpath.sim.workload.Turn` values
 (``prompt``, ``hit``, ``gen``); the hash lists are dropped once the hits are known. The
-replay rules, chosen to stay honest about what the traces record:
+folder comes from the caller (``root``) or ``$DUALPATH_TRACES_DIR``; none is guessed, since a
+user's clone has no ``../shared`` (the test suite points the variable there when it exists).
+The replay rules, chosen to stay honest about what the traces record:
 
 * **Hit = common prefix with the agent's previous request.** A request's hit is the number of
   leading ``hash_ids`` it shares with the previous request of its trajectory, times the trace's
@@ -74,14 +76,17 @@ Request = tuple[int, int, Sequence[int]]  # (prompt tokens, generated tokens, ha
 
 
 def trace_dir() -> Path:
-    """The traces folder: ``$DUALPATH_TRACES_DIR`` if set, else ``<root>/shared/traces``.
+    """The traces folder named by ``$DUALPATH_TRACES_DIR``.
 
-    The repository sits at ``<root>/main``, so the default is found relative to this file.
+    Raises ``ValueError`` when the variable is unset or empty: no folder outside the
+    repository is guessed (a user's clone has no ``../shared``), so pass ``--trace-dir`` or
+    set the variable.
     """
     env = os.environ.get(ENV_DIR)
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "traces"
+    if not env:
+        raise ValueError(f"no traces folder given: pass --trace-dir or set {ENV_DIR} to the "
+                         "folder holding weka-agentic-dev/ and mooncake-synthetic/")
+    return Path(env)
 
 
 def trace_file(name: str, root: Path | None = None) -> Path:
@@ -93,7 +98,8 @@ def trace_file(name: str, root: Path | None = None) -> Path:
         raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACES)}")
     folder = Path(root) if root is not None else trace_dir()
     if not folder.is_dir():
-        raise ValueError(f"traces folder {folder} does not exist (set {ENV_DIR})")
+        raise ValueError(f"traces folder {folder} does not exist (pass --trace-dir or set "
+                         f"{ENV_DIR})")
     path = folder / _FILES[name]
     if not path.is_file():
         raise ValueError(f"trace file {path} for {name!r} does not exist")
@@ -234,20 +240,33 @@ def _read_json(stream: IO[bytes] | None, where: str) -> Any:
         raise ValueError(f"{where}: bad JSON ({exc})") from exc
 
 
-def weka_sessions(path: Path) -> Iterator[tuple[str, list[Turn]]]:
-    """(member name, trajectory) of each session in a Weka archive, streamed in archive order.
+def weka_members(path: Path) -> Iterator[tuple[str, Any]]:
+    """(member name, parsed JSON) of each ``.json`` member of a Weka archive, streamed in
+    archive order (closing the generator stops reading the archive).
 
-    Raises ``ValueError`` for an unreadable archive or a member that is not a Weka session.
+    Raises ``ValueError`` for an unreadable archive or a member that is not JSON.
     """
     try:
         with tarfile.open(path, "r:xz") as tar:
             for member in tar:
                 if member.isfile() and member.name.endswith(".json"):
                     where = f"{path}:{member.name}"
-                    yield member.name, _weka_session(_read_json(tar.extractfile(member), where),
-                                                     where)
+                    yield member.name, _read_json(tar.extractfile(member), where)
     except (tarfile.TarError, lzma.LZMAError, EOFError, OSError) as exc:
         raise ValueError(f"cannot read Weka archive {path}: {exc}") from exc
+
+
+def weka_sessions(path: Path) -> Iterator[tuple[str, list[Turn]]]:
+    """(member name, trajectory) of each session in a Weka archive, streamed in archive order.
+
+    Raises ``ValueError`` for an unreadable archive or a member that is not a Weka session.
+    """
+    members = weka_members(path)
+    try:
+        for name, data in members:
+            yield name, _weka_session(data, f"{path}:{name}")
+    finally:
+        members.close()
 
 
 def _read_weka(path: Path, limit: int | None) -> tuple[list[list[Turn]], bool]:
@@ -266,6 +285,15 @@ def _read_weka(path: Path, limit: int | None) -> tuple[list[list[Turn]], bool]:
 
 def _read_mooncake(path: Path) -> list[list[Turn]]:
     """Mooncake conversations (see the module doc), in order of their first request."""
+    return [_chain(reqs, MOONCAKE_BLOCK) for reqs in mooncake_conversations(path)]
+
+
+def mooncake_conversations(path: Path) -> list[list[Request]]:
+    """The requests ``(input, output, hash ids)`` of a Mooncake JSONL file grouped into
+    conversations (see the module doc), in order of their first request.
+
+    Raises ``ValueError`` naming the line that is not a Mooncake request.
+    """
     convs: dict[object, list[Request]] = {}
     with path.open(encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
@@ -273,7 +301,7 @@ def _read_mooncake(path: Path) -> list[list[Turn]]:
                 continue
             prompt, gen, ids = _mooncake_request(line, f"{path}:{i}")
             convs.setdefault(ids[0] if ids else ("no-hash", i), []).append((prompt, gen, ids))
-    return [_chain(reqs, MOONCAKE_BLOCK) for reqs in convs.values()]
+    return list(convs.values())
 
 
 def _mooncake_request(line: str, where: str) -> Request:

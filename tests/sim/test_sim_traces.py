@@ -138,7 +138,8 @@ def test_trace_dir_env_override(monkeypatch, tmp_path):
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
     assert trace_dir() == tmp_path
     monkeypatch.delenv(ENV_DIR)
-    assert trace_dir().parts[-2:] == ("shared", "traces")
+    with pytest.raises(ValueError, match=f"--trace-dir.*{ENV_DIR}"):
+        trace_dir()  # no folder outside the repository is guessed
 
 
 def _valid(trajs):
