@@ -1,4 +1,5 @@
-"""``dualpath sim`` and ``dualpath plan``: run presets / plan P/D ratios, write JSON."""
+"""``dualpath sim`` and ``dualpath plan``: run presets / plan P/D ratios, print tables and,
+with ``--json``, write the full result (and a PNG figure beside it)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dualpath.sim.config import SimConfig
 from dualpath.sim.planner import plan
 from dualpath.sim.presets import DS660B, DS660B_QUOTA_ALL, run_preset
 from dualpath.sim.profiles import GB, HardwareProfile, get_hardware, get_model
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def _write(path: str | None, result: dict[str, Any]) -> None:
@@ -23,6 +27,34 @@ def _write(path: str | None, result: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
     plot_result(result, png_path_for(path))
+
+
+def _console() -> Console:
+    """A rich console; 132 columns when stdout is not a terminal, so that tables piped to a
+    file or a log are not squeezed into 80."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=132)
+
+
+def _print(console: Console, tables: list[Any], json_path: str | None,
+           lines: tuple[str, ...] = ()) -> None:
+    """Print ``tables`` (each caption as a line under its table, so that it is not wrapped to
+    the table's width) and ``lines``, then where the JSON went (or how to get it)."""
+    for table in tables:
+        caption, table.caption = table.caption, None
+        console.print(table)
+        if caption:
+            console.print(caption, style="dim")
+    for line in lines:
+        console.print(line)
+    if json_path:
+        from dualpath.sim.plots import png_path_for
+
+        console.print(f"wrote {json_path} and {png_path_for(json_path)}")
+    else:
+        console.print("[dim](--json PATH writes the full result and a PNG figure)[/]")
 
 
 # ``dualpath sim`` options that change the DS 660B configuration of the paper presets
@@ -59,9 +91,11 @@ def _paper_base(args: argparse.Namespace) -> SimConfig | None:
 
 
 def run_sim(args: argparse.Namespace) -> dict[str, Any]:
-    """Run ``args.preset`` with a rich progress bar; print and write the summary."""
-    from rich.console import Console
+    """Run ``args.preset`` with a rich progress bar; print its tables and, with ``--json``,
+    write the result."""
     from rich.progress import Progress
+
+    from dualpath.sim.report import sim_tables
 
     kwargs: dict[str, Any] = {}
     if args.workload:
@@ -98,7 +132,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
 
         result = run_preset(args.preset, progress=progress, **kwargs)
     _write(args.json, result)
-    Console().print_json(json.dumps(result["summary"], default=str))
+    _print(_console(), sim_tables(result), args.json)
     return result
 
 
@@ -121,10 +155,10 @@ def _hardware(args: argparse.Namespace) -> HardwareProfile:
 
 
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
-    """Eq. (9) range for ``--hardware``; with ``--workload``, simulated JCT per candidate."""
-    from rich.console import Console
-
+    """Eq. (9) range for ``--hardware`` and a table of candidates; with ``--workload``,
+    simulated JCT per candidate."""
     from dualpath.sim.cluster import simulate
+    from dualpath.sim.report import plan_range_line, plan_table
     from dualpath.sim.workload import WorkloadConfig
 
     hw = _hardware(args)
@@ -153,5 +187,5 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     result = plan(hw, args.max_nodes, sim, fits, beyond=args.beyond)
     result["model"] = args.model
     _write(args.json, result)
-    Console().print_json(json.dumps(result["summary"]))
+    _print(_console(), [plan_table(result)], args.json, (plan_range_line(result),))
     return result

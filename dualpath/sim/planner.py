@@ -3,9 +3,11 @@
 ``pd_ratio_range(g, s, B, M)`` returns ``s/(g−s) ≤ P/D ≤ min{(g−2s)/s, (g−s)/(2s),
 (M/(B·s) − 3)/2}`` as exact fractions where the inputs allow, with every term named, so a
 caller can see which constraint binds. ``plan`` adds candidate (P, D) node counts inside the
-range (``beyond=True``: outside it too, marked) and, when a simulate function is given, their
-simulated JCT and a recommendation. The simulator models the DRAM and compute-NIC hops the
-range is derived from, so simulating beyond the range shows what breaking it costs.
+range (``beyond=True``: outside it too, marked), each with the load eq. (9)'s traffic model
+puts on each resource at its ratio and the binding one, and, when a simulate function is
+given, their simulated JCT and a recommendation. The simulator models the DRAM and
+compute-NIC hops the range is derived from, so simulating beyond the range shows what
+breaking it costs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,37 @@ def range_for(hw: HardwareProfile) -> dict[str, Any]:
     """Eq. (9) for a hardware profile (B = one CNIC, s = SNIC / CNIC, M = DRAM)."""
     return pd_ratio_range(hw.gpus_per_node, hw.storage_ratio, hw.cnic_bps / 1e9,
                           hw.dram_bps / 1e9)
+
+
+def eq9_loads(ratio: Fraction, g: int = 8, s: float = 1.0, B: float = 50.0,
+              M: float = 500.0) -> dict[str, Fraction]:
+    """Each eq. (9) resource's load at ``P/D = ratio`` as a fraction of its capacity, with every
+    storage NIC reading at ``s·B`` (PAPER §3: the left-hand sides of (1), (2), (4), (6) and the
+    DE DRAM pressure of (8)); keys name the bound each load gives, as in :func:`pd_ratio_range`.
+
+    A load is 1 exactly at its bound, so every load is ≤ 1 inside the range (load (1) does not
+    depend on the ratio; :func:`pd_ratio_range` reports it as ``pe_cnic_read_ok``).
+    """
+    if ratio <= 0:
+        raise ValueError(f"P/D must be > 0, got {ratio}")
+    fs, fg, r = _frac(s), Fraction(g), Fraction(ratio)
+    return {"pe_cnic_read (1)": 2 * fs / fg,
+            "pe_cnic_write (3)": fs / fg * (1 + 1 / r),
+            "de_cnic_read (5)": fs / fg * (r + 2),
+            "de_cnic_write (7)": fs / fg * (2 * r + 1),
+            "de_dram (8)": (3 + 2 * r) * _frac(B) * fs / _frac(M)}
+
+
+def binding(loads: dict[str, Fraction]) -> list[str]:
+    """The resources with the highest load (several on an exact tie), sorted."""
+    top = max(loads.values())
+    return sorted(k for k, v in loads.items() if v == top)
+
+
+def loads_for(hw: HardwareProfile, ratio: Fraction) -> dict[str, Fraction]:
+    """:func:`eq9_loads` for a hardware profile (the inputs of :func:`range_for`)."""
+    return eq9_loads(ratio, hw.gpus_per_node, hw.storage_ratio, hw.cnic_bps / 1e9,
+                     hw.dram_bps / 1e9)
 
 
 def candidates(lo: Fraction, hi: Fraction, max_nodes: int = 6,
@@ -96,15 +129,20 @@ def plan(hw: HardwareProfile, max_nodes: int = 6,
     cheapest way to finish the job for a fixed cluster budget. ``simulate`` returns None for a
     candidate that cannot run (the model does not fit); it is listed but not recommended.
     With ``beyond`` the ratios outside the range are candidates too (``in_range`` false);
-    ``recommended_in_range`` is then the best of those inside.
+    ``recommended_in_range`` is then the best of those inside. Each candidate carries its
+    :func:`eq9_loads` (``loads``), the ``binding`` resource(s) and their ``binding_load``.
     """
     rng = range_for(hw)
     cands = candidates(rng["lower"], rng["upper"], max_nodes, fits, beyond)
     rows = []
     for p, d in cands:
         ratio = Fraction(p, d)
+        loads = loads_for(hw, ratio)
         row: dict[str, Any] = {"P": p, "D": d, "ratio": str(ratio),
-                               "in_range": rng["lower"] <= ratio <= rng["upper"]}
+                               "in_range": rng["lower"] <= ratio <= rng["upper"],
+                               "loads": {k: float(v) for k, v in loads.items()},
+                               "binding": binding(loads),
+                               "binding_load": float(max(loads.values()))}
         if simulate is not None:
             jct = simulate(p, d)
             row.update(jct_s=jct, node_seconds=None if jct is None else jct * (p + d))
