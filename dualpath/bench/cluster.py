@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,25 +58,34 @@ class TurnRecord:
     latency_s: float
     read_path: str
     attempts: int = 1  # placements it took (> 1: an engine failed it or lost track of it)
+    submitted_s: float = 0.0  # since the run started
+    ttst_s: float | None = None  # submit to the second token (None: one token generated)
+    tpot_s: float | None = None  # first to last token / (tokens - 1)
+    timings: dict[str, float] = field(default_factory=dict)  # the router's TTFT breakdown
 
 
 class _Agent:
     """One agent's trajectory: submits turn after turn, records when it finished."""
 
     def __init__(self, cluster: LocalCluster, turns: list[AgentTurn], mode: str,
-                 done: threading.Event, progress: Any, context: list[int] | None = None) -> None:
+                 done: threading.Event, progress: Any, context: list[int] | None = None,
+                 began: float = 0.0) -> None:
         self.cluster, self.turns, self.mode = cluster, turns, mode
-        self.done, self.progress = done, progress
+        self.done, self.progress, self.began = done, progress, began
         self.context: list[int] = list(context or [])  # prompt + output of the last turn
         self.turn = 0
         self.records: list[TurnRecord] = []
-        self.first_token_at: dict[int, float] = {}  # turn -> when its first token arrived
+        self.token_times: dict[int, list[float]] = {}  # turn -> arrival time of each token
         self.finished_at: float | None = None
         self.error: BaseException | None = None
 
     def start(self) -> None:
-        """Submit the first turn."""
-        self._submit()
+        """Submit the first turn (a turn that cannot be built ends the agent with its error)."""
+        try:
+            self._submit()
+        except Exception as exc:  # reported by run_turns
+            self.error = exc
+            self.done.set()
 
     def _submit(self) -> None:
         turn = self.turns[self.turn]
@@ -88,22 +97,25 @@ class _Agent:
         self.submitted = time.perf_counter()
         params = SamplingParams(max_tokens=turn.gen, ignore_eos=True)
         future = self.cluster.submit(self.prompt, params, mode=self.mode,
-                                     on_tokens=lambda _, n=self.turn: self._streamed(n))
+                                     on_tokens=lambda t, n=self.turn: self._streamed(n, t))
         future.add_done_callback(self._returned)
 
-    def _streamed(self, turn: int) -> None:
-        """Note when turn ``turn``'s first tokens arrived (tokens come in order, per turn)."""
-        self.first_token_at.setdefault(turn, time.perf_counter())
+    def _streamed(self, turn: int, tokens: tuple[int, ...]) -> None:
+        """Note when turn ``turn``'s tokens arrived (tokens come in order, per turn)."""
+        now = time.perf_counter()
+        self.token_times.setdefault(turn, []).extend([now] * len(tokens))
 
     def _returned(self, future: Any) -> None:
         try:
             out = future.result()
             now = time.perf_counter()
-            first = self.first_token_at.get(self.turn, now)
-            self.records.append(TurnRecord(len(self.prompt), out.num_hit_tokens,
-                                           out.num_computed_tokens, first - self.submitted,
-                                           now - self.submitted, out.read_path,
-                                           out.num_attempts))
+            times = self.token_times.pop(self.turn, None) or [now]
+            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+            self.records.append(TurnRecord(
+                len(self.prompt), out.num_hit_tokens, out.num_computed_tokens,
+                times[0] - self.submitted, now - self.submitted, out.read_path,
+                out.num_attempts, self.submitted - self.began,
+                times[1] - self.submitted if len(times) > 1 else None, tpot, out.timings))
             self.progress()
             self.context = self.prompt + list(out.output_ids)
             self.turn += 1
@@ -131,9 +143,11 @@ def make_trajectories(agents: int, turns: int, first: int, append: int, vocab: i
 def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
               progress: Any = lambda: None, timeout_s: float = 3600.0,
               label: str = "bench cluster",
-              contexts: list[list[int]] | None = None) -> dict[str, Any]:
+              contexts: list[list[int]] | None = None,
+              start_offsets_s: list[float] | None = None) -> dict[str, Any]:
     """Run every agent to its last turn, each turn as soon as its previous one returned;
-    ``contexts`` are the agents' contexts before their first turn here (default: empty).
+    ``contexts`` are the agents' contexts before their first turn here (default: empty);
+    agent i starts ``start_offsets_s[i]`` seconds after the run (default: all at once).
 
     Returns the mode, the JCT (until the last agent's last turn), the turn count, the prompt,
     hit and computed token totals, every agent's :class:`TurnRecord` list (``records``) and
@@ -141,13 +155,18 @@ def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
     """
     events = [threading.Event() for _ in agents]
     starts = contexts if contexts is not None else [[] for _ in agents]
-    runs = [_Agent(cluster, turns, mode, ev, progress, context)
-            for turns, ev, context in zip(agents, events, starts, strict=True)]
     start = time.perf_counter()
-    for run in runs:
-        run.start()
+    runs = [_Agent(cluster, turns, mode, ev, progress, context, start)
+            for turns, ev, context in zip(agents, events, starts, strict=True)]
+    timers = [threading.Timer(offset, run.start)
+              for run, offset in zip(runs, start_offsets_s or [0.0] * len(runs), strict=True)]
+    for timer in timers:
+        timer.daemon = True
+        timer.start()
     for ev in events:
         if not ev.wait(max(0.0, timeout_s - (time.perf_counter() - start))):
+            for timer in timers:
+                timer.cancel()
             raise DualPathError(f"{label}: {mode} did not finish in {timeout_s:.0f} s")
     errors = [a.error for a in runs if a.error is not None]
     if errors:
