@@ -6,7 +6,7 @@ STAMP := $(VENV)/.dualpath-installed
 export DUALPATH_CACHE_DIR ?= $(CURDIR)/.cache
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup model demo test lint bench clean
+.PHONY: setup model demo test lint bench soak clean
 
 setup: $(STAMP) model
 
@@ -34,6 +34,12 @@ test: setup
 
 bench: setup
 	$(BIN)/dualpath bench engine --json results/bench_engine.json
+
+# Not part of `make test`: 100 agents against `dualpath serve` (1 PE + 2 DE) for 10 minutes;
+# errors, latency percentiles and every process's RSS over time in results/soak.json + .png.
+# Fails on any error or on an RSS growth over 10% after the warm-up.
+soak: setup
+	$(BIN)/python -m dualpath.bench.soak --agents 100 --duration-s 600 --json results/soak.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check dualpath tests
