@@ -36,7 +36,8 @@ class HttpTurnRecord:
     """One turn as the client saw it. Times are seconds; ``submitted_s`` is ``time.monotonic()``
     when the request was sent, the others are measured from it (TPOT: between the first and the
     last token, per token after the first). A failed turn has ``error`` set (and ``status``, the
-    HTTP status, when the server answered); its timings are None where they did not happen."""
+    HTTP status, when the server answered); its timings are None where they did not happen.
+    ``cut_off``: it failed only because the run's deadline came while it was running."""
 
     agent: int
     turn: int
@@ -51,6 +52,7 @@ class HttpTurnRecord:
     finish_reason: str | None = None
     status: int | None = None
     error: str | None = None
+    cut_off: bool = False
     output_ids: tuple[int, ...] = field(default=(), repr=False)
 
     @property
@@ -196,9 +198,10 @@ async def post_turn(client: httpx2.AsyncClient, prompt: list[int], gen_tokens: i
 
 
 def _error_record(agent: int, turn: int, submitted_s: float, prompt_tokens: int,
-                  status: int | None, message: str) -> HttpTurnRecord:
+                  status: int | None, message: str, cut_off: bool = False) -> HttpTurnRecord:
     return HttpTurnRecord(agent, turn, submitted_s, prompt_tokens,
-                          latency_s=time.monotonic() - submitted_s, status=status, error=message)
+                          latency_s=time.monotonic() - submitted_s, status=status, error=message,
+                          cut_off=cut_off)
 
 
 def _prompt(context: list[int], turn: AgentTurn) -> list[int]:
@@ -247,7 +250,7 @@ async def run_agent_http(client: httpx2.AsyncClient, turns: list[AgentTurn], *, 
                                    exc.message)
         except TimeoutError:
             record = _error_record(agent, index, submitted, len(prompt), None,
-                                   "no answer before the run's deadline")
+                                   "cut off: still running at the run's deadline", cut_off=True)
         records.append(record)
         progress(record)
         if not record.ok:

@@ -9,7 +9,8 @@ replays multi-turn trajectories through streamed token-id completions
 ids, then turns appending ``--append-tokens`` and generating ``--gen-tokens``, each prompt being
 the context so far plus the new ids (so every later turn hits the store). A trajectory whose
 next turn would pass ``--max-context-tokens`` ends and the agent starts a fresh one. No turn
-starts after the deadline; the turns in flight then get ``--drain-s`` to finish.
+starts after the deadline; the turns in flight then get ``--drain-s`` to finish, and those
+still running are cut off (closed, so the server aborts them): counted apart, not as errors.
 
 Every ``--sample-s`` the resident memory (RSS) of the serve process and of each of its child
 processes is sampled. The report (JSON, default ``results/soak.json``, and a PNG beside it)
@@ -78,7 +79,7 @@ class SoakSettings:
     sample_s: float = 5.0
     warmup_fraction: float = 0.2
     max_rss_growth: float = 0.10
-    drain_s: float = 120.0
+    drain_s: float = 60.0
     startup_timeout_s: float = 300.0
     seed: int = 0
     serve_sets: tuple[str, ...] = ()  # KEY=VALUE overrides passed to `dualpath serve --set`
@@ -264,8 +265,8 @@ class RunLog:
     serve_exit: int | None = None  # the server's exit code if it died during the run
 
     def errors(self) -> int:
-        """Turns that failed."""
-        return sum(not r.ok for r in self.records)
+        """Turns that failed (a turn cut off at the end of the run is no error)."""
+        return sum(not r.ok and not r.cut_off for r in self.records)
 
 
 async def _agent(client: httpx2.AsyncClient, index: int, model: str, settings: SoakSettings,
@@ -339,23 +340,32 @@ def windows(records: list[HttpTurnRecord], start_s: float, width_s: float) -> li
         group = by_window[index]
         served = [r for r in group if r.ok]
         rows.append({"t_s": (index + 1) * width_s, "turns": len(group),
-                     "errors": len(group) - len(served),
+                     "errors": sum(not r.ok and not r.cut_off for r in group),
                      "ttft_s": percentiles([r.ttft_s for r in served if r.ttft_s is not None]),
                      "latency_s": percentiles([r.latency_s for r in served
                                                if r.latency_s is not None])})
     return rows
 
 
+def _sample_at(samples: list[dict[str, Any]], t_s: float) -> dict[str, float]:
+    """The RSS of the first sample at or after ``t_s`` (else the last)."""
+    return next((s for s in samples if s["t_s"] >= t_s), samples[-1])["rss_mb"]
+
+
 def rss_summary(samples: list[dict[str, Any]], warm_s: float) -> dict[str, dict[str, float]]:
-    """Per process: RSS at the first sample after the warm-up, at the last sample, and the
-    growth between the two (a fraction)."""
+    """Per process: RSS at the first sample after the warm-up and at the last sample, the
+    growth between the two (a fraction), and the growth over the second half of that span
+    (``growth_last_half``: a leak keeps growing there; memory touched for the first time, such
+    as an engine's preallocated host pool filling up to its high-water mark, levels off)."""
     if not samples:
         return {}
-    warm = next((s for s in samples if s["t_s"] >= warm_s), samples[-1])["rss_mb"]
+    warm = _sample_at(samples, warm_s)
+    middle = _sample_at(samples, (warm_s + samples[-1]["t_s"]) / 2)
     end = samples[-1]["rss_mb"]
     return {name: {"after_warmup_mb": warm[name], "end_mb": end[name],
-                   "growth": (end[name] - warm[name]) / warm[name]}
-            for name in warm if name in end and warm[name] > 0}
+                   "growth": (end[name] - warm[name]) / warm[name],
+                   "growth_last_half": (end[name] - middle[name]) / middle[name]}
+            for name in warm if name in end and name in middle and warm[name] > 0}
 
 
 def summarize(log: RunLog, settings: SoakSettings) -> dict[str, Any]:
@@ -372,6 +382,7 @@ def summarize(log: RunLog, settings: SoakSettings) -> dict[str, Any]:
     return {
         "ok": errors == 0 and max_growth is not None and max_growth <= settings.max_rss_growth,
         "errors": errors, "requests": len(log.records), "served": len(served),
+        "cut_off_at_end": sum(r.cut_off for r in log.records),
         "agents": settings.agents, "duration_s": settings.duration_s,
         "ttft_p50_s": ttft["p50"], "ttft_p99_s": ttft["p99"],
         "latency_p50_s": latency["p50"], "latency_p99_s": latency["p99"],
@@ -381,6 +392,7 @@ def summarize(log: RunLog, settings: SoakSettings) -> dict[str, Any]:
         "rss_after_warmup_mb": {n: m["after_warmup_mb"] for n, m in memory.items()},
         "rss_end_mb": {n: m["end_mb"] for n, m in memory.items()},
         "rss_growth_after_warmup": growth,
+        "rss_growth_last_half": {n: m["growth_last_half"] for n, m in memory.items()},
         "max_rss_growth_after_warmup": max_growth,
         "max_rss_growth_allowed": settings.max_rss_growth,
         "serve_exit_during_run": log.serve_exit,
@@ -392,7 +404,8 @@ def build_report(log: RunLog, settings: SoakSettings, server: ServeProcess,
     """The whole JSON report."""
     from dualpath.bench.report import machine_profile
 
-    messages = Counter(f"{r.status}: {r.error}" for r in log.records if not r.ok)
+    messages = Counter(f"{r.status}: {r.error}" for r in log.records
+                       if not r.ok and not r.cut_off)
     return {"benchmark": "soak", "machine": machine_profile(), "model": model,
             "settings": asdict(settings), "serve_logs": server.engine_log_dir(),
             "windows": windows(log.records, log.start_s, settings.sample_s),
@@ -448,17 +461,20 @@ def render_summary(summary: dict[str, Any]) -> Group:
     figures.add_column("value", justify="right")
     figures.add_row("turns (requests)", str(summary["requests"]))
     figures.add_row("errors", str(summary["errors"]))
+    figures.add_row("cut off at the end (no error)", str(summary["cut_off_at_end"]))
     figures.add_row("TTFT p50 / p99", f"{_seconds(summary['ttft_p50_s'])} / "
                                       f"{_seconds(summary['ttft_p99_s'])}")
     figures.add_row("turn latency p50 / p99", f"{_seconds(summary['latency_p50_s'])} / "
                                               f"{_seconds(summary['latency_p99_s'])}")
     figures.add_row("TPOT p50", _seconds(summary["tpot_p50_s"]))
     memory = Table(box=box.SIMPLE_HEAD)
-    for name in ("process", "RSS after warm-up", "RSS at the end", "growth"):
+    for name in ("process", "RSS after warm-up", "RSS at the end", "growth",
+                 "growth, last half"):
         memory.add_column(name, justify="left" if name == "process" else "right")
     for name, warm in summary["rss_after_warmup_mb"].items():
         memory.add_row(name, f"{warm:.0f} MB", f"{summary['rss_end_mb'][name]:.0f} MB",
-                       f"{100 * summary['rss_growth_after_warmup'][name]:+.1f}%")
+                       f"{100 * summary['rss_growth_after_warmup'][name]:+.1f}%",
+                       f"{100 * summary['rss_growth_last_half'][name]:+.1f}%")
     verdict = "[green]ok[/green]" if summary["ok"] else "[red]NOT ok[/red]"
     memory.caption = (f"{verdict}: no error and no process's RSS grew more than "
                       f"{100 * summary['max_rss_growth_allowed']:.0f}% after the warm-up")

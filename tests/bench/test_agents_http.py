@@ -146,3 +146,17 @@ def test_a_refused_turn_is_recorded_and_its_agent_stops(served):
     assert failed[1].status == 400 and "maximum context length" in failed[1].error
     assert failed[1].generated_tokens == 0 and failed[1].ttft_s is None
     assert [r.ok for r in results[1]] == [True, True, True]
+
+
+def test_a_turn_still_running_at_the_deadline_is_cut_off(served):
+    url, cluster = served
+    long_turn = [AgentTurn(_random_ids(torch.Generator().manual_seed(13), FIRST), 900)]
+    start = time.monotonic()
+    [[record]] = asyncio.run(run_agents_http(url, [long_turn], model=MODEL, timeout_s=0.5))
+    assert time.monotonic() - start < 5
+    assert not record.ok and record.cut_off and record.status is None
+    assert "deadline" in record.error
+    deadline = time.monotonic() + 10  # the closed stream aborts the request on the engines
+    while cluster.router.counters()["requests"]:
+        assert time.monotonic() < deadline, cluster.router.counters()
+        time.sleep(0.05)

@@ -79,8 +79,9 @@ def test_growth_after_warmup_and_errors_decide_ok():
     samples = [{"t_s": t, "rss_mb": {"serve": 100.0 + t, "de1": 200.0}} for t in range(11)]
     memory = rss_summary(samples, warm_s=2.0)
     assert memory["serve"] == {"after_warmup_mb": 102.0, "end_mb": 110.0,
-                               "growth": pytest.approx(8 / 102)}
-    assert memory["de1"]["growth"] == 0.0
+                               "growth": pytest.approx(8 / 102),
+                               "growth_last_half": pytest.approx(4 / 106)}  # from t = 6 s
+    assert memory["de1"]["growth"] == memory["de1"]["growth_last_half"] == 0.0
     settings = SoakSettings(duration_s=10, max_rss_growth=0.10)
     log = RunLog(100.0, [_record(True), _record(True, 0.3)], samples)
     assert summarize(log, settings)["ok"]
