@@ -65,6 +65,7 @@ __all__ = ["ClusterOutput", "EngineInfo", "RequestAborted", "RequestFailed", "Re
 
 T = TypeVar("T")
 HEARTBEAT_TICK_S = 0.1  # how often the loop checks engine silence
+ORACLE_BLOCKS_KEPT = 1 << 20  # block keys oracle mode remembers (then it starts afresh)
 
 
 class RequestFuture(Future):
@@ -102,6 +103,10 @@ class Router:
         self._listeners: dict[int, Callable[[tuple[int, ...]], None]] = {}
         self._inbox: queue.Queue[Callable[[], Effects | None]] = queue.Queue()
         self._metrics: dict[str, Future[dict]] = {}
+        # oracle mode moves no KV, so the store never holds its blocks: its hits are the blocks
+        # its own finished requests would have stored (a perfect cache, no I/O)
+        self._oracle_blocks: set = set()
+        self._oracle_ids: set[int] = set()
         self._hello = threading.Condition()
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -283,6 +288,7 @@ class Router:
                     log.exception("router: a token listener failed")
         for req_id, result in effects.done:
             self._listeners.pop(req_id, None)
+            self._remember_oracle(req_id, result)
             future = self._futures.pop(req_id, None)
             if future is None or future.done():
                 continue
@@ -301,8 +307,22 @@ class Router:
             log.exception("router: could not encode %s for %s", msg.type, engine)
 
     def _admit(self, req: RequestState) -> Effects:
+        if req.mode == Mode.ORACLE:
+            self._oracle_ids.add(req.req_id)
         req.num_hit_blocks = self._hit_blocks(req)
         return self.state.submit(req, self._clock())
+
+    def _remember_oracle(self, req_id: int, out: ClusterOutput | Exception) -> None:
+        """An oracle request's full blocks (prompt and generated tokens whose KV the decode
+        engine computed: all but the last) count as stored for later oracle requests."""
+        if req_id not in self._oracle_ids:
+            return
+        self._oracle_ids.discard(req_id)
+        if not isinstance(out, ClusterOutput):
+            return
+        if len(self._oracle_blocks) > ORACLE_BLOCKS_KEPT:  # a bench mode: bound it anyway
+            self._oracle_blocks.clear()
+        self._oracle_blocks.update(self.key_space.keys(out.prompt_ids + out.output_ids[:-1]))
 
     def _lose(self, name: str, reason: str) -> Effects:
         pending_metrics = self._metrics.pop(name, None)
@@ -317,6 +337,9 @@ class Router:
             return 0
         max_hit = (len(req.prompt_ids) - 1) // self.block_size
         keys = self.key_space.keys(req.prompt_ids[: max_hit * self.block_size])
+        if req.mode == Mode.ORACLE:
+            return next((i for i, key in enumerate(keys) if key not in self._oracle_blocks),
+                        len(keys))
         try:
             return self.store.exists_prefix(keys)
         except OSError:

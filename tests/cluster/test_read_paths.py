@@ -61,3 +61,20 @@ def test_oracle_moves_no_kv_and_stores_nothing(tiny_chaotic_dir, tmp_path):
         for role in ("prefill", "decode"):
             assert node_sum(after, role, key) == node_sum(before, role, key), (role, key)
     assert sum(1 for _ in store.rglob("*.kvb")) == stored_files
+
+
+def test_oracle_hits_from_turn_two_on_an_empty_store(tiny_chaotic_dir, tmp_path):
+    """The oracle stores nothing, yet its later turns hit what its earlier turns would have
+    stored (the hit is known without I/O); the store stays empty; same tokens as dualpath."""
+    store = tmp_path / "kv"
+    config = ClusterConfig(engine=EngineConfig(dtype="float32", block_size=16, num_kv_blocks=256),
+                           storage=StorageConfig(root=str(store)), host_pool_blocks=64,
+                           num_decode=1)
+    convs = make_conversations(300, first_lengths=[70], append_lengths=[21], seed=4)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp_path / "logs") as cluster:
+        _, oracle_hits = cluster_outputs(cluster, convs, params, "oracle", "auto")
+        assert not any(store.rglob("*.kvb"))
+        _, dualpath_hits = cluster_outputs(cluster, convs, params, "dualpath", "auto")
+    assert oracle_hits[0][0] == 0 and all(h > 0 for h in oracle_hits[0][1:])
+    assert oracle_hits == dualpath_hits
