@@ -347,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(clu)
     clu.set_defaults(func=_cmd_bench_cluster)
 
+    agents = bench_sub.add_parser("agents", help="agentic workloads (Table 2 presets, Weka, "
+                                  "Mooncake) through the cluster or its OpenAI API: every mode, "
+                                  "offline JCT, online APS, TTFT breakdown, NICs (JSON + PNG)")
+    from dualpath.bench.agents_cli import add_arguments as _agents_args
+
+    _agents_args(agents)
+
     lay = bench_sub.add_parser("layerwise", help="the paper's mechanisms: layerwise memory, "
                                "QoS lanes under EP traffic, split reads (JSON + PNG)")
     from dualpath.bench.layerwise import add_arguments as _layerwise_args

@@ -76,7 +76,8 @@ class Simulator:
     """One run; :meth:`run` returns the result dict (``jct_s`` and statistics)."""
 
     def __init__(self, cfg: SimConfig,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None,
+                 trajectories: list[list[Turn]] | None = None) -> None:
         self.cfg = cfg
         self.loop = EventLoop()
         self.progress = progress
@@ -84,7 +85,8 @@ class Simulator:
         self.kvb = model.kv_bytes_per_token
         ep_p, ep_d = cfg.ep_group_nodes()
         self.a2a_pe, self.a2a_de = model.a2a_bytes_per_token(ep_p), model.a2a_bytes_per_token(ep_d)
-        self.trajs: list[list[Turn]] = agent_trajectories(cfg.workload)
+        self.trajs: list[list[Turn]] = (agent_trajectories(cfg.workload) if trajectories is None
+                                        else trajectories)
         self.cost = cfg.prefill_cost()
         self._steps: dict[int, float] = {}
         self._step_model = cfg.decode_step_model()
@@ -499,6 +501,7 @@ class Simulator:
 
 
 def simulate(cfg: SimConfig, progress: Callable[[int, int], None] | None = None,
-             ) -> dict[str, Any]:
-    """Run one configuration; the result dict of :meth:`Simulator.run`."""
-    return Simulator(cfg, progress).run()
+             trajectories: list[list[Turn]] | None = None) -> dict[str, Any]:
+    """Run one configuration (on ``trajectories`` instead of the workload config's, when
+    given: one list of turns per agent); the result dict of :meth:`Simulator.run`."""
+    return Simulator(cfg, progress, trajectories).run()

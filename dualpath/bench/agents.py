@@ -1,0 +1,216 @@
+"""``dualpath bench agents``: agentic workloads through the real cluster, the whole mode ladder.
+
+Workloads (``bench/workloads.py``): the paper's Table 2 presets scaled to the model's context,
+the Weka agentic traces (a shipped sample, or any folder in the Weka format), Mooncake's trace
+format. Every mode (``basic``, ``layerwise``, ``round_robin``, ``dualpath``, ``oracle``) runs
+on a fresh cluster (1 prefill + 2 decode engine processes by default) over an empty store,
+after a short untimed warm-up that shares nothing with the workload, through the Python cluster
+API (``--via python``) or a ``dualpath serve`` process and its streaming OpenAI API
+(``--via http``).
+
+* **Offline** (the paper's rule): every agent starts at once, zero tool latency; JCT is the
+  time to the last agent's last turn.
+* **Online**: agents arrive as a Poisson process at a given APS (agents per second); TTFT, time
+  to second token and TPOT over the steady window (turns submitted between 20% of the arrival
+  span and the last arrival). The largest APS whose mean TTFT meets the SLO is found by a short
+  search per mode (``bench/agents_online.py``) on one cluster per mode, the store emptied
+  between trials. The SLO is scaled for the testbed and stated in the result.
+
+Storage NICs are capped so that ``basic`` is storage-bound (DESIGN §6), compute NICs at 8× the
+storage cap (the paper's per-GPU ratio); each node's NIC rates are sampled every second. The
+result (JSON with a top-level ``summary``, the resolved cluster config of every mode, every
+turn's record) and its plots are written by ``bench/agents_report.py``; the same workload is
+also run through the simulator's testbed preset when a profile is given (``--profile``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from dualpath.bench.agents_nics import utilization
+from dualpath.bench.agents_run import HttpRun, PythonRun
+from dualpath.bench.cluster import AgentTurn
+from dualpath.bench.demo import warmup_turns
+from dualpath.bench.report import machine_profile
+from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, TrafficConfig
+
+MODES = ("basic", "layerwise", "round_robin", "dualpath", "oracle")
+VIAS = ("python", "http")
+COMPUTE_PER_STORAGE = 8  # compute-NIC cap per engine / storage-NIC cap per node (DESIGN §6)
+
+
+@dataclass(frozen=True)
+class AgentsOptions:
+    """What ``dualpath bench agents`` runs; the defaults are the README's run."""
+
+    workload: str = "weka-sample"
+    modes: tuple[str, ...] = MODES
+    via: str = "python"
+    agents: int | None = None  # sessions / copies (None: the workload's default)
+    turns: int | None = None  # leading turns per agent (None: the workload's default)
+    scale: float | None = None  # token counts divided by this (None: the workload's default)
+    trace_dir: str | None = None  # the traces folder (else $DUALPATH_TRACES_DIR)
+    max_context: int = 8192
+    model: str | None = None
+    # Storage-NIC read cap per node. 16 MB/s of float32 KV is ~350 tokens/s: basic is then
+    # storage-bound on the demo's sessions (its prefill node's NIC 97% busy), DESIGN §6.
+    read_cap_mb_s: float = 16.0
+    compute_cap_mb_s: float | None = None  # None: COMPUTE_PER_STORAGE x read_cap_mb_s
+    dtype: str = "float32"  # bf16 matmul is 3x slower on CPUs without AVX512_BF16 (demo.py)
+    block_size: int = 64
+    host_pool_blocks: int = 384
+    save_staging_blocks: int = 64  # agent turns add many blocks and generate few (demo.py)
+    read_deadline_s: float = 600.0  # a read given up is recomputed: basic must not recompute
+    prefill: int = 1
+    decode: int = 2
+    offline: bool = True
+    online_modes: tuple[str, ...] = ("basic", "dualpath")
+    online_agents: int | None = None  # agents per online trial (None: the offline count)
+    online_trials: int = 3  # APS tried per mode
+    ttft_slo_s: float | None = None  # None: scaled from the paper's 4 s (agents_online.py)
+    seed: int = 0
+    timeout_s: float = 900.0  # per run
+    json_path: str | None = "results/agents.json"
+    work_dir: str | None = None
+    profile: str | None = None  # a `dualpath profile` JSON: also predict with the simulator
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.modes + self.online_modes if m not in MODES]
+        if unknown:
+            raise ValueError(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+        if self.via not in VIAS:
+            raise ValueError(f"--via must be one of {VIAS}, got {self.via!r}")
+        if not self.read_cap_mb_s > 0:
+            raise ValueError(f"--read-cap-mb-s must be > 0, got {self.read_cap_mb_s}")
+
+
+def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterConfig:
+    """The cluster of one mode: ``round_robin`` is ``dualpath`` with the round-robin scheduler."""
+    cnic = options.compute_cap_mb_s or COMPUTE_PER_STORAGE * options.read_cap_mb_s
+    return ClusterConfig(
+        engine=EngineConfig(dtype=options.dtype, threads=1, block_size=options.block_size),
+        storage=StorageConfig(root=str(store), read_cap_mb_s=options.read_cap_mb_s,
+                              read_deadline_s=options.read_deadline_s),
+        traffic=TrafficConfig(compute_send_cap_mb_s=cnic, compute_recv_cap_mb_s=cnic),
+        mode="dualpath" if mode == "round_robin" else mode,
+        policy="round_robin" if mode == "round_robin" else "dualpath",
+        num_prefill=options.prefill, num_decode=options.decode,
+        host_pool_blocks=options.host_pool_blocks,
+        save_staging_blocks=options.save_staging_blocks)
+
+
+def _open(options: AgentsOptions, model_dir: Path, mode: str, work: Path) -> Any:
+    """A fresh cluster for ``mode`` over an empty store under ``work``."""
+    store = work / mode / "kv"
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
+    config = cluster_config(options, mode, store)
+    if options.via == "http":
+        return HttpRun(model_dir, config, work / mode / "logs")
+    return PythonRun(model_dir, config, config.mode, work / mode / "logs")
+
+
+def run_offline(options: AgentsOptions, model_dir: Path, mode: str,
+                agents: list[list[AgentTurn]], warmup: list[list[AgentTurn]], work: Path,
+                bar: Progress) -> dict[str, Any]:
+    """One mode, offline: all agents at once on a fresh cluster; JCT, records, NIC rates."""
+    task = bar.add_task(f"{mode}: starting the cluster", total=sum(map(len, agents)))
+    with _open(options, model_dir, mode, work) as run:
+        bar.update(task, description=f"{mode}: warming up")
+        run.run(warmup, None, lambda: None, 300.0)
+        run.empty()
+        bar.update(task, description=f"{mode}: offline")
+        sampler = run.sampler().start()
+        records, jct = run.run(agents, None, lambda: bar.advance(task), options.timeout_s)
+        samples = sampler.stop()
+        counters = run.counters()
+    bar.update(task, description=f"{mode}: done")
+    return {"mode": mode, "jct_s": jct, "records": records, "router": counters,
+            "nics": utilization(samples, options.read_cap_mb_s, None),
+            "config": asdict(cluster_config(options, mode, work / mode / "kv"))}
+
+
+def poisson_offsets(count: int, aps: float, seed: int) -> list[float]:
+    """Arrival offsets (seconds) of ``count`` agents at ``aps`` agents per second."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(count):
+        out.append(t)
+        t += rng.expovariate(aps)
+    return out
+
+
+def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[str, Any]:
+    """Every mode offline, the online APS search, the simulator's prediction; the report."""
+    from dualpath.bench.agents_online import search_capacity
+    from dualpath.bench.agents_report import build_result, print_report, write_report
+    from dualpath.bench.workloads import load_workload
+    from dualpath.model.default_model import resolve_model
+    from dualpath.model.spec import load_spec
+
+    console = console or Console()
+    began = time.perf_counter()
+    model_dir = resolve_model(options.model)
+    vocab = load_spec(model_dir).vocab_size
+    kwargs = {k: v for k, v in (("agents", options.agents), ("turns", options.turns),
+                                ("scale", options.scale)) if v is not None}
+    workload = load_workload(options.workload, vocab_size=vocab, block_size=options.block_size,
+                             max_context=options.max_context, trace_dir=options.trace_dir,
+                             seed=options.seed, **kwargs)
+    warmup = warmup_turns(vocab, options.block_size, options.seed)
+    console.print(_headline(options, workload, model_dir))
+    work = Path(options.work_dir or tempfile.mkdtemp(prefix="dualpath-bench-agents-"))
+    offline, online = [], []
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                      MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+            for mode in options.modes if options.offline else ():
+                offline.append(run_offline(options, model_dir, mode, workload.agents, warmup,
+                                           work, bar))
+            for mode in options.online_modes:
+                with _open(options, model_dir, mode, work / "online") as run:
+                    online.append(search_capacity(run, mode, workload.agents, warmup, options,
+                                                  offline, bar))
+    finally:
+        if options.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    result = build_result(options, workload, model_dir.name, offline, online)
+    result["wall_s"] = time.perf_counter() - began
+    result["date"] = datetime.date.today().isoformat()
+    result["machine"] = machine_profile()
+    print_report(result, console)
+    if options.json_path:
+        write_report(result, options.json_path, console)
+    console.print(f"bench agents took {result['wall_s']:.0f} s")
+    return result
+
+
+def _headline(options: AgentsOptions, workload: Any, model_dir: Path) -> str:
+    n = len(workload.agents)
+    turns = sum(map(len, workload.agents))
+    return (f"[bold]dualpath bench agents[/]: {workload.name}, {n} agents, {turns} turns, via "
+            f"{options.via}; {model_dir.name} ({options.dtype}); {options.prefill} PE + "
+            f"{options.decode} DE; storage NICs {options.read_cap_mb_s:g} MB/s per node; "
+            f"modes {', '.join(options.modes) if options.offline else '-'}; online "
+            f"{', '.join(options.online_modes) or '-'}")
+
+
+def with_overrides(options: AgentsOptions, **changes: Any) -> AgentsOptions:
+    """``options`` with ``changes`` (``None`` values ignored)."""
+    return replace(options, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,195 @@
+"""``dualpath bench agents`` results: per-mode figures, the summary, the table, the plots, and
+the simulator's prediction of the same workload.
+
+The summary's ratios: ``speedup_dualpath_vs_basic`` (basic JCT / dualpath JCT),
+``dualpath_vs_oracle`` (oracle JCT / dualpath JCT), ``aps_ratio_dualpath_vs_basic`` (online
+capacities), the measured hit rate beside the workload's expected one, and each node's
+storage-NIC busy fraction (bytes read / (cap × JCT)) per mode.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from dualpath.bench.report import write_json
+
+BREAKDOWN = ("queue_s", "read_s", "prefill_s", "other_s", "transfer_s")
+
+
+def _mean(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return mean(kept) if kept else None
+
+
+def mode_figures(row: dict[str, Any]) -> dict[str, Any]:
+    """One offline mode's figures from its records and NIC samples."""
+    records = row["records"]
+    prompt = sum(r["prompt_tokens"] for r in records)
+    nodes = row["nics"]["nodes"]
+    timed = [r["timings"] for r in records if r.get("timings")]
+    return {
+        "jct_s": row["jct_s"], "turns": len(records),
+        "mean_ttft_s": _mean([r["ttft_s"] for r in records]),
+        "mean_ttst_s": _mean([r["ttst_s"] for r in records]),
+        "mean_tpot_s": _mean([r["tpot_s"] for r in records]),
+        "mean_latency_s": _mean([r["latency_s"] for r in records]),
+        "hit_rate": sum(r["hit_tokens"] for r in records) / max(1, prompt),
+        "read_paths": dict(Counter(r.get("read_path", "?") for r in records)),
+        "snic_read_mb": {n: v["snic_bytes"] / 1e6 for n, v in nodes.items()},
+        "snic_busy": {n: v.get("snic_busy") for n, v in nodes.items()},
+        "cnic_mb": {n: v["cnic_bytes"] / 1e6 for n, v in nodes.items()},
+        "roles": {n: v["role"] for n, v in nodes.items()},
+        "ttft_breakdown_s": {k: _mean([t.get(k) for t in timed]) for k in BREAKDOWN}
+        if timed else None,
+        "retried_turns": sum(r.get("attempts", 1) > 1 for r in records),
+    }
+
+
+def simulate_same(profile: str, sim_turns: list[list[Any]], modes: tuple[str, ...],
+                  prefill: int, decode: int) -> dict[str, float]:
+    """The simulator's JCT per mode for the very same trajectories on the profiled testbed
+    (the ``testbed`` preset's settings: one engine per node, FIFO reads per node)."""
+    from dataclasses import replace
+
+    from dualpath.sim.cluster import simulate
+    from dualpath.sim.config import MODES as SIM_MODES
+    from dualpath.sim.config import SimConfig
+    from dualpath.sim.profiles import testbed_profile
+
+    base = SimConfig(testbed=testbed_profile(profile), prefill_nodes=prefill,
+                     decode_nodes=decode, ep_lockstep=False, basic_prefetch=True,
+                     read_streams=1)
+    out = {}
+    for mode in (m for m in modes if m in SIM_MODES):
+        cfg = replace(base, mode=mode, workload=replace(base.workload, agents=len(sim_turns)))
+        out[mode] = float(simulate(cfg, trajectories=sim_turns)["jct_s"])
+    return out
+
+
+def _ratios(jct: dict[str, float], prefix: str = "") -> dict[str, float]:
+    out = {}
+    if "basic" in jct and "dualpath" in jct:
+        out[f"{prefix}speedup_dualpath_vs_basic"] = jct["basic"] / jct["dualpath"]
+    if "oracle" in jct and "dualpath" in jct:
+        out[f"{prefix}dualpath_vs_oracle"] = jct["oracle"] / jct["dualpath"]
+    return out
+
+
+def build_result(options: Any, workload: Any, model: str, offline: list[dict[str, Any]],
+                 online: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result: options, workload, every mode's figures and records, online trials, the
+    simulator's prediction, and the summary."""
+    modes = {r["mode"]: mode_figures(r) for r in offline}
+    jct = {m: f["jct_s"] for m, f in modes.items()}
+    summary: dict[str, Any] = {"jct_s": jct, **_ratios(jct),
+                               "speedup_vs_basic": {m: jct["basic"] / t for m, t in jct.items()}
+                               if "basic" in jct else {},
+                               "hit_rate": {m: f["hit_rate"] for m, f in modes.items()},
+                               "expected_hit_rate": workload.expected_hit_rate(),
+                               "snic_busy": {m: f["snic_busy"] for m, f in modes.items()},
+                               "mean_ttft_s": {m: f["mean_ttft_s"] for m, f in modes.items()}}
+    capacity = {o["mode"]: o["capacity_aps"] for o in online}
+    if online:
+        summary["online_capacity_aps"] = capacity
+        summary["ttft_slo_s"] = online[0]["ttft_slo_s"]
+    if capacity.get("basic") and capacity.get("dualpath"):
+        summary["aps_ratio_dualpath_vs_basic"] = capacity["dualpath"] / capacity["basic"]
+    sim = None
+    if options.profile:
+        sim_jct = simulate_same(options.profile, workload.sim_turns(), tuple(jct),
+                                options.prefill, options.decode)
+        sim = {"profile": options.profile, "jct_s": sim_jct, **_ratios(sim_jct)}
+        summary["simulator"] = {k: v for k, v in sim.items() if k != "profile"}
+    return {"benchmark": "agents", "model": model, "options": asdict(options),
+            "workload": {"name": workload.name, "agents": len(workload.agents),
+                         "turns": sum(map(len, workload.agents)), **workload.info},
+            "caps_mb_s": {"read": options.read_cap_mb_s,
+                          "compute": options.compute_cap_mb_s or 8 * options.read_cap_mb_s},
+            "modes": modes, "offline": offline, "online": online, "simulator": sim,
+            "summary": summary}
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def offline_table(result: dict[str, Any]) -> Table:
+    """Per mode: JCT, speed-up, TTFT and its parts, hit rate, reads and busy per node."""
+    m, w = result["machine"], result["workload"]
+    table = Table(box=box.SIMPLE_HEAD, title_justify="left", caption_justify="left",
+                  title=f"[bold]bench agents, offline[/]: {w['name']}, {w['agents']} agents, "
+                  f"{w['turns']} turns; {result['model']}; storage NIC "
+                  f"{result['caps_mb_s']['read']:g} MB/s per node; {m['cpu_model']}, "
+                  f"{m['cpus']} cores",
+                  caption="TTFT parts (means): queue / read / prefill / other; then transfer "
+                  "to decode. Read: MB each node's storage NIC read (PE node first). Busy: "
+                  "bytes read / (cap x JCT).")
+    for col in ("mode", "JCT (s)", "vs basic", "TTFT (s)", "q/read/pf/other (s)", "xfer (s)",
+                "TPOT (ms)", "hit", "read MB", "busy"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    base = result["summary"]["jct_s"].get("basic")
+    for mode, f in result["modes"].items():
+        b = f["ttft_breakdown_s"] or {}
+        parts = "/".join(_fmt(b.get(k), ".2f") for k in BREAKDOWN[:4]) if b else "-"
+        busy = ", ".join(_fmt(v, ".0%") for v in f["snic_busy"].values())
+        reads = ", ".join(f"{v:,.0f}" for v in f["snic_read_mb"].values())
+        tpot = f["mean_tpot_s"] * 1e3 if f["mean_tpot_s"] is not None else None
+        table.add_row(mode, f"{f['jct_s']:.1f}", f"{base / f['jct_s']:.2f}x" if base else "-",
+                      _fmt(f["mean_ttft_s"], ".2f"), parts, _fmt(b.get("transfer_s"), ".2f"),
+                      _fmt(tpot, ".0f"), f"{f['hit_rate']:.1%}", reads, busy)
+    return table
+
+
+def online_table(result: dict[str, Any]) -> Table:
+    """Per mode and APS: TTFT, TTST, TPOT over the steady window; the capacity."""
+    slo = result["summary"].get("ttft_slo_s")
+    table = Table(box=box.SIMPLE_HEAD, title_justify="left",
+                  title=f"[bold]bench agents, online[/]: Poisson arrivals; SLO mean TTFT <= "
+                  f"{slo:g} s (testbed scale)")
+    for col in ("mode", "APS", "TTFT (s)", "p90", "TTST (s)", "TPOT (ms)", "SLO", "capacity"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for o in result["online"]:
+        for t in o["trials"]:
+            tpot = t["tpot_s"] * 1e3 if t["tpot_s"] is not None else None
+            table.add_row(o["mode"], f"{t['aps']:.3f}", _fmt(t["ttft_s"], ".2f"),
+                          _fmt(t["ttft_p90_s"], ".2f"), _fmt(t["ttst_s"], ".2f"),
+                          _fmt(tpot, ".0f"), "met" if t["meets_slo"] else "missed",
+                          _fmt(o["capacity_aps"], ".3f"))
+    return table
+
+
+def print_report(result: dict[str, Any], console: Console) -> None:
+    """The tables and the headline ratios."""
+    s = result["summary"]
+    if result["modes"]:
+        console.print(offline_table(result))
+    if result["online"]:
+        console.print(online_table(result))
+    lines = [f"{k}: {s[k]:.2f}" for k in ("speedup_dualpath_vs_basic", "dualpath_vs_oracle",
+                                          "aps_ratio_dualpath_vs_basic") if k in s]
+    lines.append(f"hit rate measured {', '.join(f'{m} {v:.1%}' for m, v in s['hit_rate'].items())}"
+                 f"; expected {s['expected_hit_rate']:.1%}")
+    if "simulator" in s:
+        sim = s["simulator"]
+        lines.append("simulator on the same workload: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in sim.items() if not isinstance(v, dict)))
+    for line in lines:
+        console.print(line)
+
+
+def write_report(result: dict[str, Any], json_path: str, console: Console) -> Path:
+    """JSON beside a PNG of four panels."""
+    from dualpath.bench.agents_plot import plot_agents
+
+    path = write_json(json_path, result)
+    png = plot_agents(result, path.with_suffix(".png"))
+    console.print(f"wrote {path} and {png}")
+    return path
