@@ -206,8 +206,10 @@ def _hit(blocks: int, prompt: int, block: int) -> int:
     return min(blocks, (prompt - 1) // block) * block if prompt > 0 else 0
 
 
-def _chain(requests: Iterable[Request], block: int) -> list[Turn]:
-    """Turns of requests replayed in order, each hitting its common prefix with the last."""
+def chain_turns(requests: Iterable[Request], block: int) -> list[Turn]:
+    """Turns of ``(prompt, gen, hash ids)`` requests replayed in order, each hitting its
+    common prefix of ``block``-token hash blocks with the request before (the module doc's hit
+    rule)."""
     turns: list[Turn] = []
     prev: Sequence[int] = ()
     for prompt, gen, ids in requests:
@@ -227,7 +229,7 @@ def _weka_session(data: Any, where: str) -> list[Turn]:
         raise ValueError(f"{where}: not a Weka session ({exc!r})") from exc
     if block < 1:
         raise ValueError(f"{where}: block_size must be >= 1, got {block}")
-    return _chain(reqs, block)
+    return chain_turns(reqs, block)
 
 
 def _read_json(stream: IO[bytes] | None, where: str) -> Any:
@@ -285,7 +287,7 @@ def _read_weka(path: Path, limit: int | None) -> tuple[list[list[Turn]], bool]:
 
 def _read_mooncake(path: Path) -> list[list[Turn]]:
     """Mooncake conversations (see the module doc), in order of their first request."""
-    return [_chain(reqs, MOONCAKE_BLOCK) for reqs in mooncake_conversations(path)]
+    return [chain_turns(reqs, MOONCAKE_BLOCK) for reqs in mooncake_conversations(path)]
 
 
 def mooncake_conversations(path: Path) -> list[list[Request]]:
