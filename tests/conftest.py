@@ -111,3 +111,16 @@ def tiny_deep_dir(tmp_path_factory) -> Path:
 # trace_dir() at import still load and the tests needing the traces skip on the missing folder.
 os.environ.setdefault("DUALPATH_TRACES_DIR",
                       str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
+
+
+@pytest.fixture(scope="session")
+def tiny_with_tokenizer(tiny_llama_dir, smollm2_dir, tmp_path_factory) -> Path:
+    """The tiny Llama with the default model's tokenizer beside it (``dualpath serve`` needs
+    one to start; token ids below the tiny vocabulary decode like any others)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("tiny-tok")
+    shutil.copytree(tiny_llama_dir, folder, dirs_exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    return folder

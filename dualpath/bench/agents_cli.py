@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a dualpath profile JSON: also predict the JCTs with the simulator")
     p.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
     p.add_argument("--dtype", default=None, help="engine dtype (default float32)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (64)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", default="results/agents.json",
                    help="where to write the results (a PNG beside it; '' for none)")
@@ -55,6 +56,7 @@ def command(args: argparse.Namespace) -> int:
         read_cap_mb_s=args.read_cap_mb_s, compute_cap_mb_s=args.compute_cap_mb_s,
         online_agents=args.online_agents, online_trials=args.online_trials,
         ttft_slo_s=args.ttft_slo_s, profile=args.profile, model=args.model, dtype=args.dtype,
+        block_size=args.block_size,
         seed=args.seed, json_path=args.json or "", work_dir=args.dir)
     run_bench(options)
     return 0

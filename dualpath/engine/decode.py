@@ -64,6 +64,7 @@ class _Active:
     num_saved_blocks: int  # leading blocks known to be in storage
     persist: bool = True  # oracle requests hold meaningless KV: never store it
     num_streamed: int = 1  # output tokens the router has (the first came from the PE)
+    num_saving: int = 0  # its blocks staged or being written
 
 
 class DecodeWorker:
@@ -88,6 +89,9 @@ class DecodeWorker:
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._quarantine: list[tuple[float, list[int]]] = []  # (free at, slots) of dropped buffers
         self._staging_in_use = 0
+        # finished requests whose last blocks are still being written: their Finished waits,
+        # so that an agent's next turn, sent the moment this one returns, finds its context
+        self._finishing: dict[int, tuple[_Active, Finished]] = {}  # req_id -> request, answer
         self.num_saved_blocks = 0
         self.num_saves_dropped = 0  # full blocks not persisted (no staging room, or a failure)
         self.num_waits = 0  # allocations and decodes that had to wait for room
@@ -158,6 +162,7 @@ class DecodeWorker:
             if active.req_id == req_id:
                 self.engine.abort(active.seq)
                 del self._active[seq_id]
+        self._finishing.pop(req_id, None)  # its writes still end; nobody waits for them
         for copy in self._copying:
             if copy.msg.req_id == req_id:
                 copy.aborted = True  # its slots and blocks are freed when the copies end
@@ -167,7 +172,7 @@ class DecodeWorker:
         """Req ids this engine holds in any phase."""
         ids = {m.req_id for m in self._pending_allocs} | set(self._buffers)
         ids |= {m.req_id for m in self._pending_decodes}
-        ids |= {a.req_id for a in self._active.values()}
+        ids |= {a.req_id for a in self._active.values()} | set(self._finishing)
         ids |= {c.msg.req_id for c in self._copying if not c.aborted}
         return tuple(sorted(ids - self._orphans))
 
@@ -279,7 +284,11 @@ class DecodeWorker:
         out: list[Message] = self._new_tokens()
         for seq in finished:
             active = self._active.pop(seq.seq_id)
-            out.append(Finished(active.req_id, tuple(seq.output_ids), seq.finish_reason or ""))
+            done = Finished(active.req_id, tuple(seq.output_ids), seq.finish_reason or "")
+            if active.num_saving:
+                self._finishing[active.req_id] = (active, done)
+            else:
+                out.append(done)
         return out
 
     def _new_tokens(self) -> list[Message]:
@@ -318,7 +327,9 @@ class DecodeWorker:
             copied = self._gather(seq.block_table[k], slot)
             if seq.is_finished:  # its blocks are handed out again after this step
                 wait([copied])
-            copied.add_done_callback(lambda f, s=slot, key=key: self._write_saved(f, s, key))
+            active.num_saving += 1
+            copied.add_done_callback(
+                lambda f, s=slot, key=key, a=active: self._write_saved(f, s, key, a))
             active.num_saved_blocks = k + 1
 
     def _gather(self, block: int, slot: int) -> Future[None]:
@@ -329,13 +340,24 @@ class DecodeWorker:
         dst = self.host_pool.tensor(slot).view(data.dtype).view(data.shape[0], *data.shape[2:])
         return self.traffic.submit_copy(dst, data[:, block], Lane.KV_SAVE)
 
-    def _write_saved(self, copied: Future[None], slot: int, key: object) -> None:
+    def _write_saved(self, copied: Future[None], slot: int, key: object,
+                     active: _Active) -> None:
         """Once staged, store the block (runs on the traffic manager's thread)."""
         if copied.exception() is not None:
-            self._events.put(("saved", (slot, copied)))
+            self._events.put(("saved", (slot, copied, active)))
             return
         future = self.storage.submit_write([key], [self.host_pool.buffer(slot)])  # type: ignore[list-item]
-        future.add_done_callback(lambda f, s=slot: self._events.put(("saved", (s, f))))
+        future.add_done_callback(lambda f, s=slot: self._events.put(("saved", (s, f, active))))
+
+    def _one_saved(self, active: _Active) -> list[Message]:
+        """One of ``active``'s blocks is written (or given up): a finished request whose
+        last block this was ends now."""
+        active.num_saving -= 1
+        waiting = self._finishing.get(active.req_id)
+        if active.num_saving or waiting is None or waiting[0] is not active:
+            return []
+        del self._finishing[active.req_id]
+        return [waiting[1]]
 
     # -- completions from storage threads --------------------------------------------------------
     def drain_events(self) -> list[Message]:
@@ -351,9 +373,10 @@ class DecodeWorker:
                 req_id, first, future = payload  # type: ignore[misc]
                 out.extend(self._read_done(req_id, first, future))
             else:
-                slot, future = payload  # type: ignore[misc]
+                slot, future, active = payload  # type: ignore[misc]
                 self.host_pool.free([slot])
                 self._staging_in_use -= 1
+                out.extend(self._one_saved(active))
                 if future.exception() is None and all(future.result()):
                     self.num_saved_blocks += 1
                 else:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-from pathlib import Path
 
 import pytest
 
@@ -22,15 +20,6 @@ from dualpath.bench.soak import RunLog, SoakSettings, rss_summary, run_soak, sum
 SUMMARY_KEYS = {"ok", "errors", "requests", "ttft_p50_s", "ttft_p99_s", "latency_p50_s",
                 "latency_p99_s", "rss_after_warmup_mb", "rss_end_mb", "rss_growth_after_warmup",
                 "max_rss_growth_after_warmup"}
-
-
-@pytest.fixture
-def tiny_with_tokenizer(tiny_llama_dir, smollm2_dir, tmp_path) -> Path:
-    folder = tmp_path / "tiny-tok"
-    shutil.copytree(tiny_llama_dir, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, folder / name)
-    return folder
 
 
 def test_a_short_soak_reports_latencies_and_every_process_rss(tiny_with_tokenizer, tmp_path,

@@ -1,0 +1,74 @@
+"""``dualpath bench agents`` end to end on a tiny model: every mode, online trials, the report;
+and through a ``dualpath serve`` process (``--via http``)."""
+
+from __future__ import annotations
+
+import json
+
+from dualpath.bench.agents import poisson_offsets
+from dualpath.bench.agents_online import _next_aps, steady_stats
+from dualpath.bench.agents_run import serve_overrides
+from dualpath.cli import main
+from dualpath.config import ClusterConfig, StorageConfig
+
+TINY = ["--workload", "32k", "--scale", "64", "--agents", "2", "--turns", "3",
+        "--block-size", "16", "--read-cap-mb-s", "5"]
+
+
+def test_every_mode_offline_and_an_online_search(tiny_llama_dir, tmp_path):
+    out = tmp_path / "agents.json"
+    assert main(["bench", "agents", *TINY, "--model", str(tiny_llama_dir),
+                 "--modes", "basic,round_robin,dualpath,oracle", "--online-modes", "dualpath",
+                 "--online-trials", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    s = data["summary"]
+    assert set(s["jct_s"]) == {"basic", "round_robin", "dualpath", "oracle"}
+    assert s["speedup_dualpath_vs_basic"] > 0 and s["dualpath_vs_oracle"] > 0
+    for mode in ("basic", "round_robin", "dualpath"):  # the measured hit is the expected one
+        assert abs(s["hit_rate"][mode] - s["expected_hit_rate"]) < 1e-9, mode
+    assert s["hit_rate"]["oracle"] == s["expected_hit_rate"]  # known without I/O
+    modes = data["modes"]
+    assert modes["basic"]["read_paths"] == {"pe": 6}
+    de_reads = [mb for n, mb in modes["basic"]["snic_read_mb"].items()
+                if modes["basic"]["roles"][n] == "decode"]
+    assert modes["basic"]["snic_read_mb"]["0"] > 0 and de_reads == [0, 0]  # PE node only
+    assert sum(modes["oracle"]["snic_read_mb"].values()) == 0
+    parts = modes["dualpath"]["ttft_breakdown_s"]
+    assert parts["prefill_s"] > 0 and parts["read_s"] > 0
+    (online,) = data["online"]
+    assert all(t["aps"] > 0 for t in online["trials"]) and len(online["trials"]) == 2
+    assert s["ttft_slo_s"] > 0 and "dualpath" in s["online_capacity_aps"]
+    assert data["offline"][0]["config"]["mode"] == "basic"  # the resolved config is kept
+    assert data["offline"][1]["config"]["policy"] == "round_robin"
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_via_http_serves_the_same_workload(tiny_with_tokenizer, tmp_path):
+    out = tmp_path / "agents.json"
+    assert main(["bench", "agents", *TINY, "--model", str(tiny_with_tokenizer), "--via", "http",
+                 "--modes", "dualpath", "--online-modes", "", "--json", str(out)]) == 0
+    s = json.loads(out.read_text())["summary"]
+    assert abs(s["hit_rate"]["dualpath"] - s["expected_hit_rate"]) < 1e-9
+
+
+def test_serve_overrides_reproduce_the_config():
+    from dualpath.config_file import load_config
+
+    config = ClusterConfig(storage=StorageConfig(root="/tmp/x", read_cap_mb_s=7.5),
+                           policy="round_robin", mode="basic", split_read=True)
+    assert load_config(None, serve_overrides(config)).cluster == config
+
+
+def test_online_search_brackets_then_bisects():
+    assert _next_aps([{"aps": 0.1, "meets_slo": True}]) > 0.1
+    assert _next_aps([{"aps": 0.1, "meets_slo": False}]) < 0.1
+    both = [{"aps": 0.1, "meets_slo": True}, {"aps": 0.4, "meets_slo": False}]
+    assert abs(_next_aps(both) - 0.2) < 1e-9
+
+
+def test_steady_window_drops_the_first_arrivals():
+    offsets = poisson_offsets(10, 0.5, seed=1)
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    records = [{"submitted_s": t, "ttft_s": 1.0 if t >= 0.2 * offsets[-1] else 99.0,
+                "ttst_s": None, "tpot_s": None} for t in offsets]
+    assert steady_stats(records, offsets)["ttft_s"] == 1.0
