@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--online-modes", default="basic,dualpath",
                    help="modes whose online capacity is searched ('' for none)")
     p.add_argument("--offline-off", action="store_true", help="skip the offline runs")
+    p.add_argument("--cold-start", action="store_true",
+                   help="time each agent's first prompt as a cold prefill (default: it is "
+                   "stored beforehand, untimed, as a deployment keeps the system prompt)")
     p.add_argument("--via", default="python", choices=("python", "http"),
                    help="the cluster API in this process, or a dualpath serve and its "
                    "streaming OpenAI API")
@@ -30,7 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-cap-mb-s", type=float, default=None, help="storage NIC cap per node")
     p.add_argument("--compute-cap-mb-s", type=float, default=None,
                    help="compute NIC cap per engine (default 8x the storage cap)")
-    p.add_argument("--online-agents", type=int, default=None, help="agents per online trial")
     p.add_argument("--online-trials", type=int, default=None, help="APS tried per mode")
     p.add_argument("--ttft-slo-s", type=float, default=None, help="online TTFT SLO (seconds)")
     p.add_argument("--profile", default=None,
@@ -54,7 +56,7 @@ def command(args: argparse.Namespace) -> int:
         online_modes=_modes(args.online_modes), offline=not args.offline_off, via=args.via,
         agents=args.agents, turns=args.turns, scale=args.scale, trace_dir=args.trace_dir,
         read_cap_mb_s=args.read_cap_mb_s, compute_cap_mb_s=args.compute_cap_mb_s,
-        online_agents=args.online_agents, online_trials=args.online_trials,
+        online_trials=args.online_trials, prime_first_turns=not args.cold_start,
         ttft_slo_s=args.ttft_slo_s, profile=args.profile, model=args.model, dtype=args.dtype,
         block_size=args.block_size,
         seed=args.seed, json_path=args.json or "", work_dir=args.dir)

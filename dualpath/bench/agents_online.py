@@ -70,17 +70,16 @@ def search_capacity(run: Any, mode: str, agents: list[list[AgentTurn]],
                     offline: list[dict[str, Any]], bar: Any) -> dict[str, Any]:
     """Trials at rising or falling APS on ``run`` (one cluster, the store emptied before
     each); the trials and the capacity under the SLO."""
-    from dualpath.bench.agents import poisson_offsets
+    from dualpath.bench.agents import poisson_offsets, prime
 
     slo = options.ttft_slo_s or TTFT_SLO_S
-    count = options.online_agents or len(agents)
-    agents = (agents * (count // len(agents) + 1))[:count]
     aps = _first_aps(mode, len(agents), offline)
     task = bar.add_task(f"{mode}: online", total=options.online_trials * sum(map(len, agents)))
     run.run(warmup, None, lambda: None, 300.0)
     trials = []
     for i in range(options.online_trials):
         run.empty()
+        prime(run, options, agents, bar, task, mode)
         offsets = poisson_offsets(len(agents), aps, options.seed + i)
         bar.update(task, description=f"{mode}: online at {aps:.3f} APS")
         records, span = run.run(agents, offsets, lambda: bar.advance(task), options.timeout_s)

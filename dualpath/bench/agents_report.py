@@ -87,13 +87,15 @@ def build_result(options: Any, workload: Any, model: str, offline: list[dict[str
                  online: list[dict[str, Any]]) -> dict[str, Any]:
     """The result: options, workload, every mode's figures and records, online trials, the
     simulator's prediction, and the summary."""
+    from dualpath.bench.agents import expected_hit_rate, timed_sim_turns
+
     modes = {r["mode"]: mode_figures(r) for r in offline}
     jct = {m: f["jct_s"] for m, f in modes.items()}
     summary: dict[str, Any] = {"jct_s": jct, **_ratios(jct),
                                "speedup_vs_basic": {m: jct["basic"] / t for m, t in jct.items()}
                                if "basic" in jct else {},
                                "hit_rate": {m: f["hit_rate"] for m, f in modes.items()},
-                               "expected_hit_rate": workload.expected_hit_rate(),
+                               "expected_hit_rate": expected_hit_rate(workload, options),
                                "snic_busy": {m: f["snic_busy"] for m, f in modes.items()},
                                "mean_ttft_s": {m: f["mean_ttft_s"] for m, f in modes.items()}}
     capacity = {o["mode"]: o["capacity_aps"] for o in online}
@@ -104,7 +106,7 @@ def build_result(options: Any, workload: Any, model: str, offline: list[dict[str
         summary["aps_ratio_dualpath_vs_basic"] = capacity["dualpath"] / capacity["basic"]
     sim = None
     if options.profile:
-        sim_jct = simulate_same(options.profile, workload.sim_turns(), tuple(jct),
+        sim_jct = simulate_same(options.profile, timed_sim_turns(workload, options), tuple(jct),
                                 options.prefill, options.decode)
         sim = {"profile": options.profile, "jct_s": sim_jct, **_ratios(sim_jct)}
         summary["simulator"] = {k: v for k, v in sim.items() if k != "profile"}

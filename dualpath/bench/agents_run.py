@@ -87,6 +87,12 @@ class PythonRun:
         """Wait for block writes, then empty the store."""
         empty_store(self.store, lambda: _cluster_pending(self.cluster))
 
+    def wait_for_writes(self, timeout_s: float = 120.0) -> None:
+        """Return once no engine has a block write queued."""
+        deadline = time.monotonic() + timeout_s
+        while _cluster_pending(self.cluster) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
     def run(self, agents: list[list[AgentTurn]], offsets_s: list[float] | None,
             progress: Any, timeout_s: float) -> tuple[list[dict[str, Any]], float]:
         """Every agent to its last turn; the records and the JCT (seconds)."""
@@ -192,8 +198,13 @@ class HttpRun:
     def empty(self) -> None:
         """Wait until the router has no read queued and the engines report no write, then
         empty the store (block writes are not on ``/metrics``: wait a moment for them)."""
-        time.sleep(2.0)
+        self.wait_for_writes()
         empty_store(self.store, lambda: False)
+
+    def wait_for_writes(self, timeout_s: float = 120.0) -> None:
+        """A decode engine answers a request once its blocks are written; what is left
+        (writes of aborted requests) settles in a moment."""
+        time.sleep(1.0)
 
     def run(self, agents: list[list[AgentTurn]], offsets_s: list[float] | None,
             progress: Any, timeout_s: float) -> tuple[list[dict[str, Any]], float]:
