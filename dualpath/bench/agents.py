@@ -143,11 +143,14 @@ def run_offline(options: AgentsOptions, model_dir: Path, mode: str,
         prime(run, options, agents, bar, task, mode)
         bar.update(task, description=f"{mode}: offline")
         sampler = run.sampler().start()
+        busy_before = run.busy_s()
         records, jct = run.run(agents, None, lambda: bar.advance(task), options.timeout_s)
         samples = sampler.stop()
+        busy = {k: v - busy_before.get(k, 0.0) for k, v in run.busy_s().items()}
         counters = run.counters()
     bar.update(task, description=f"{mode}: done")
     return {"mode": mode, "jct_s": jct, "records": records, "router": counters,
+            "engine_busy_s": busy,
             "nics": utilization(samples, options.read_cap_mb_s, None),
             "config": asdict(cluster_config(options, mode, work / mode / "kv"))}
 

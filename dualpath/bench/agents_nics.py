@@ -17,14 +17,16 @@ NodeBytes = dict[int, dict[str, Any]]  # node id -> role, snic_read_bytes, cnic_
 
 
 def cluster_node_bytes(metrics: dict[str, dict]) -> NodeBytes:
-    """Per node: its role, the bytes its storage NIC read and its compute NIC moved (sent +
-    received), summed over the node's engines (``LocalCluster.metrics()`` values)."""
+    """Per node: its role, the bytes its storage NIC read and its compute NIC moved (sent and
+    received, as the side that started a transfer or the one it was started on), summed over
+    the node's engines (``LocalCluster.metrics()`` values)."""
     nodes: NodeBytes = {}
     for m in metrics.values():
         node = nodes.setdefault(int(m["node_id"]), {"role": m["role"], "snic_read_bytes": 0,
                                                     "cnic_bytes": 0})
         node["snic_read_bytes"] += int(m.get("storage_snic_read_bytes", 0))
-        node["cnic_bytes"] += int(m.get("cnic_send_bytes", 0)) + int(m.get("cnic_recv_bytes", 0))
+        node["cnic_bytes"] += sum(int(m.get(f"cnic_{side}_{kind}bytes", 0))  # both ends
+                                  for side in ("send", "recv") for kind in ("", "passive_"))
     return nodes
 
 

@@ -21,7 +21,8 @@ from rich.table import Table
 
 from dualpath.bench.report import write_json
 
-BREAKDOWN = ("queue_s", "read_s", "prefill_s", "other_s", "transfer_s")
+BREAKDOWN = ("queue_s", "read_s", "prefill_s", "other_s", "transfer_s", "queue_router_s",
+             "queue_pe_s", "read_pe_s")
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -50,6 +51,8 @@ def mode_figures(row: dict[str, Any]) -> dict[str, Any]:
         "ttft_breakdown_s": {k: _mean([t.get(k) for t in timed]) for k in BREAKDOWN}
         if timed else None,
         "retried_turns": sum(r.get("attempts", 1) > 1 for r in records),
+        # seconds each engine spent in forwards (PE) or decode steps (DE) / JCT
+        "engine_busy": {e: s / row["jct_s"] for e, s in row.get("engine_busy_s", {}).items()},
     }
 
 

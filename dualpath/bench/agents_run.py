@@ -106,6 +106,11 @@ class PythonRun:
         """A NIC sampler over the engines' counters."""
         return NicSampler(lambda: cluster_node_bytes(self.cluster.metrics()))
 
+    def busy_s(self) -> dict[str, float]:
+        """Per engine, seconds spent in forwards (PE) or decode steps (DE) so far."""
+        return {name: float(m.get("forward_s_total") or m.get("step_s_total") or 0.0)
+                for name, m in self.cluster.metrics().items()}
+
     def counters(self) -> dict[str, Any]:
         """The router's counters (retries, drops)."""
         assert self.cluster.router is not None
@@ -226,6 +231,10 @@ class HttpRun:
     def sampler(self) -> NicSampler:
         """A NIC sampler over the server's ``/metrics`` page."""
         return NicSampler(lambda: prometheus_node_bytes(self._metrics()), interval_s=2.0)
+
+    def busy_s(self) -> dict[str, float]:
+        """Not on ``/metrics``: nothing."""
+        return {}
 
     def counters(self) -> dict[str, Any]:
         """Nothing: the router runs in the server process."""

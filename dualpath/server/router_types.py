@@ -176,7 +176,10 @@ def timeline(marks: dict[str, float], pe: dict[str, float]) -> dict[str, float]:
     read = marks["buffer_ready"] - marks["dispatched"] + pe.get("read_s", 0.0)
     prefill = pe.get("forward_s", 0.0)
     out = {"ttft_s": ttft, "queue_s": queue, "read_s": read, "prefill_s": prefill,
-           "other_s": ttft - queue - read - prefill}
+           "other_s": ttft - queue - read - prefill,
+           # the parts of queue_s and read_s: placement, the PE's wait, the PE's own read
+           "queue_router_s": marks["dispatched"] - marks["submitted"],
+           "queue_pe_s": pe.get("wait_s", 0.0), "read_pe_s": pe.get("read_s", 0.0)}
     if "first_decode" in marks:
         out["transfer_s"] = marks["first_decode"] - marks["prefilled"]
     return out
