@@ -63,15 +63,18 @@ class AgentsOptions:
     workload: str = "weka-sample"
     modes: tuple[str, ...] = MODES
     via: str = "python"
-    agents: int | None = None  # sessions / copies (None: the workload's default)
-    turns: int | None = None  # leading turns per agent (None: the workload's default)
-    scale: float | None = None  # token counts divided by this (None: the workload's default)
+    # 16 agents x 4 turns, token counts / 64 (one token per 64-token trace block): the sample's
+    # 16 sessions, as many turns as keep the whole default run within 15 minutes on 2 cores
+    # (None: the workload's own default)
+    agents: int | None = 16
+    turns: int | None = 4
+    scale: float | None = 64
     trace_dir: str | None = None  # the traces folder (else $DUALPATH_TRACES_DIR)
     max_context: int = 8192
     model: str | None = None
-    # Storage-NIC read cap per node. 16 MB/s of float32 KV is ~350 tokens/s: basic is then
-    # storage-bound on the demo's sessions (its prefill node's NIC 97% busy), DESIGN §6.
-    read_cap_mb_s: float = 16.0
+    # Storage-NIC read cap per node. 24 MB/s of float32 KV is ~520 tokens/s: basic is then
+    # storage-bound on the default workload (its prefill node's NIC ~95% busy), DESIGN §6.
+    read_cap_mb_s: float = 24.0
     compute_cap_mb_s: float | None = None  # None: COMPUTE_PER_STORAGE x read_cap_mb_s
     dtype: str = "float32"  # bf16 matmul is 3x slower on CPUs without AVX512_BF16 (demo.py)
     block_size: int = 64
@@ -87,7 +90,7 @@ class AgentsOptions:
     # with one cold prefill per agent that is the same work in every mode.
     prime_first_turns: bool = True
     online_modes: tuple[str, ...] = ("basic", "dualpath")
-    online_trials: int = 3  # APS tried per mode
+    online_trials: int = 2  # APS tried per mode (more: a finer capacity, a longer run)
     ttft_slo_s: float | None = None  # None: scaled from the paper's 4 s (agents_online.py)
     seed: int = 0
     timeout_s: float = 900.0  # per run
@@ -131,25 +134,38 @@ def _open(options: AgentsOptions, model_dir: Path, mode: str, work: Path) -> Any
     return PythonRun(model_dir, config, config.mode, work / mode / "logs")
 
 
-def run_offline(options: AgentsOptions, model_dir: Path, mode: str,
-                agents: list[list[AgentTurn]], warmup: list[list[AgentTurn]], work: Path,
-                bar: Progress) -> dict[str, Any]:
-    """One mode, offline: all agents at once on a fresh cluster; JCT, records, NIC rates."""
-    task = bar.add_task(f"{mode}: starting the cluster", total=sum(map(len, agents)))
+def run_mode(options: AgentsOptions, model_dir: Path, mode: str,
+             agents: list[list[AgentTurn]], warmup: list[list[AgentTurn]], work: Path,
+             bar: Progress) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """One mode on a fresh cluster: offline (if asked), then the online search (if asked) on
+    the same cluster, the store emptied in between; the offline row and the online result."""
+    from dualpath.bench.agents_online import search_capacity
+
     with _open(options, model_dir, mode, work) as run:
-        bar.update(task, description=f"{mode}: warming up")
-        run.run(warmup, None, lambda: None, 300.0)
-        run.empty()
-        prime(run, options, agents, bar, task, mode)
-        bar.update(task, description=f"{mode}: offline")
-        sampler = run.sampler().start()
-        busy_before = run.busy_s()
-        records, jct = run.run(agents, None, lambda: bar.advance(task), options.timeout_s)
-        samples = sampler.stop()
-        busy = {k: v - busy_before.get(k, 0.0) for k, v in run.busy_s().items()}
-        counters = run.counters()
+        row = offline_run(run, options, mode, agents, warmup, work, bar) if (
+            options.offline and mode in options.modes) else None
+        if mode not in options.online_modes:
+            return row, None
+        if row is None:
+            run.run(warmup, None, lambda: None, 300.0)
+        return row, search_capacity(run, mode, agents, options, row, bar)
+
+
+def offline_run(run: Any, options: AgentsOptions, mode: str, agents: list[list[AgentTurn]],
+                warmup: list[list[AgentTurn]], work: Path, bar: Progress) -> dict[str, Any]:
+    """Offline: all agents at once, after a warm-up and the priming; JCT, records, NICs."""
+    task = bar.add_task(f"{mode}: warming up", total=sum(map(len, agents)))
+    run.run(warmup, None, lambda: None, 300.0)
+    run.empty()
+    prime(run, options, agents, bar, task, mode)
+    bar.update(task, description=f"{mode}: offline")
+    sampler = run.sampler().start()
+    busy_before = run.busy_s()
+    records, jct = run.run(agents, None, lambda: bar.advance(task), options.timeout_s)
+    samples = sampler.stop()
+    busy = {k: v - busy_before.get(k, 0.0) for k, v in run.busy_s().items()}
     bar.update(task, description=f"{mode}: done")
-    return {"mode": mode, "jct_s": jct, "records": records, "router": counters,
+    return {"mode": mode, "jct_s": jct, "records": records, "router": run.counters(),
             "engine_busy_s": busy,
             "nics": utilization(samples, options.read_cap_mb_s, None),
             "config": asdict(cluster_config(options, mode, work / mode / "kv"))}
@@ -195,7 +211,6 @@ def poisson_offsets(count: int, aps: float, seed: int) -> list[float]:
 
 def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[str, Any]:
     """Every mode offline, the online APS search, the simulator's prediction; the report."""
-    from dualpath.bench.agents_online import search_capacity
     from dualpath.bench.agents_report import build_result, print_report, write_report
     from dualpath.bench.workloads import load_workload
     from dualpath.model.default_model import resolve_model
@@ -217,13 +232,13 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
-            for mode in options.modes if options.offline else ():
-                offline.append(run_offline(options, model_dir, mode, workload.agents, warmup,
-                                           work, bar))
-            for mode in options.online_modes:
-                with _open(options, model_dir, mode, work / "online") as run:
-                    online.append(search_capacity(run, mode, workload.agents, warmup, options,
-                                                  offline, bar))
+            modes = list(options.modes if options.offline else ())
+            modes += [m for m in options.online_modes if m not in modes]
+            for mode in modes:
+                row, searched = run_mode(options, model_dir, mode, workload.agents, warmup,
+                                         work, bar)
+                offline += [row] if row else []
+                online += [searched] if searched else []
     finally:
         if options.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -6,8 +6,9 @@ its H800 cluster is about 1.7 s. A 2-core CPU testbed prefills tens of times slo
 SLO is scaled: :data:`TTFT_SLO_S` by default, stated in every result (``--ttft-slo-s``
 changes it); TPOT is reported, not required (the testbed's decode step is CPU-bound).
 
-Search (:func:`search_capacity`): the first trial runs at 60% of the mode's offline throughput
-(agents / offline JCT) when the offline run is there, else at :data:`FIRST_APS`; each next trial
+Search (:func:`search_capacity`): the first trial runs at :data:`FIRST_LOAD` of the mode's
+offline throughput (agents / offline JCT) when the offline run is there, else at
+:data:`FIRST_APS`; each next trial
 multiplies the APS by :data:`STEP` while every trial met the SLO, divides by it while none did,
 and then bisects (geometrically) between the highest APS that met it and the lowest that did
 not. The capacity is :func:`dualpath.sim.online.aps_capacity` over the trials (the
@@ -22,8 +23,9 @@ from typing import Any
 from dualpath.bench.cluster import AgentTurn
 from dualpath.sim.online import aps_capacity
 
-TTFT_SLO_S = 10.0
+TTFT_SLO_S = 5.0
 FIRST_APS = 0.05
+FIRST_LOAD = 0.8  # the first trial's APS / the mode's offline throughput (agents / JCT)
 STEP = 1.6
 WARMUP_FRACTION = 0.2  # of the arrival span: turns submitted before are not counted
 
@@ -48,9 +50,8 @@ def steady_stats(records: list[dict[str, Any]], offsets_s: list[float]) -> dict[
     return out
 
 
-def _first_aps(mode: str, agents: int, offline: list[dict[str, Any]]) -> float:
-    jct = next((r["jct_s"] for r in offline if r["mode"] == mode), None)
-    return 0.6 * agents / jct if jct else FIRST_APS
+def _first_aps(agents: int, offline: dict[str, Any] | None) -> float:
+    return FIRST_LOAD * agents / offline["jct_s"] if offline else FIRST_APS
 
 
 def _next_aps(trials: list[dict[str, Any]]) -> float:
@@ -65,17 +66,15 @@ def _next_aps(trials: list[dict[str, Any]]) -> float:
     return (max(met) * min(failed)) ** 0.5
 
 
-def search_capacity(run: Any, mode: str, agents: list[list[AgentTurn]],
-                    warmup: list[list[AgentTurn]], options: Any,
-                    offline: list[dict[str, Any]], bar: Any) -> dict[str, Any]:
-    """Trials at rising or falling APS on ``run`` (one cluster, the store emptied before
-    each); the trials and the capacity under the SLO."""
+def search_capacity(run: Any, mode: str, agents: list[list[AgentTurn]], options: Any,
+                    offline: dict[str, Any] | None, bar: Any) -> dict[str, Any]:
+    """Trials at rising or falling APS on ``run`` (a warm cluster, the store emptied and the
+    first prompts stored before each); the trials and the capacity under the SLO."""
     from dualpath.bench.agents import poisson_offsets, prime
 
     slo = options.ttft_slo_s or TTFT_SLO_S
-    aps = _first_aps(mode, len(agents), offline)
+    aps = _first_aps(len(agents), offline)
     task = bar.add_task(f"{mode}: online", total=options.online_trials * sum(map(len, agents)))
-    run.run(warmup, None, lambda: None, 300.0)
     trials = []
     for i in range(options.online_trials):
         run.empty()
