@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 
@@ -160,7 +161,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _cmd_sim(args: argparse.Namespace) -> int:
     from dualpath.sim.commands import run_sim
+    from dualpath.sim.traces import ENV_DIR
 
+    if args.trace_dir:  # where the weka and mooncake workloads are read from
+        os.environ[ENV_DIR] = args.trace_dir
     run_sim(args)
     return 0
 
@@ -255,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     simp.add_argument("--workload", default=None,
                       help="32k, 48k, 64k (PAPER Table 2), tiny (testbed scale) or a real "
                       "trace: weka, mooncake (default: 64k; tiny for the testbed preset)")
+    simp.add_argument("--trace-dir", default=None,
+                      help="the traces folder for --workload weka/mooncake (default: "
+                      "$DUALPATH_TRACES_DIR)")
     simp.add_argument("--testbed", default=None,
                       help="profile JSON from dualpath profile (the testbed preset)")
     simp.add_argument("--real", default=None, help="testbed: a dualpath bench cluster JSON "
