@@ -45,6 +45,8 @@ from dualpath.request import SamplingParams, Sequence
 from dualpath.storage.client import StorageClient
 from dualpath.transfer.lanes import Lane
 
+FINISH_WAIT_S = 5.0  # longest a finished request waits for its last blocks' writes
+
 
 @dataclass
 class _CopyIn:
@@ -91,7 +93,10 @@ class DecodeWorker:
         self._staging_in_use = 0
         # finished requests whose last blocks are still being written: their Finished waits,
         # so that an agent's next turn, sent the moment this one returns, finds its context
-        self._finishing: dict[int, tuple[_Active, Finished]] = {}  # req_id -> request, answer
+        self._finishing: dict[int, tuple[_Active, Finished, float]] = {}  # -> (.., answer, since)
+        # a write that hangs must not hold the answer: past this, it goes without the write
+        self.finish_wait_s = FINISH_WAIT_S
+        self.num_finish_waits_cut = 0
         self.num_saved_blocks = 0
         self.num_saves_dropped = 0  # full blocks not persisted (no staging room, or a failure)
         self.num_waits = 0  # allocations and decodes that had to wait for room
@@ -286,7 +291,7 @@ class DecodeWorker:
             active = self._active.pop(seq.seq_id)
             done = Finished(active.req_id, tuple(seq.output_ids), seq.finish_reason or "")
             if active.num_saving:
-                self._finishing[active.req_id] = (active, done)
+                self._finishing[active.req_id] = (active, done, time.monotonic())
             else:
                 out.append(done)
         return out
@@ -349,6 +354,14 @@ class DecodeWorker:
         future = self.storage.submit_write([key], [self.host_pool.buffer(slot)])  # type: ignore[list-item]
         future.add_done_callback(lambda f, s=slot: self._events.put(("saved", (s, f, active))))
 
+    def _overdue_finishes(self) -> list[Message]:
+        """Answer the finished requests whose writes have taken over ``finish_wait_s``."""
+        now = time.monotonic()
+        late = [r for r, (_, _, since) in self._finishing.items()
+                if now - since > self.finish_wait_s]
+        self.num_finish_waits_cut += len(late)
+        return [self._finishing.pop(r)[1] for r in late]
+
     def _one_saved(self, active: _Active) -> list[Message]:
         """One of ``active``'s blocks is written (or given up): a finished request whose
         last block this was ends now."""
@@ -363,7 +376,8 @@ class DecodeWorker:
     def drain_events(self) -> list[Message]:
         """Handle finished storage reads and writes and ended quarantines; returns messages
         to send."""
-        out: list[Message] = self._end_quarantines() + self._end_copies()
+        out: list[Message] = (self._end_quarantines() + self._end_copies()
+                              + self._overdue_finishes())
         while True:
             try:
                 kind, payload = self._events.get_nowait()

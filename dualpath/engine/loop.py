@@ -87,7 +87,7 @@ class EngineProcess:
                                      config.storage)
         self.backend = MooncakeBackend()
         self.traffic = TrafficManager(self.backend, config.traffic)
-        self.host_pool = HostPool(layout.full_block_bytes, config.host_pool_blocks)
+        self.host_pool = HostPool(layout.full_block_bytes, config.host_pool_blocks, touch=True)
         cache = self.engine.runner.cache.data
         self.traffic.register(self.host_pool.base_address, self.host_pool.nbytes)
         self.traffic.register(cache.data_ptr(), cache.numel() * cache.element_size())
@@ -262,6 +262,7 @@ class EngineProcess:
         values.update({f"storage_{k}": v for k, v in self.storage.metrics().items()})
         for name in ("num_prefilled", "num_forwards", "num_chunks", "num_hit_tokens",
                      "num_computed_tokens", "num_saved_blocks", "num_saves_dropped",
+                     "num_finish_waits_cut",
                      "num_waits", "num_steps", "step_s_total", "forward_s_total",
                      "max_forward_hit_tokens"):
             if hasattr(self.worker, name):

@@ -30,7 +30,11 @@ def _pin(tensor: torch.Tensor) -> bool:
 class HostPool:
     """``num_slots`` slots of ``payload_bytes`` each (slots padded to 4 KiB)."""
 
-    def __init__(self, payload_bytes: int, num_slots: int, pin: bool | None = None) -> None:
+    def __init__(self, payload_bytes: int, num_slots: int, pin: bool | None = None,
+                 touch: bool = False) -> None:
+        """``touch`` writes every page once now: an engine's pool then holds its memory from
+        the start instead of growing into it as load first reaches each slot (a memory
+        watch would take that for a leak)."""
         if payload_bytes <= 0 or num_slots <= 0:
             raise ValueError("payload_bytes and num_slots must be positive")
         self.payload_bytes = payload_bytes
@@ -41,6 +45,8 @@ class HostPool:
         # than torch's own allocation (2.4 vs 1.7 GB/s here).
         self._map = mmap.mmap(-1, self.slot_bytes * num_slots)
         self.slab = torch.frombuffer(self._map, dtype=torch.uint8)
+        if touch:
+            self.slab.fill_(0)
         self.pinned = pin and _pin(self.slab)
         self._is_free = [True] * num_slots
         self._num_free = num_slots
