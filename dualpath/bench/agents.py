@@ -6,21 +6,25 @@ format. Every mode (``basic``, ``layerwise``, ``round_robin``, ``dualpath``, ``o
 on a fresh cluster (1 prefill + 2 decode engine processes by default) over an empty store,
 after a short untimed warm-up that shares nothing with the workload, through the Python cluster
 API (``--via python``) or a ``dualpath serve`` process and its streaming OpenAI API
-(``--via http``).
+(``--via http``). Each agent's first prompt (its system and tool prompt, which deployments keep
+cached) is stored untimed before a timed run (``prime_first_turns``; ``--cold-start`` times
+it): computed once, its blocks are copied into later modes' and trials' stores.
 
 * **Offline** (the paper's rule): every agent starts at once, zero tool latency; JCT is the
   time to the last agent's last turn.
 * **Online**: agents arrive as a Poisson process at a given APS (agents per second); TTFT, time
   to second token and TPOT over the steady window (turns submitted between 20% of the arrival
   span and the last arrival). The largest APS whose mean TTFT meets the SLO is found by a short
-  search per mode (``bench/agents_online.py``) on one cluster per mode, the store emptied
-  between trials. The SLO is scaled for the testbed and stated in the result.
+  search per mode (``bench/agents_online.py``) on the mode's cluster after its offline run,
+  the store emptied and primed before each trial. The SLO is scaled for the testbed and
+  stated in the result.
 
 Storage NICs are capped so that ``basic`` is storage-bound (DESIGN §6), compute NICs at 8× the
 storage cap (the paper's per-GPU ratio); each node's NIC rates are sampled every second. The
 result (JSON with a top-level ``summary``, the resolved cluster config of every mode, every
 turn's record) and its plots are written by ``bench/agents_report.py``; the same workload is
-also run through the simulator's testbed preset when a profile is given (``--profile``).
+also run through the simulator (the testbed preset's settings, the very same trajectories)
+when a ``dualpath profile`` is given (``--profile``).
 """
 
 from __future__ import annotations
