@@ -50,14 +50,13 @@ from rich.progress import (
 
 from dualpath.bench.agents_nics import utilization
 from dualpath.bench.agents_run import HttpRun, PythonRun
-from dualpath.bench.cluster import AgentTurn
+from dualpath.bench.cluster import AgentTurn, testbed_config
 from dualpath.bench.demo import warmup_turns
 from dualpath.bench.report import machine_profile
-from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, TrafficConfig
+from dualpath.config import ClusterConfig
 
 MODES = ("basic", "layerwise", "round_robin", "dualpath", "oracle")
 VIAS = ("python", "http")
-COMPUTE_PER_STORAGE = 8  # compute-NIC cap per engine / storage-NIC cap per node (DESIGN §6)
 
 
 @dataclass(frozen=True)
@@ -115,13 +114,10 @@ class AgentsOptions:
 
 def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterConfig:
     """The cluster of one mode: ``round_robin`` is ``dualpath`` with the round-robin scheduler."""
-    cnic = options.compute_cap_mb_s or COMPUTE_PER_STORAGE * options.read_cap_mb_s
-    return ClusterConfig(
-        engine=EngineConfig(dtype=options.dtype, threads=1, block_size=options.block_size),
-        storage=StorageConfig(root=str(store), read_cap_mb_s=options.read_cap_mb_s,
-                              read_deadline_s=options.read_deadline_s),
-        traffic=TrafficConfig(compute_send_cap_mb_s=cnic, compute_recv_cap_mb_s=cnic),
-        mode="dualpath" if mode == "round_robin" else mode,
+    return testbed_config(
+        store, "dualpath" if mode == "round_robin" else mode, dtype=options.dtype,
+        block_size=options.block_size, read_cap_mb_s=options.read_cap_mb_s,
+        compute_cap_mb_s=options.compute_cap_mb_s, read_deadline_s=options.read_deadline_s,
         policy="round_robin" if mode == "round_robin" else "dualpath",
         num_prefill=options.prefill, num_decode=options.decode,
         host_pool_blocks=options.host_pool_blocks,

@@ -19,6 +19,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from dualpath.bench.cluster import COMPUTE_PER_STORAGE
 from dualpath.bench.report import write_json
 
 BREAKDOWN = ("queue_s", "read_s", "prefill_s", "other_s", "transfer_s", "queue_router_s",
@@ -117,7 +118,8 @@ def build_result(options: Any, workload: Any, model: str, offline: list[dict[str
             "workload": {"name": workload.name, "agents": len(workload.agents),
                          "turns": sum(map(len, workload.agents)), **workload.info},
             "caps_mb_s": {"read": options.read_cap_mb_s,
-                          "compute": options.compute_cap_mb_s or 8 * options.read_cap_mb_s},
+                          "compute": options.compute_cap_mb_s
+                          or COMPUTE_PER_STORAGE * options.read_cap_mb_s},
             "modes": modes, "offline": offline, "online": online, "simulator": sim,
             "summary": summary}
 

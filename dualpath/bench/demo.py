@@ -44,7 +44,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from dualpath.bench.cluster import AgentTurn, run_turns
+from dualpath.bench.cluster import COMPUTE_PER_STORAGE, AgentTurn, run_turns, testbed_config
 from dualpath.bench.demo_report import (
     minus_reads,
     node_reads,
@@ -54,11 +54,9 @@ from dualpath.bench.demo_report import (
 )
 from dualpath.bench.demo_trace import DemoSession, load_demo_trace
 from dualpath.bench.report import bar_chart, cpu_model, machine_profile, write_json
-from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, TrafficConfig
+from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
 from dualpath.server.launch import LocalCluster
-
-COMPUTE_PER_STORAGE = 8  # compute-NIC cap per engine / storage-NIC cap per node (DESIGN §6)
 
 
 @dataclass(frozen=True)
@@ -121,13 +119,11 @@ def agent_turns(sessions: list[DemoSession], vocab: int, seed: int) -> list[list
 
 
 def _config(options: DemoOptions, mode: str, store: Path) -> ClusterConfig:
-    cnic = options.compute_cap_mb_s or COMPUTE_PER_STORAGE * options.read_cap_mb_s
-    return ClusterConfig(
-        engine=EngineConfig(dtype=options.dtype, threads=1, block_size=options.block_size),
-        storage=StorageConfig(root=str(store), read_cap_mb_s=options.read_cap_mb_s,
-                              read_deadline_s=options.read_deadline_s),
-        traffic=TrafficConfig(compute_send_cap_mb_s=cnic, compute_recv_cap_mb_s=cnic),
-        mode=mode, num_prefill=1, num_decode=2, host_pool_blocks=options.host_pool_blocks,
+    return testbed_config(
+        store, mode, dtype=options.dtype, block_size=options.block_size,
+        read_cap_mb_s=options.read_cap_mb_s, compute_cap_mb_s=options.compute_cap_mb_s,
+        read_deadline_s=options.read_deadline_s,
+        num_prefill=1, num_decode=2, host_pool_blocks=options.host_pool_blocks,
         save_staging_blocks=options.save_staging_blocks, heartbeat_s=options.heartbeat_s,
         engine_timeout_s=12 * options.heartbeat_s, router_timeout_s=12 * options.heartbeat_s)
 
