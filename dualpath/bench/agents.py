@@ -168,7 +168,7 @@ def offline_run(run: Any, options: AgentsOptions, mode: str, agents: list[list[A
     bar.update(task, description=f"{mode}: done")
     return {"mode": mode, "jct_s": jct, "records": records, "router": run.counters(),
             "engine_busy_s": busy,
-            "nics": utilization(samples, options.read_cap_mb_s, None),
+            "nics": utilization(samples, options.read_cap_mb_s, None, sampler.interval_s),
             "config": asdict(cluster_config(options, mode, work / mode / "kv"))}
 
 

@@ -95,11 +95,28 @@ class NicSampler:
         self.samples.append((time.perf_counter() - self._began, counters))
 
 
+def even_spacing(samples: list[tuple[float, NodeBytes]],
+                 interval_s: float) -> list[tuple[float, NodeBytes]]:
+    """The samples, dropping any taken less than ``interval_s`` / 2 after the one kept before
+    it (a late sample followed by a prompt one would make a short interval whose rate is a
+    burst's, not the NIC's), and always keeping the last."""
+    kept = samples[:1]
+    for sample in samples[1:-1]:
+        if sample[0] - kept[-1][0] >= interval_s / 2:
+            kept.append(sample)
+    if len(samples) > 1:
+        if samples[-1][0] - kept[-1][0] < interval_s / 2 and len(kept) > 1:
+            kept.pop()
+        kept.append(samples[-1])
+    return kept
+
+
 def utilization(samples: list[tuple[float, NodeBytes]], snic_cap_mb_s: float | None,
-                cnic_cap_mb_s: float | None) -> dict[str, Any]:
-    """Per node, the storage-NIC read rate and compute-NIC rate (MB/s) per sampling interval,
-    as fractions of the caps where capped, and each NIC's busy fraction over the whole run
-    (bytes / (cap × span)); ``t_s`` holds each interval's end."""
+                cnic_cap_mb_s: float | None, interval_s: float = 1.0) -> dict[str, Any]:
+    """Per node, the storage-NIC read rate and compute-NIC rate (MB/s) per sampling interval
+    (samples closer than half ``interval_s`` merged: :func:`even_spacing`), and each NIC's busy
+    fraction over the whole run (bytes / (cap × span)); ``t_s`` holds each interval's end."""
+    samples = even_spacing(samples, interval_s)
     if len(samples) < 2:
         return {"t_s": [], "nodes": {}}
     out: dict[str, Any] = {"t_s": [round(t, 3) for t, _ in samples[1:]], "nodes": {}}

@@ -72,3 +72,18 @@ def test_steady_window_drops_the_first_arrivals():
     records = [{"submitted_s": t, "ttft_s": 1.0 if t >= 0.2 * offsets[-1] else 99.0,
                 "ttst_s": None, "tpot_s": None} for t in offsets]
     assert steady_stats(records, offsets)["ttft_s"] == 1.0
+
+
+def test_nic_rates_are_per_interval_and_a_late_sample_makes_no_spike():
+    from dualpath.bench.agents_nics import utilization
+
+    def at(t, read):
+        return (t, {0: {"role": "prefill", "snic_read_bytes": read, "cnic_bytes": 0}})
+
+    # 16 MB/s throughout; the sample due at 2 s came late, at 2.9 s, with counters a moment
+    # old (30 MB), and the next 0.1 s later (48 MB): 18 MB in 0.1 s would read as 180 MB/s
+    samples = [at(0.0, 0), at(1.0, 16e6), at(2.9, 30e6), at(3.0, 48e6), at(4.0, 64e6)]
+    out = utilization(samples, 16.0, None, interval_s=1.0)
+    assert out["t_s"] == [1.0, 2.9, 4.0]
+    assert max(out["nodes"]["0"]["snic_mb_s"]) < 32  # two NICs' worth at most, not 11
+    assert abs(out["nodes"]["0"]["snic_busy"] - 1.0) < 1e-9  # bytes over the whole span
