@@ -121,14 +121,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_engine(args: argparse.Namespace) -> int:
     import logging
 
-    from dualpath.config import cluster_config_from_json
+    from dualpath.config_file import override_cluster_config
+    from dualpath.engine.join import (
+        Advertised,
+        check_model,
+        join_router,
+        local_address_towards,
+        router_host,
+    )
     from dualpath.engine.loop import EngineIdentity, EngineProcess
     from dualpath.model.default_model import resolve_model
+    from dualpath.model.spec import model_id
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config = cluster_config_from_json(args.config)
-    identity = EngineIdentity(args.name or f"{args.role}-{args.node_id}", args.role, args.node_id)
-    return EngineProcess(identity, resolve_model(args.model), config, args.router).serve()
+    name = args.name or f"{args.role[0]}e{args.node_id}"
+    host = args.host or local_address_towards(router_host(args.router))
+    model_dir = resolve_model(args.model)
+    joined = join_router(args.router, name, args.role, args.node_id, args.join_timeout_s)
+    check_model(joined, model_id(model_dir), str(model_dir))
+    config = override_cluster_config(joined.config, args.set)
+    advertised = Advertised(host, config.transfer_protocol, args.rdma_devices)
+    identity = EngineIdentity(name, args.role, args.node_id)
+    return EngineProcess(identity, model_dir, config, args.router, advertised,
+                         joined.cluster_id).serve()
 
 
 def _cmd_bench_cluster(args: argparse.Namespace) -> int:
@@ -228,11 +243,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     eng_proc = sub.add_parser("engine", help="run one prefill or decode engine process")
     eng_proc.add_argument("--role", choices=("prefill", "decode"), required=True)
-    eng_proc.add_argument("--node-id", type=int, required=True)
-    eng_proc.add_argument("--name", default=None)
-    eng_proc.add_argument("--router", required=True, help="router address, tcp://host:port")
-    eng_proc.add_argument("--model", default=None)
-    eng_proc.add_argument("--config", required=True, help="ClusterConfig as JSON")
+    eng_proc.add_argument("--node-id", type=int, required=True,
+                          help="this host's node (engines of one node share its storage NIC)")
+    eng_proc.add_argument("--name", default=None, help="unique engine name (default: pe<N>/de<N>)")
+    eng_proc.add_argument("--router", required=True,
+                          help="the router's engine endpoint, tcp://HOST:PORT; the engine takes "
+                               "the cluster's configuration from it")
+    eng_proc.add_argument("--model", default=None,
+                          help="this host's copy of the router's checkpoint (default: SmolLM2)")
+    eng_proc.add_argument("--host", default=None,
+                          help="address other engines reach this one at (default: this host's "
+                               "address on the route to the router)")
+    eng_proc.add_argument("--rdma-devices", default="",
+                          help="RDMA devices for transfer_protocol=rdma, e.g. mlx5_0,mlx5_1")
+    eng_proc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                          help="host-local override of the router's config, e.g. "
+                               "storage.root=/mnt/kv (repeatable)")
+    eng_proc.add_argument("--join-timeout-s", type=float, default=120.0,
+                          help="give up when the router has not answered by then")
     eng_proc.set_defaults(func=_cmd_engine)
 
     prof = sub.add_parser("profile", help="measure prefill cost and storage read rate (α, β)")

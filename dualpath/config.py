@@ -107,8 +107,20 @@ class ClusterConfig:
     router_timeout_s: float = 10.0  # an engine whose router is silent this long stops
     num_prefill: int = 1
     num_decode: int = 2
+    # The router's engine endpoint: the address it binds (0.0.0.0: every interface) and its
+    # port (0: any free one). Engines on other hosts join with `dualpath engine --router`.
+    router_host: str = "127.0.0.1"
+    router_port: int = 0
+    # How engines move KV between each other: Mooncake "tcp", or "rdma" (each engine names
+    # its RDMA devices with `dualpath engine --rdma-devices`).
+    transfer_protocol: str = "tcp"
 
     def __post_init__(self) -> None:
+        if self.transfer_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"transfer_protocol must be tcp or rdma, got "
+                             f"{self.transfer_protocol!r}")
+        if not 0 <= self.router_port < 65536:
+            raise ValueError(f"router_port must be in 0..65535, got {self.router_port}")
         if not 0 < self.save_staging_blocks < self.host_pool_blocks:
             raise ValueError("save_staging_blocks must be > 0 and below host_pool_blocks "
                              f"({self.save_staging_blocks} of {self.host_pool_blocks})")

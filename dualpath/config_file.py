@@ -64,15 +64,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
     for key, value in (base or {}).items():
         _assign(data, key, value)
-    for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"an override is key=value, got {item!r}")
-        _assign(data, key.strip(), _toml_value(raw.strip()))
+    _apply_overrides(data, overrides or [])
     serve = data.pop("serve", {})
     if not isinstance(serve, dict):
         raise ConfigError("[serve] must be a table")
     return AppConfig(_build(ClusterConfig, data, ""), _build(ServeConfig, serve, "serve."))
+
+
+def override_cluster_config(config: ClusterConfig, overrides: list[str]) -> ClusterConfig:
+    """``config`` with each ``key=value`` applied (an engine's host-local settings)."""
+    if not overrides:
+        return config
+    data = asdict(config)
+    _apply_overrides(data, overrides)
+    return _build(ClusterConfig, data, "")
+
+
+def _apply_overrides(data: dict[str, Any], overrides: list[str]) -> None:
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"an override is key=value, got {item!r}")
+        _assign(data, key.strip(), _toml_value(raw.strip()))
 
 
 def config_to_json(config: AppConfig) -> str:

@@ -56,6 +56,16 @@ def _tuples(value: Any) -> Any:
 
 # -- engine -> router --------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Join(Message):
+    """A starting engine asks the router for the cluster's configuration (before its Hello)."""
+
+    type: ClassVar[str] = "join"
+    name: str
+    role: str  # "prefill" | "decode"
+    node_id: int
+
+
+@dataclass(frozen=True)
 class Hello(Message):
     """An engine is up: who it is and how peers reach its registered host buffer."""
 
@@ -263,6 +273,22 @@ class Peers(Message):
     def __post_init__(self) -> None:
         # msgpack hands back plain arrays: give them their field names again
         object.__setattr__(self, "peers", tuple(PeerInfo(*p) for p in self.peers))
+
+
+@dataclass(frozen=True)
+class JoinConfig(Message):
+    """The router's answer to ``Join``: what every engine of this cluster runs with.
+
+    ``model_id`` is the router's checkpoint id (an engine with other weights must not join: its
+    KV keys would differ); ``cluster_id`` names this router's run, so that engines of one node
+    find their shared storage-NIC account. A non-empty ``error`` refuses the engine.
+    """
+
+    type: ClassVar[str] = "join_config"
+    config_json: str
+    model_id: str
+    cluster_id: str
+    error: str = ""
 
 
 @dataclass(frozen=True)

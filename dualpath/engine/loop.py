@@ -32,6 +32,7 @@ import zmq
 from dualpath.config import ClusterConfig, EngineConfig, engine_config_for
 from dualpath.engine.decode import DecodeWorker
 from dualpath.engine.ep_traffic import EpPeer, EpTraffic, ep_metrics_off
+from dualpath.engine.join import Advertised
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillWorker
 from dualpath.engine.traffic import TrafficManager
@@ -57,6 +58,7 @@ from dualpath.protocol import (
 from dualpath.scheduler.batch import AttentionCostModel
 from dualpath.storage import open_store
 from dualpath.storage.client import StorageClient
+from dualpath.storage.node_nic import node_nic_account
 
 log = logging.getLogger("dualpath.engine")
 IDLE_POLL_MS = 20
@@ -76,17 +78,21 @@ class EngineProcess:
     """Everything one engine owns, and its loop."""
 
     def __init__(self, identity: EngineIdentity, model_dir: Path, config: ClusterConfig,
-                 router_address: str) -> None:
+                 router_address: str, advertised: Advertised | None = None,
+                 cluster_id: str = "") -> None:
         from dualpath.transfer.mooncake import MooncakeBackend
 
         torch.set_num_threads(config.engine.threads)
         self.identity = identity
         self.engine = LLMEngine(model_dir, engine_config_for(config, identity.role))
         layout = self.engine.layout
+        node_nic = node_nic_account(cluster_id, identity.node_id) if cluster_id else None
         self.storage = StorageClient(open_store(config.storage, layout), layout.block_size,
-                                     config.storage)
-        self.backend = MooncakeBackend()
-        self.traffic = TrafficManager(self.backend, config.traffic)
+                                     config.storage, node_nic=node_nic)
+        advertised = advertised or Advertised("127.0.0.1", config.transfer_protocol)
+        self.backend = MooncakeBackend(advertised.host, advertised.protocol,
+                                       advertised.rdma_devices)
+        self.traffic = TrafficManager(self.backend, config.traffic, nic_host=advertised.host)
         self.host_pool = HostPool(layout.full_block_bytes, config.host_pool_blocks, touch=True)
         cache = self.engine.runner.cache.data
         self.traffic.register(self.host_pool.base_address, self.host_pool.nbytes)

@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from typing import TypeVar
 
 import zmq
 
-from dualpath.config import ClusterConfig, engine_config_for
+from dualpath.config import ClusterConfig, cluster_config_to_json, engine_config_for
 from dualpath.errors import DualPathError, RequestError
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
@@ -37,6 +38,8 @@ from dualpath.protocol import (
     Heartbeat,
     HeartbeatAck,
     Hello,
+    Join,
+    JoinConfig,
     Message,
     Metrics,
     Shutdown,
@@ -108,10 +111,11 @@ class Router:
         self._oracle_blocks: set = set()
         self._oracle_ids: set[int] = set()
         self._hello = threading.Condition()
+        self.model_id = self.key_space.model_id
+        self.cluster_id = secrets.token_hex(6)
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        self.address = _bind(self.socket, config.router_host, config.router_port)
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="router", daemon=True)
         self._thread.start()
@@ -248,7 +252,9 @@ class Router:
             identity, raw = self.socket.recv_multipart()
             sender = identity.decode().removesuffix(HEARTBEAT_SUFFIX)
             msg = decode(raw)
-            if isinstance(msg, Hello):
+            if isinstance(msg, Join):
+                self._send(identity.decode(), self._join_config(msg))
+            elif isinstance(msg, Hello):
                 with self._hello:
                     self._apply(self.state.on_message(sender, msg, self._clock()))
                     self._hello.notify_all()
@@ -306,6 +312,16 @@ class Router:
             self.bad_messages += 1  # heartbeats re-place (then fail) the request it was for
             log.exception("router: could not encode %s for %s", msg.type, engine)
 
+    def _join_config(self, msg: Join) -> JoinConfig:
+        """What a joining engine runs with (or why it may not join)."""
+        error = ""
+        if msg.role not in ("prefill", "decode"):
+            error = f"role must be prefill or decode, got {msg.role!r}"
+        elif msg.node_id < 0:
+            error = f"node id must be >= 0, got {msg.node_id}"
+        return JoinConfig(cluster_config_to_json(self.config), self.model_id, self.cluster_id,
+                          error)
+
     def _admit(self, req: RequestState) -> Effects:
         if req.mode == Mode.ORACLE:
             self._oracle_ids.add(req.req_id)
@@ -345,6 +361,20 @@ class Router:
         except OSError:
             log.warning("router: the store could not be asked; the request recomputes")
             return 0
+
+
+def _bind(socket: zmq.Socket, host: str, port: int) -> str:
+    """Bind the engine endpoint; return the address a local engine connects to."""
+    try:
+        if port:
+            socket.bind(f"tcp://{host}:{port}")
+        else:
+            port = socket.bind_to_random_port(f"tcp://{host}")
+    except zmq.ZMQError as exc:
+        socket.close(0)
+        raise DualPathError(f"the router cannot bind tcp://{host}:{port or '*'}: {exc}") from exc
+    local = "127.0.0.1" if host in ("0.0.0.0", "*") else host
+    return f"tcp://{local}:{port}"
 
 
 def _kv_tokens(config: ClusterConfig, layout: KVLayout, role: str) -> int:

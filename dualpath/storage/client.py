@@ -3,7 +3,9 @@
 Every engine of a node reads and writes full blocks through one ``StorageClient``. It counts
 the tokens of reads submitted but not yet finished — the paper's per-node read queue that the
 scheduler balances — and, when caps are configured, paces reads and writes through token
-buckets so the node behaves like one with a storage NIC of that bandwidth. Byte counters and
+buckets so the node behaves like one with a storage NIC of that bandwidth. Engine processes
+of one node each own a client; given the node's ``NodeNicAccount`` their buckets are one shared
+account (``node_nic.py``), so together they stay within the node's cap. Byte counters and
 utilization feed the metrics.
 
 A storage fault never reaches the caller as an exception (DESIGN §9): a block that a backend
@@ -25,6 +27,7 @@ from typing import Any
 from dualpath.config import StorageConfig
 from dualpath.kv.hashing import BlockKey
 from dualpath.storage.base import StorageBackend
+from dualpath.storage.node_nic import NodeNicAccount, SharedBucket
 from dualpath.storage.throttle import TokenBucket
 
 BURST_BLOCKS = 1  # a capped NIC may send one block ahead of its average rate
@@ -33,14 +36,20 @@ ERROR_FIELDS = ("read_errors", "write_errors", "lookup_errors", "read_deadline_m
 log = logging.getLogger("dualpath.storage")
 
 
-def _bucket(cap_mb_s: float | None, block_bytes: int) -> TokenBucket | None:
-    return None if cap_mb_s is None else TokenBucket(cap_mb_s * 1e6, BURST_BLOCKS * block_bytes)
+def _bucket(cap_mb_s: float | None, block_bytes: int, node_nic: NodeNicAccount | None,
+            direction: str) -> TokenBucket | SharedBucket | None:
+    """The cap of one NIC direction: this process's own, or the node's shared account."""
+    if cap_mb_s is None:
+        return None
+    if node_nic is not None:
+        return node_nic.bucket(direction, cap_mb_s * 1e6, BURST_BLOCKS * block_bytes)
+    return TokenBucket(cap_mb_s * 1e6, BURST_BLOCKS * block_bytes)
 
 
 class _Direction:
     """One direction of the storage NIC: its cap, pending tokens and moved bytes."""
 
-    def __init__(self, bucket: TokenBucket | None) -> None:
+    def __init__(self, bucket: TokenBucket | SharedBucket | None) -> None:
         self.bucket = bucket
         self.pending_tokens = 0
         self.bytes_moved = 0
@@ -163,7 +172,8 @@ class StorageClient:
 
     def __init__(self, backend: StorageBackend, block_size: int,
                  config: StorageConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 node_nic: NodeNicAccount | None = None) -> None:
         config = config or StorageConfig()
         self.backend = backend
         self.block_size = block_size
@@ -171,8 +181,10 @@ class StorageClient:
         self._clock = clock
         self._started_s = clock()
         self._lock = threading.Lock()
-        self._read = _Direction(_bucket(config.read_cap_mb_s, backend.block_bytes))
-        self._write = _Direction(_bucket(config.write_cap_mb_s, backend.block_bytes))
+        self._read = _Direction(_bucket(config.read_cap_mb_s, backend.block_bytes, node_nic,
+                                        "read"))
+        self._write = _Direction(_bucket(config.write_cap_mb_s, backend.block_bytes, node_nic,
+                                         "write"))
         # separate pools: writes stuck behind a slow store (or another host's eviction pass)
         # must not hold the workers that latency-critical reads need
         workers = max(1, config.workers)
@@ -280,6 +292,9 @@ class StorageClient:
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
         self._deadlines.close()
+        for direction in (self._read, self._write):
+            if isinstance(direction.bucket, SharedBucket):
+                direction.bucket.close(unlink=True)
 
     # -- reads -----------------------------------------------------------------------------
     def _read_block(self, read: _Read, i: int, key: BlockKey, buffer: Any,

@@ -19,6 +19,15 @@ class TokenBucket:
         self._tokens = burst_bytes
         self._last: float | None = None
 
+    @property
+    def state(self) -> tuple[float, float | None]:
+        """``(tokens, last reservation time)``: all a bucket remembers (to share it)."""
+        return self._tokens, self._last
+
+    def restore(self, tokens: float, last_s: float | None) -> None:
+        """Continue from a ``state`` another holder of the same NIC left."""
+        self._tokens, self._last = tokens, last_s
+
     def reserve(self, nbytes: int, now_s: float) -> float:
         """Take ``nbytes`` at time ``now_s``; return the seconds to wait before sending them."""
         if self._last is not None:
