@@ -111,7 +111,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for key, value in (("serve.host", args.host), ("serve.port", args.port),
                        ("num_prefill", args.prefill), ("num_decode", args.decode),
                        ("serve.model", args.model), ("storage.root", args.storage),
-                       ("serve.api_key", args.api_key)):
+                       ("serve.api_key", args.api_key), ("serve.launcher", args.launcher),
+                       ("serve.ray_address", args.ray_address),
+                       ("router_host", args.router_host), ("router_port", args.router_port)):
         if value is not None:
             base[key] = value
     serve(load_config(args.config, args.set, base))
@@ -239,6 +241,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. storage.read_cap_mb_s=200 (repeatable)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--launcher", default=None, choices=("local", "ray", "none"),
+                     help="who starts the engines: local child processes (default), Ray "
+                          "actors, or none (engines join with `dualpath engine --router`)")
+    srv.add_argument("--ray-address", default=None,
+                     help="the Ray cluster for --launcher ray (default: a local one)")
+    srv.add_argument("--router-host", default=None,
+                     help="address the engine endpoint binds (default 127.0.0.1; 0.0.0.0 for "
+                          "engines on other hosts)")
+    srv.add_argument("--router-port", type=int, default=None,
+                     help="engine endpoint port (default: any free one)")
     srv.set_defaults(func=_cmd_serve)
 
     eng_proc = sub.add_parser("engine", help="run one prefill or decode engine process")

@@ -37,8 +37,14 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_concurrent_requests: int = 256  # more generations at once get 429
     default_max_tokens: int = 256  # when a request names none (and the context allows)
+    # Who places the engines: "local" (child processes), "ray" (Ray actors on the nodes whose
+    # custom resources name them) or "none" (engines join with `dualpath engine --router`).
+    launcher: str = "local"
+    ray_address: str | None = None  # an existing Ray cluster ("auto", "ray://..."); None: local
 
     def __post_init__(self) -> None:
+        if self.launcher not in ("local", "ray", "none"):
+            raise ValueError(f"serve.launcher must be local, ray or none, got {self.launcher!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"serve.port must be in 0..65535, got {self.port}")
         if min(self.max_body_bytes, self.max_concurrent_requests, self.default_max_tokens) < 1:

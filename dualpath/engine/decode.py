@@ -16,6 +16,7 @@ when that read ends, and a buffer a PE may still write into only after a quarant
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections import deque
@@ -44,6 +45,8 @@ from dualpath.protocol import (
 from dualpath.request import SamplingParams, Sequence
 from dualpath.storage.client import StorageClient
 from dualpath.transfer.lanes import Lane
+
+log = logging.getLogger("dualpath.decode")
 
 FINISH_WAIT_S = 5.0  # longest a finished request waits for its last blocks' writes
 
@@ -215,6 +218,8 @@ class DecodeWorker:
             except OutOfBlocksError:
                 break  # running sequences free blocks as they finish
             self._pending_decodes.popleft()
+            log.info("request %d: decode started (%d prompt tokens)", msg.req_id,
+                     len(msg.prompt_ids))
             slots = self._buffers.pop(msg.req_id)
             copies = all_of([] if msg.oracle else self._copy_in(slots, seq.block_table))
             self._copying.append(_CopyIn(msg, seq, slots, copies))

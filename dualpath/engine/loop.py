@@ -39,6 +39,7 @@ from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import (
     HEARTBEAT_SUFFIX,
+    ZMQ_RECONNECT_MAX_MS,
     Abort,
     AllocBuffer,
     Decode,
@@ -54,6 +55,7 @@ from dualpath.protocol import (
     Shutdown,
     decode,
     encode,
+    keep_alive,
 )
 from dualpath.scheduler.batch import AttentionCostModel
 from dualpath.storage import open_store
@@ -283,9 +285,17 @@ class EngineProcess:
 
 
 def _dealer(identity: str, router_address: str) -> zmq.Socket:
+    """A socket to the router that survives a cut link: ZeroMQ's own heartbeats drop a dead
+    connection within seconds and reconnect attempts time out quickly, so once the link is back
+    the engine is heard again within about ``ZMQ_RECONNECT_MAX_MS`` (not after TCP's
+    retransmission backoff, which grows to minutes)."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, identity.encode())
     socket.setsockopt(zmq.LINGER, 0)
+    keep_alive(socket)
+    socket.setsockopt(zmq.CONNECT_TIMEOUT, ZMQ_RECONNECT_MAX_MS)
+    socket.setsockopt(zmq.RECONNECT_IVL, 100)
+    socket.setsockopt(zmq.RECONNECT_IVL_MAX, ZMQ_RECONNECT_MAX_MS)
     socket.connect(router_address)
     return socket
 

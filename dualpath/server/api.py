@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP API (FastAPI) in front of the router.
 
 ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (with and without SSE streaming),
-``/health`` (503 until the cluster is ready), ``/version`` and ``/metrics``. Every error is
-answered in OpenAI's shape with a 4xx status, never a 5xx for bad input: invalid JSON, a
-missing or mistyped field, an unknown model, a prompt longer than the context (the lengths are
-in the message), a wrong or missing API key (401), a body over ``max_body_bytes`` (413), more
-than ``max_concurrent_requests`` generations at once (429). A client that goes away aborts its
-request on the engines.
+``/health`` (503 until the cluster is ready; then the registered engines), ``/version`` and
+``/metrics``. Every error is answered in OpenAI's shape with a 4xx status, never a 5xx for
+bad input: invalid JSON, a missing or mistyped field, an unknown model, a prompt longer than
+the context (the lengths are in the message), a wrong or missing API key (401), a body over
+``max_body_bytes`` (413), more than ``max_concurrent_requests`` generations at once (429). A
+client that goes away aborts its request on the engines.
 
 With ``return_token_ids`` a whole response carries ``prompt_token_ids`` and its choice the
 generated ``token_ids``; a stream's first chunk carries ``prompt_token_ids`` and every chunk's
@@ -92,7 +92,10 @@ def build_app(router: Router, model: ModelInfo, settings: ServeConfig,
         if not router.ready:
             return JSONResponse(error_body("the cluster is not ready", "service_unavailable"),
                                 status_code=503)
-        return JSONResponse({"status": "ok"})
+        engines = [{"name": e.name, "role": e.role, "node_id": e.node_id,
+                    "endpoint": e.endpoint} for e in router.engines.values()]
+        return JSONResponse({"status": "ok", "engines": sorted(engines,
+                                                               key=lambda e: e["name"])})
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -45,6 +45,7 @@ from dualpath.protocol import (
     Shutdown,
     decode,
     encode,
+    keep_alive,
 )
 from dualpath.request import SamplingParams
 from dualpath.scheduler.global_scheduler import GlobalScheduler, SchedulerParams
@@ -115,6 +116,9 @@ class Router:
         self.cluster_id = secrets.token_hex(6)
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # an engine that reconnects (its link was cut, then restored) takes over its identity
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        keep_alive(self.socket)
         self.address = _bind(self.socket, config.router_host, config.router_port)
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="router", daemon=True)

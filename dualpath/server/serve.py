@@ -1,10 +1,12 @@
-"""``dualpath serve``: the local cluster behind the OpenAI-compatible API, until SIGINT/SIGTERM.
+"""``dualpath serve``: a PD cluster behind the OpenAI-compatible API, until SIGINT/SIGTERM.
 
-Starts the router and the engine processes (``LocalCluster``), waits until every engine said
-hello, writes the resolved configuration beside the engines' logs, prints the endpoints and
-serves HTTP with uvicorn. On SIGINT or SIGTERM uvicorn stops accepting requests, then every
-engine is told to shut down (and killed if it lingers): no process is left behind. Engines
-whose server died without a word stop by themselves (they find their router silent).
+Starts the router and has the configured launcher place the engines (``serve.launcher``: local
+child processes, Ray actors, or none — engines that join by ``dualpath engine --router``),
+waits until every engine said hello, writes the resolved configuration beside the engines'
+logs, prints the endpoints and serves HTTP with uvicorn. On SIGINT or SIGTERM uvicorn stops
+accepting requests, then every engine is told to shut down (and killed if it lingers): no
+process is left behind. Engines whose server died without a word stop by themselves (they find
+their router silent).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dualpath.model.default_model import cache_dir, resolve_model
 from dualpath.model.spec import load_spec
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.server.api import ModelInfo, build_app
-from dualpath.server.launch import LocalCluster
+from dualpath.server.launch import ClusterBase, ExternalCluster, LocalCluster
 from dualpath.server.metrics import ServeMetrics
 
 
@@ -45,7 +47,7 @@ def serve(config: AppConfig, log_dir: Path | None = None) -> None:
     log_dir = log_dir or cache_dir() / "serve" / time.strftime("%Y%m%d-%H%M%S")
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "config.json").write_text(config_to_json(config))
-    with LocalCluster(model_dir, config.cluster, log_dir=log_dir) as cluster:
+    with _launcher(model_dir, config, log_dir) as cluster:
         router = cluster.router
         assert router is not None
         info = model_info(model_dir, settings.model_name, router.state.capacity.kv_tokens)
@@ -62,6 +64,19 @@ def serve(config: AppConfig, log_dir: Path | None = None) -> None:
         with contextlib.suppress(KeyboardInterrupt):  # SIGINT or SIGTERM
             server.run()  # then leaving the block stops every engine
     print("dualpath serve: stopped", flush=True)
+
+
+def _launcher(model_dir: Path, config: AppConfig, log_dir: Path) -> ClusterBase:
+    """The cluster whose launcher ``serve.launcher`` names (Ray is imported only for it)."""
+    launcher = config.serve.launcher
+    if launcher == "ray":
+        from dualpath.server.launch_ray import RayCluster
+
+        return RayCluster(model_dir, config.cluster, log_dir=log_dir,
+                          ray_address=config.serve.ray_address)
+    if launcher == "none":
+        return ExternalCluster(model_dir, config.cluster, log_dir=log_dir)
+    return LocalCluster(model_dir, config.cluster, log_dir=log_dir)
 
 
 def _interrupt(signum: int, frame: object) -> None:
