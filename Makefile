@@ -10,6 +10,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 setup: $(STAMP) model
 
+# requirements.lock pins the extras the tests need too: convert, dev and ray (the Ray launcher).
 $(STAMP): requirements.lock pyproject.toml
 	@dpkg -s libibverbs1 >/dev/null 2>&1 || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1)

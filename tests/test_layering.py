@@ -221,6 +221,34 @@ def test_importing_pure_modules_loads_no_torch():
     assert loaded == "[]", f"importing {modules} pulled in torch modules: {loaded}"
 
 
+# Optional extras: the package (top-level import name) -> the only modules that may import it.
+# Everything else, `import dualpath` and the local launcher included, must work without them.
+OPTIONAL_EXTRAS = {"ray": ("dualpath/server/launch_ray.py",)}
+
+
+def extra_imports(extra: str, root: Path = ROOT) -> list[str]:
+    """Package modules, other than the extra's own, with an import statement of ``extra``."""
+    allowed = {root / p for p in OPTIONAL_EXTRAS[extra]}
+    return [str(path.relative_to(root)) for path in sorted((root / PKG).rglob("*.py"))
+            if path not in allowed
+            and any(name.split(".")[0] == extra for name in imported_names(path, root))]
+
+
+@pytest.mark.parametrize("extra", sorted(OPTIONAL_EXTRAS))
+def test_optional_extra_is_imported_only_by_its_modules(extra):
+    offenders = extra_imports(extra)
+    assert not offenders, f"only {OPTIONAL_EXTRAS[extra]} may import {extra}: {offenders}"
+
+
+def test_import_dualpath_and_the_local_launcher_load_no_optional_extra():
+    extras = sorted(OPTIONAL_EXTRAS)
+    loaded = _run_python(
+        "import sys, dualpath, dualpath.cli, dualpath.server.launch; "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {extras!r}))"
+    )
+    assert loaded == "[]", f"`import dualpath` or the local launcher pulled in {loaded}"
+
+
 # --- self-tests of the checker ---------------------------------------------------------------
 
 
@@ -327,6 +355,15 @@ def test_pure_files_pick_up_scheduler_and_optional_modules(tmp_path):
         *REQUIRED_PURE, "dualpath/scheduler/__init__.py", "dualpath/scheduler/policy/select.py",
         "dualpath/transfer/lanes.py", "dualpath/kv/layout.py",
     }
+
+
+def test_extra_check_flags_a_lazy_import_outside_the_extras_module(tmp_path):
+    _write(tmp_path, {
+        "dualpath/__init__.py": "",
+        "dualpath/server/launch_ray.py": "import ray\n",
+        "dualpath/server/serve.py": "def f():\n    from ray.exceptions import RayError\n",
+    })
+    assert extra_imports("ray", tmp_path) == ["dualpath/server/serve.py"]
 
 
 def test_checker_flags_the_real_torch_backed_kv_cache():
