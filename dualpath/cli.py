@@ -356,8 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(eng)
     eng.set_defaults(func=_cmd_bench_engine)
 
-    sto = bench_sub.add_parser("storage", help="fs store read/write vs raw O_DIRECT reads")
+    sto = bench_sub.add_parser("storage", help="store read/write (fs, mooncake_store) vs raw "
+                                               "O_DIRECT reads")
     sto.add_argument("--json", required=True, help="where to write the results")
+    sto.add_argument("--backends", default="fs",
+                     help="comma-separated: fs, mooncake_store (starts its own master and "
+                          "segment holder); the same blocks on each, reads side by side")
     sto.add_argument("--model", default=None, help="model whose full-block size to use")
     sto.add_argument("--dir", default=None, help="store folder (default: cache/bench-storage)")
     sto.add_argument("--blocks", type=int, default=256)
@@ -391,6 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
     clu.add_argument("--profile", default=None, help="dualpath profile JSON (α, β, cost model)")
     clu.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     clu.add_argument("--keep", action="store_true", help="keep the store and logs")
+    clu.add_argument("--links", default="local",
+                     help="comma-separated, each a full run: local (engines here, token-bucket "
+                          "caps), caps (a network namespace per node, token-bucket caps), "
+                          "shaped (the same, compute links shaped by tc instead); root only "
+                          "for caps and shaped")
     _add_engine_args(clu)
     clu.set_defaults(func=_cmd_bench_cluster)
 

@@ -221,8 +221,36 @@ def _config(args: argparse.Namespace, store: Path, engine: EngineConfig,
         num_prefill=args.prefill, num_decode=args.decode, profile_path=args.profile)
 
 
+LINK_KINDS = ("local", "caps", "shaped")  # see --links
+
+
+def _cluster(kind: str, model_dir: Path, config: ClusterConfig, log_dir: Path) -> LocalCluster:
+    """``local``: engines are children here, software caps; ``caps``: each node a network
+    namespace, software caps; ``shaped``: the same namespaces with tc-shaped compute links."""
+    if kind == "local":
+        return LocalCluster(model_dir, config, log_dir=log_dir)
+    from dualpath.bench.netns_cluster import NetnsCluster
+
+    return NetnsCluster(model_dir, config, shaped=kind == "shaped", log_dir=log_dir)
+
+
+def _link_kinds(raw: str) -> list[str]:
+    kinds = [k.strip() for k in raw.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in LINK_KINDS]
+    if bad or not kinds:
+        raise DualPathError(f"--links takes {', '.join(LINK_KINDS)}; got {raw!r}")
+    if any(k != "local" for k in kinds):
+        from dualpath.bench.netns import netns_unavailable
+
+        reason = netns_unavailable()
+        if reason is not None:
+            raise DualPathError(f"--links {raw}: {reason}")
+    return kinds
+
+
 def run_cluster_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Each mode on a fresh cluster; JSON + PNG with the JCTs and the dualpath/basic ratio."""
+    """Each mode on a fresh cluster (per link kind); JSON + PNG with the JCTs and the
+    dualpath/basic ratio of each link kind."""
     from dualpath.cli import engine_config
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec
@@ -230,36 +258,59 @@ def run_cluster_bench(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = resolve_model(args.model)
     vocab = load_spec(model_dir).vocab_size
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    kinds = _link_kinds(args.links)
     trajs = make_trajectories(args.agents, args.turns, args.first, args.append, vocab, args.seed)
     work = Path(args.dir or tempfile.mkdtemp(prefix="dualpath-bench-cluster-"))
     rows = []
     with Progress(transient=True) as bar:
-        for mode in modes:
-            task = bar.add_task(mode, total=args.agents * args.turns)
-            store = work / mode / "kv"
-            shutil.rmtree(store, ignore_errors=True)
-            store.mkdir(parents=True)
-            config = _config(args, store, engine_config(args), mode)
-            with LocalCluster(model_dir, config, log_dir=work / mode / "logs") as cluster:
-                row = run_agents(cluster, trajs, args.gen, mode,
-                                 lambda t=task: bar.advance(t))
-                row["metrics"] = cluster.metrics()
-            rows.append(row)
-    jct = {r["mode"]: r["jct_s"] for r in rows}
-    summary: dict[str, Any] = {"jct_s": jct}
-    if "basic" in jct and "dualpath" in jct:
-        summary["dualpath_vs_basic_jct_ratio"] = jct["dualpath"] / jct["basic"]
+        for kind in kinds:
+            for mode in modes:
+                task = bar.add_task(f"{mode} ({kind})", total=args.agents * args.turns)
+                run = work / kind / mode
+                store = run / "kv"
+                shutil.rmtree(store, ignore_errors=True)
+                store.mkdir(parents=True)
+                config = _config(args, store, engine_config(args), mode)
+                with _cluster(kind, model_dir, config, run / "logs") as cluster:
+                    row = run_agents(cluster, trajs, args.gen, mode,
+                                     lambda t=task: bar.advance(t))
+                    row["metrics"] = cluster.metrics()
+                row["links"] = kind
+                rows.append(row)
+    summary = _summary(rows, kinds)
     result = {"benchmark": "cluster", "machine": machine_profile(),
               "workload": {"agents": args.agents, "turns": args.turns, "first": args.first,
                            "append": args.append, "gen": args.gen, "seed": args.seed},
               "caps_mb_s": {"read": args.read_cap_mb_s, "compute": args.compute_cap_mb_s},
-              "rows": rows, "summary": summary}
+              "links": {k: LINK_NOTES[k] for k in kinds}, "rows": rows, "summary": summary}
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         path = write_json(args.json, result)
-        bar_chart(path.with_suffix(".png"), "Local cluster: JCT per mode",
-                  [f"{args.agents} agents x {args.turns} turns"],
-                  {m: [t] for m, t in jct.items()}, "JCT (s)")
+        bar_chart(path.with_suffix(".png"), "Cluster: JCT per mode",
+                  [f"{args.agents} agents x {args.turns} turns, {k} links" for k in kinds],
+                  {m: [summary["jct_s_by_links"][k].get(m, 0.0) for k in kinds]
+                   for m in modes}, "JCT (s)")
     Console().print_json(data=summary)
     return result
+
+
+LINK_NOTES = {
+    "local": "engines on this host; the traffic manager's token buckets cap the NICs",
+    "caps": "each node a network namespace (veth links, unshaped); token buckets cap the NICs",
+    "shaped": "each node a network namespace; compute links shaped by tc tbf at the compute "
+              "cap (no software compute cap); storage NIC: token bucket (shared-folder store)",
+}
+
+
+def _summary(rows: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
+    """JCT per mode (of the first link kind, and per kind) and each kind's dualpath/basic."""
+    by_kind = {k: {r["mode"]: r["jct_s"] for r in rows if r["links"] == k} for k in kinds}
+    summary: dict[str, Any] = {"jct_s": by_kind[kinds[0]], "jct_s_by_links": by_kind}
+    for kind, jct in by_kind.items():
+        if "basic" in jct and "dualpath" in jct:
+            ratio = jct["dualpath"] / jct["basic"]
+            summary[f"dualpath_vs_basic_jct_ratio_{kind}"] = ratio
+            if kind == kinds[0]:
+                summary["dualpath_vs_basic_jct_ratio"] = ratio
+    return summary

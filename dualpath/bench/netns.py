@@ -1,15 +1,16 @@
-"""Several hosts on one machine: network namespaces joined by veth links on a bridge (root only).
+"""Several hosts on one machine: network namespaces joined by veth links on bridges (root only).
 
-Each host is a network namespace with one link, ``c0``, to a bridge in the root namespace (the
-compute network, ``10.77.<net>.0/24``; the root namespace itself is ``.254`` on it, so a
-router or a client here reaches every host). A link can be shaped with ``tc tbf`` in both
+Each host is a network namespace with one link per network to that network's bridge in the
+root namespace: ``c0`` on the compute network ``10.77.<net>.0/24`` and, when asked for, ``s0``
+on the storage network ``10.78.<net>.0/24`` (the root namespace itself is ``.254`` on each, so
+a router or a client here reaches every host). A link can be shaped with ``tc tbf`` in both
 directions (the namespace's egress is the NIC's send side, the bridge port's egress its
 receive side), cut (``ip link set ... down``) and restored. Processes run in a host with
 ``exec_argv`` (``ip netns exec``); they see the same files (a shared store folder works as
 it would on a shared mount) but only their own network.
 
 This is testbed configuration, off unless asked for: the multi-host tests and
-``bench cluster --shaped-links`` use it; nothing else does.
+``bench cluster --links shaped`` use it; nothing else does.
 """
 
 from __future__ import annotations
@@ -54,20 +55,26 @@ def _run(*argv: str) -> None:
         raise NetnsError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
 
 
-class NetnsHosts:
-    """``hosts`` namespaces on one bridge; a context manager that always tears them down.
+LINK_SUBNETS = {"c0": 77, "s0": 78}  # link name -> second octet of its network
 
-    ``tag`` (a few letters) keeps names apart from another set's; ``net`` picks the subnet
-    ``10.77.<net>.0/24``. Host ``i`` (in the order given) is ``10.77.<net>.<i + 1>``.
+
+class NetnsHosts:
+    """``hosts`` namespaces on one bridge per link; a context manager that always tears down.
+
+    ``tag`` (a few letters) keeps names apart from another set's; ``net`` picks the subnets
+    (``10.77.<net>.0/24`` for ``c0``); ``links`` names the networks every host joins. Host
+    ``i`` (in the order given) is ``.<i + 1>`` on each.
     """
 
-    def __init__(self, hosts: list[str], tag: str = "dp", net: int = 0) -> None:
+    def __init__(self, hosts: list[str], tag: str = "dp", net: int = 0,
+                 links: tuple[str, ...] = ("c0",)) -> None:
         if not hosts or len(hosts) > 200 or not tag.isalnum() or len(tag) > 4:
             raise ValueError("1..200 hosts and a tag of at most 4 letters or digits")
+        unknown = set(links) - LINK_SUBNETS.keys()
+        if not links or unknown:
+            raise ValueError(f"links must be among {sorted(LINK_SUBNETS)}, got {links}")
         self.hosts = list(hosts)
-        self.tag, self.net = tag, net
-        self.bridge = f"{tag}br{net}"
-        self.gateway = f"10.77.{net}.254"
+        self.tag, self.net, self.links = tag, net, tuple(links)
 
     def __enter__(self) -> NetnsHosts:
         self.up()
@@ -80,46 +87,56 @@ class NetnsHosts:
         """The namespace of ``host``."""
         return f"{self.tag}{self.net}-{host}"
 
-    def address(self, host: str) -> str:
-        """``host``'s address on the bridge."""
-        return f"10.77.{self.net}.{self.hosts.index(host) + 1}"
+    def address(self, host: str, link: str = "c0") -> str:
+        """``host``'s address on ``link``'s network."""
+        return f"10.{LINK_SUBNETS[link]}.{self.net}.{self.hosts.index(host) + 1}"
 
-    def port(self, host: str) -> str:
-        """The bridge-side end of ``host``'s link (in the root namespace)."""
-        return f"{self.tag}{self.net}v{self.hosts.index(host)}"
+    def gateway(self, link: str = "c0") -> str:
+        """The root namespace's address on ``link``'s network."""
+        return f"10.{LINK_SUBNETS[link]}.{self.net}.254"
+
+    def bridge(self, link: str) -> str:
+        """The bridge of ``link``'s network."""
+        return f"{self.tag}b{self.net}{link[0]}"
+
+    def port(self, host: str, link: str = "c0") -> str:
+        """The bridge-side end of ``host``'s ``link`` (in the root namespace)."""
+        return f"{self.tag}{self.net}{link[0]}{self.hosts.index(host)}"
 
     def exec_argv(self, host: str, argv: list[str]) -> list[str]:
         """``argv`` run inside ``host``'s namespace."""
         return ["ip", "netns", "exec", self.namespace(host), *argv]
 
     def up(self) -> None:
-        """Create the bridge, the namespaces and their links (leftovers of a crashed run with
+        """Create the bridges, the namespaces and their links (leftovers of a crashed run with
         the same tag and net are removed first)."""
         reason = netns_unavailable()
         if reason is not None:
             raise NetnsError(reason)
         self.down()
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-        _run("ip", "link", "set", self.bridge, "up")
+        for link in self.links:
+            _run("ip", "link", "add", self.bridge(link), "type", "bridge")
+            _run("ip", "addr", "add", f"{self.gateway(link)}/24", "dev", self.bridge(link))
+            _run("ip", "link", "set", self.bridge(link), "up")
         for host in self.hosts:
-            self._add_host(host)
+            ns = self.namespace(host)
+            _run("ip", "netns", "add", ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            for link in self.links:
+                self._add_link(host, link)
 
-    def _add_host(self, host: str) -> None:
-        ns, port = self.namespace(host), self.port(host)
-        _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", port, "type", "veth", "peer", "name", "c0", "netns", ns)
-        _run("ip", "link", "set", port, "master", self.bridge)
+    def _add_link(self, host: str, link: str) -> None:
+        ns, port = self.namespace(host), self.port(host, link)
+        _run("ip", "link", "add", port, "type", "veth", "peer", "name", link, "netns", ns)
+        _run("ip", "link", "set", port, "master", self.bridge(link))
         _run("ip", "link", "set", port, "up")
-        _run("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "c0")
-        _run("ip", "-n", ns, "link", "set", "c0", "up")
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
-        _run("ip", "-n", ns, "route", "add", "default", "via", self.gateway)
+        _run("ip", "-n", ns, "addr", "add", f"{self.address(host, link)}/24", "dev", link)
+        _run("ip", "-n", ns, "link", "set", link, "up")
 
-    def shape(self, host: str, shape: LinkShape) -> None:
-        """Cap ``host``'s link: send (its egress) and receive (the bridge port's egress)."""
-        for cap, prefix, dev in ((shape.send_mb_s, ["-n", self.namespace(host)], "c0"),
-                                 (shape.recv_mb_s, [], self.port(host))):
+    def shape(self, host: str, shape: LinkShape, link: str = "c0") -> None:
+        """Cap ``host``'s ``link``: send (its egress) and receive (the bridge port's egress)."""
+        for cap, prefix, dev in ((shape.send_mb_s, ["-n", self.namespace(host)], link),
+                                 (shape.recv_mb_s, [], self.port(host, link))):
             if cap is None:
                 with contextlib.suppress(NetnsError):
                     _run("tc", *prefix, "qdisc", "del", "dev", dev, "root")
@@ -131,18 +148,21 @@ class NetnsHosts:
                  "latency", f"{LATENCY_MS}ms")
 
     def cut(self, host: str) -> None:
-        """Take ``host``'s link down (as a pulled cable: its processes keep running)."""
-        _run("ip", "link", "set", self.port(host), "down")
+        """Take every link of ``host`` down (a pulled cable: its processes keep running)."""
+        for link in self.links:
+            _run("ip", "link", "set", self.port(host, link), "down")
 
     def restore(self, host: str) -> None:
-        """Bring ``host``'s link back up."""
-        _run("ip", "link", "set", self.port(host), "up")
+        """Bring every link of ``host`` back up."""
+        for link in self.links:
+            _run("ip", "link", "set", self.port(host, link), "up")
 
     def down(self) -> None:
-        """Remove every namespace, link and the bridge of this set (missing ones are fine)."""
+        """Remove every namespace, link and bridge of this set (missing ones are fine)."""
+        quiet = {"capture_output": True, "check": False}
         for host in self.hosts:
-            subprocess.run(["ip", "netns", "del", self.namespace(host)], capture_output=True,
-                           check=False)  # deleting a namespace deletes its veth pair
-            subprocess.run(["ip", "link", "del", self.port(host)], capture_output=True,
-                           check=False)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+            subprocess.run(["ip", "netns", "del", self.namespace(host)], **quiet)
+            for link in self.links:  # deleting a namespace deletes its veths; in case not:
+                subprocess.run(["ip", "link", "del", self.port(host, link)], **quiet)
+        for link in self.links:
+            subprocess.run(["ip", "link", "del", self.bridge(link)], **quiet)

@@ -148,12 +148,17 @@ class LocalCluster(ClusterBase):
     def _start_engines(self) -> None:
         assert self.router is not None
         for name, role, node_id in engine_roles(self.config):
-            cmd = engine_command(name, role, node_id, self.router.address, self.model_dir)
+            cmd = self._engine_argv(name, role, node_id)
             log = (self.log_dir / f"{name}.log").open("w")
             self._names[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                  env=engine_env())
         watcher = threading.Thread(target=self._watch, name="engine-watch", daemon=True)
         watcher.start()
+
+    def _engine_argv(self, name: str, role: str, node_id: int) -> list[str]:
+        """How one engine is started (a subclass may run it elsewhere, e.g. in a namespace)."""
+        assert self.router is not None
+        return engine_command(name, role, node_id, self.router.address, self.model_dir)
 
     def _watch(self) -> None:
         """Tell the router when an engine process exits on its own."""
