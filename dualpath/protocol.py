@@ -21,18 +21,6 @@ class ProtocolError(DualPathError):
 
 _TYPES: dict[str, type[Message]] = {}
 HEARTBEAT_SUFFIX = "/hb"  # an engine's heartbeat socket is its name plus this
-ZMQ_HEARTBEAT_MS = 1000  # ZeroMQ pings an idle connection this often ...
-ZMQ_HEARTBEAT_TIMEOUT_MS = 3000  # ... and drops it when no traffic came for this long
-ZMQ_RECONNECT_MAX_MS = 2000  # a dropped engine socket retries at least this often
-
-
-def keep_alive(socket: Any) -> None:
-    """ZeroMQ heartbeats on a control socket (a ``zmq.Socket``): a connection over a cut link
-    is dropped within ``ZMQ_HEARTBEAT_TIMEOUT_MS`` instead of waiting out TCP's backoff."""
-    import zmq
-
-    socket.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_MS)
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from dualpath.config import ClusterConfig, EngineConfig, engine_config_for
+from dualpath.control_socket import engine_socket
 from dualpath.engine.decode import DecodeWorker
 from dualpath.engine.ep_traffic import EpPeer, EpTraffic, ep_metrics_off
 from dualpath.engine.join import Advertised
@@ -39,7 +40,6 @@ from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import (
     HEARTBEAT_SUFFIX,
-    ZMQ_RECONNECT_MAX_MS,
     Abort,
     AllocBuffer,
     Decode,
@@ -55,7 +55,6 @@ from dualpath.protocol import (
     Shutdown,
     decode,
     encode,
-    keep_alive,
 )
 from dualpath.scheduler.batch import AttentionCostModel
 from dualpath.storage import open_store
@@ -111,14 +110,14 @@ class EngineProcess:
             self.worker.on_step = self.ep.exchange  # each step waits for its all-to-all
         self._peer_endpoints: set[str] = set()  # other engines' transfer endpoints, as known
         self.config = config
-        self.socket = _dealer(identity.name, router_address)
+        self.socket = engine_socket(identity.name, router_address)
         self._running = True
         self._router_gone = False
         self._loop_at_s = time.monotonic()  # when the work loop last read its inbox
         self._held: tuple[int, ...] = ()  # req ids held, as the loop last saw them
         self._rejoin = threading.Event()  # the router forgot us: drop everything, say hello
         self._heart = threading.Thread(target=self._heartbeat,
-                                       args=(_dealer(identity.name + HEARTBEAT_SUFFIX,
+                                       args=(engine_socket(identity.name + HEARTBEAT_SUFFIX,
                                                      router_address),),
                                        name="heartbeat", daemon=True)
 
@@ -282,22 +281,6 @@ class EngineProcess:
         self.storage.close()
         self.traffic.close()
         self.socket.close(0)
-
-
-def _dealer(identity: str, router_address: str) -> zmq.Socket:
-    """A socket to the router that survives a cut link: ZeroMQ's own heartbeats drop a dead
-    connection within seconds and reconnect attempts time out quickly, so once the link is back
-    the engine is heard again within about ``ZMQ_RECONNECT_MAX_MS`` (not after TCP's
-    retransmission backoff, which grows to minutes)."""
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.IDENTITY, identity.encode())
-    socket.setsockopt(zmq.LINGER, 0)
-    keep_alive(socket)
-    socket.setsockopt(zmq.CONNECT_TIMEOUT, ZMQ_RECONNECT_MAX_MS)
-    socket.setsockopt(zmq.RECONNECT_IVL, 100)
-    socket.setsockopt(zmq.RECONNECT_IVL_MAX, ZMQ_RECONNECT_MAX_MS)
-    socket.connect(router_address)
-    return socket
 
 
 def _ep_traffic(traffic: TrafficManager, config: ClusterConfig, engine: EngineConfig,

@@ -28,6 +28,7 @@ from typing import TypeVar
 import zmq
 
 from dualpath.config import ClusterConfig, cluster_config_to_json, engine_config_for
+from dualpath.control_socket import router_socket
 from dualpath.errors import DualPathError, RequestError
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
@@ -45,7 +46,6 @@ from dualpath.protocol import (
     Shutdown,
     decode,
     encode,
-    keep_alive,
 )
 from dualpath.request import SamplingParams
 from dualpath.scheduler.global_scheduler import GlobalScheduler, SchedulerParams
@@ -114,12 +114,7 @@ class Router:
         self._hello = threading.Condition()
         self.model_id = self.key_space.model_id
         self.cluster_id = secrets.token_hex(6)
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        # an engine that reconnects (its link was cut, then restored) takes over its identity
-        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        keep_alive(self.socket)
-        self.address = _bind(self.socket, config.router_host, config.router_port)
+        self.socket, self.address = _bind(config.router_host, config.router_port)
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="router", daemon=True)
         self._thread.start()
@@ -367,18 +362,14 @@ class Router:
             return 0
 
 
-def _bind(socket: zmq.Socket, host: str, port: int) -> str:
-    """Bind the engine endpoint; return the address a local engine connects to."""
+def _bind(host: str, port: int) -> tuple[zmq.Socket, str]:
+    """The engine endpoint, bound; and the address a local engine connects to."""
     try:
-        if port:
-            socket.bind(f"tcp://{host}:{port}")
-        else:
-            port = socket.bind_to_random_port(f"tcp://{host}")
+        socket, port = router_socket(host, port)
     except zmq.ZMQError as exc:
-        socket.close(0)
         raise DualPathError(f"the router cannot bind tcp://{host}:{port or '*'}: {exc}") from exc
     local = "127.0.0.1" if host in ("0.0.0.0", "*") else host
-    return f"tcp://{local}:{port}"
+    return socket, f"tcp://{local}:{port}"
 
 
 def _kv_tokens(config: ClusterConfig, layout: KVLayout, role: str) -> int:
