@@ -33,7 +33,7 @@ class EngineConfig:
 class StorageConfig:
     """Where full KV blocks persist and how this node's storage NIC is emulated."""
 
-    backend: str = "fs"  # fs | memory
+    backend: str = "fs"  # fs | memory | mooncake_store
     root: str = ".cache/kv-store"  # a local disk or a shared POSIX mount
     capacity_gb: float | None = None  # LRU-evict whole suffixes beyond this
     fsync: bool = False  # fsync each block (and its directory) before it counts as written
@@ -45,6 +45,16 @@ class StorageConfig:
     # by then are misses, recomputed (DESIGN §9: a slow or hung store never stalls a request).
     # None = wait as long as the store takes.
     read_deadline_s: float | None = 5.0
+    # mooncake_store backend: blocks live in the memory segments of Mooncake Store clients
+    # (segment holders: `python -m dualpath.storage.mooncake_store serve`), mapped by a master.
+    mooncake_master: str = "127.0.0.1:50051"  # the master's RPC address, host:port
+    mooncake_metadata_server: str = "P2PHANDSHAKE"  # or an HTTP metadata server's URL
+    mooncake_local_host: str = "127.0.0.1"  # the address this client registers with peers
+    mooncake_protocol: str = "tcp"  # tcp | rdma
+    mooncake_device_name: str = ""  # RDMA devices (rdma only)
+    mooncake_segment_mb: int = 0  # memory this client adds to the store (0: none, the default)
+    mooncake_local_buffer_mb: int = 0  # Mooncake's registered staging buffer (TCP needs none)
+    mooncake_key_prefix: str = "dualpath"  # namespace of this deployment's objects
 
     def __post_init__(self) -> None:
         if self.read_deadline_s is not None and not self.read_deadline_s > 0:

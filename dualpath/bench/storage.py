@@ -1,20 +1,26 @@
-"""``dualpath bench storage``: full-block reads and writes of the ``fs`` store.
+"""``dualpath bench storage``: full-block reads and writes of the stores, side by side.
 
-Blocks have the default model's full-block size (64 tokens × 30 layers ≈ 1.5 MB). Our
-``get_into`` (O_DIRECT, parallel workers, header and checksum verified) is compared with a raw
-sequential O_DIRECT read of the same files with no parsing, interleaved chunk by chunk (who goes
-first alternates) because a virtual disk's speed drifts by 2× within seconds. Writes are timed
-up to ``os.sync()``, so they are durable.
+Blocks have the default model's full-block size (64 tokens × 30 layers ≈ 1.5 MB). The same
+blocks are written to every backend of ``--backends`` (``fs``, ``mooncake_store``) and read
+back in rounds. Our ``fs`` ``get_into`` (O_DIRECT, parallel workers, header and checksum
+verified) is also compared with a raw sequential O_DIRECT read of the same files with no
+parsing. Reads are interleaved chunk by chunk, the order rotating, because a virtual disk's
+speed drifts by 2× within seconds. ``fs`` writes are timed up to ``os.sync()``, so they are
+durable; ``mooncake_store`` writes end in the memory of a segment holder that the bench starts
+(with its master) and stops, reached over Mooncake TCP on loopback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -26,8 +32,24 @@ from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
 from dualpath.model.spec import load_spec
+from dualpath.storage.base import StorageBackend
 from dualpath.storage.block_file import HEADER_BYTES
 from dualpath.storage.fs import O_DIRECT, FsStore
+
+BACKENDS = ("fs", "mooncake_store")
+RAW = "raw"  # the raw O_DIRECT reader of the fs files
+MOONCAKE_FILL = 0.8  # the master evicts at 90% of the segments: keep the blocks below that
+Reader = Callable[[slice], float]  # reads one chunk of the blocks; returns seconds
+
+
+def parse_backends(text: str) -> list[str]:
+    """The comma-separated backends of ``--backends``, checked against ``BACKENDS``."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(BACKENDS))
+    if unknown or not names:
+        raise ValueError(f"--backends: unknown {unknown or 'none given'} "
+                         f"(of {', '.join(BACKENDS)})")
+    return list(dict.fromkeys(names))
 
 
 def _raw_read(paths: list[Path], file_bytes: int) -> float:
@@ -44,7 +66,7 @@ def _raw_read(paths: list[Path], file_bytes: int) -> float:
     return time.perf_counter() - start
 
 
-def _our_read(store: FsStore, keys, buffers) -> float:
+def _store_read(store: StorageBackend, keys: list, buffers: list) -> float:
     start = time.perf_counter()
     ok = store.get_into(keys, buffers)
     elapsed = time.perf_counter() - start
@@ -53,81 +75,148 @@ def _our_read(store: FsStore, keys, buffers) -> float:
     return elapsed
 
 
-def _interleaved_reads(store, keys, buffers, paths, layout, args) -> tuple[float, float]:
-    """Total seconds of our reads and of raw reads over ``rounds`` passes, chunk by chunk."""
-    ours = raw = 0.0
-    file_bytes = HEADER_BYTES + layout.full_block_bytes
-    chunks = [slice(c, c + args.chunk_blocks) for c in range(0, len(keys), args.chunk_blocks)]
+def _write(name: str, store: StorageBackend, keys: list, buffers: list) -> float:
+    """Seconds to store every block (fs: up to ``os.sync()``, so durably)."""
+    start = time.perf_counter()
+    if not all(store.put_from(keys, buffers)):
+        raise RuntimeError(f"{name}: writes failed")
+    if name == "fs":
+        os.sync()
+    return time.perf_counter() - start
+
+
+def _interleaved_reads(readers: dict[str, Reader], num_blocks: int,
+                       args: argparse.Namespace) -> dict[str, float]:
+    """Total read seconds per reader over ``rounds`` passes, chunk by chunk, each chunk read
+    by every reader in an order that rotates from chunk to chunk."""
+    seconds = dict.fromkeys(readers, 0.0)
+    names = list(readers)
+    chunks = [slice(c, c + args.chunk_blocks) for c in range(0, num_blocks, args.chunk_blocks)]
     steps = [(r, i, c) for r in range(args.rounds) for i, c in enumerate(chunks)]
     for r, i, chunk in track(steps, description="read rounds"):
-        ours_first = (r + i) % 2 == 0
-        if not ours_first:
-            raw += _raw_read(paths[chunk], file_bytes)
-        ours += _our_read(store, keys[chunk], buffers[chunk])
-        if ours_first:
-            raw += _raw_read(paths[chunk], file_bytes)
-    return ours, raw
+        shift = (r + i) % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds[name] += readers[name](chunk)
+    return seconds
+
+
+def _open_stores(stack: contextlib.ExitStack, backends: list[str], layout: KVLayout,
+                 root: Path, args: argparse.Namespace) -> dict[str, StorageBackend]:
+    """Each backend's store; ``mooncake_store`` with a master and segment holder of its own."""
+    stores: dict[str, StorageBackend] = {}
+    for name in backends:
+        if name == "fs":
+            stores[name] = stack.enter_context(
+                FsStore(root, layout, o_direct=True, workers=args.workers))
+            continue
+        from dualpath.storage.mooncake_store import MooncakeStore, local_mooncake
+
+        object_bytes = args.blocks * (HEADER_BYTES + layout.full_block_bytes)
+        segment_mb = -(-object_bytes // int(MOONCAKE_FILL * (1 << 20))) + 16
+        master = stack.enter_context(local_mooncake(segment_mb, log_dir=root / "mooncake-logs"))
+        stores[name] = stack.enter_context(MooncakeStore(layout, master=master,
+                                                         key_prefix="bench"))
+    return stores
+
+
+def _readers(stores: dict[str, StorageBackend], keys: list, buffers: list,
+             layout: KVLayout) -> dict[str, Reader]:
+    readers: dict[str, Reader] = {
+        name: (lambda chunk, store=store: _store_read(store, keys[chunk], buffers[chunk]))
+        for name, store in stores.items()}
+    fs = stores.get("fs")
+    if isinstance(fs, FsStore):
+        paths = [fs.path_for(k) for k in keys]
+        file_bytes = HEADER_BYTES + layout.full_block_bytes
+        readers[RAW] = lambda chunk: _raw_read(paths[chunk], file_bytes)
+    return readers
 
 
 def run_storage_bench(args: argparse.Namespace) -> dict:
-    """Write blocks, then time alternating read rounds; print, write JSON and PNG."""
+    """Write the blocks to each backend, then time interleaved read rounds; print, write JSON
+    and PNG."""
     from dualpath.model.default_model import cache_dir, resolve_model
 
+    backends = parse_backends(getattr(args, "backends", "fs"))
     spec = load_spec(resolve_model(args.model))
     layout = KVLayout.from_spec(spec, "bfloat16", 64)
     root = Path(args.dir) if args.dir else cache_dir() / "bench-storage"
     shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
     keys = KeySpace("bench", layout.layout_id, layout.block_size).keys(
         list(range(args.blocks * layout.block_size)))
     pool = HostPool(layout.full_block_bytes, args.blocks, pin=False)
     pool.slab.copy_(torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8))
     buffers = [pool.buffer(s) for s in pool.alloc(args.blocks)]
-    total_bytes = args.blocks * layout.full_block_bytes
-    with FsStore(root, layout, o_direct=True, workers=args.workers) as store:
-        start = time.perf_counter()
-        if not all(store.put_from(keys, buffers)):
-            raise RuntimeError("writes failed")
-        os.sync()
-        write_s = time.perf_counter() - start
-        paths = [store.path_for(k) for k in keys]
-        ours, raw = _interleaved_reads(store, keys, buffers, paths, layout, args)
+    with contextlib.ExitStack() as stack:
+        stores = _open_stores(stack, backends, layout, root, args)
+        write_s = {name: _write(name, store, keys, buffers) for name, store in stores.items()}
+        read_s = _interleaved_reads(_readers(stores, keys, buffers, layout), len(keys), args)
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
-    result = _result(args, layout, root, total_bytes, write_s, ours, raw)
+    total_bytes = args.blocks * layout.full_block_bytes
+    result = _result(args, backends, layout, root, total_bytes, write_s, read_s)
     _report(result, Path(args.json))
     return result
 
 
-def _result(args, layout, root, total_bytes, write_s, ours, raw) -> dict:
-    read_gb_s = args.rounds * total_bytes / ours / 1e9
-    raw_gb_s = args.rounds * total_bytes / raw / 1e9
+def _result(args: argparse.Namespace, backends: list[str], layout: KVLayout, root: Path,
+            total_bytes: int, write_s: dict[str, float], read_s: dict[str, float]) -> dict:
+    read_bytes = args.rounds * total_bytes
+    summary: dict[str, float] = {}
+    for name in backends:
+        summary[f"read_gb_s_{name}"] = read_bytes / read_s[name] / 1e9
+        summary[f"write_gb_s_{name}"] = total_bytes / write_s[name] / 1e9
+    if "fs" in backends:  # the fs figures under their original names, and raw O_DIRECT
+        summary["read_gb_s"] = summary["read_gb_s_fs"]
+        summary["write_gb_s"] = summary["write_gb_s_fs"]
+        summary["raw_read_gb_s"] = read_bytes / read_s[RAW] / 1e9
+        summary["read_ratio_vs_raw"] = summary["read_gb_s"] / summary["raw_read_gb_s"]
+    if {"fs", "mooncake_store"} <= set(backends):
+        summary["read_ratio_mooncake_store_vs_fs"] = (summary["read_gb_s_mooncake_store"]
+                                                      / summary["read_gb_s_fs"])
     return {
         "benchmark": "storage",
-        "setup": {"blocks": args.blocks, "block_bytes": layout.full_block_bytes,
-                  "layout": layout.layout_id, "workers": args.workers, "rounds": args.rounds,
-                  "chunk_blocks": args.chunk_blocks,
-                  "root": str(root), "o_direct": bool(O_DIRECT)},
+        "setup": {"backends": backends, "blocks": args.blocks,
+                  "block_bytes": layout.full_block_bytes, "layout": layout.layout_id,
+                  "workers": args.workers, "rounds": args.rounds,
+                  "chunk_blocks": args.chunk_blocks, "root": str(root),
+                  "o_direct": bool(O_DIRECT),
+                  "mooncake_store": "master + 1 segment holder on this host, TCP loopback"},
         "machine": machine_profile(),
-        "measured": {"read_s": ours, "raw_read_s": raw, "write_s": write_s},
-        "summary": {"read_gb_s": read_gb_s, "raw_read_gb_s": raw_gb_s,
-                    "read_ratio_vs_raw": read_gb_s / raw_gb_s,
-                    "write_gb_s": total_bytes / write_s / 1e9},
+        "measured": {"read_s": read_s, "write_s": write_s},
+        "summary": summary,
     }
 
 
 def _report(result: dict, out: Path) -> None:
-    s = result["summary"]
+    s, backends = result["summary"], result["setup"]["backends"]
     table = Table(title=f"storage benchmark ({result['setup']['blocks']} full blocks of "
                         f"{result['setup']['block_bytes'] / 1e6:.2f} MB)")
     for col in ("metric", "GB/s"):
         table.add_column(col)
-    table.add_row("read, dualpath fs (O_DIRECT, verified)", f"{s['read_gb_s']:.2f}")
-    table.add_row("read, raw sequential O_DIRECT", f"{s['raw_read_gb_s']:.2f}")
-    table.add_row("read ratio (ours / raw)", f"{s['read_ratio_vs_raw']:.2f}")
-    table.add_row("write, durable (to os.sync)", f"{s['write_gb_s']:.2f}")
+    for label, value in _rows(s, backends):
+        table.add_row(label, f"{value:.2f}")
     Console().print(table)
     write_json(out, result)
-    bar_chart(out.with_suffix(".png"), "fs store throughput (full blocks)",
-              ["read", "write"],
-              {"dualpath fs": [s["read_gb_s"] * 1000, s["write_gb_s"] * 1000],
-               "raw O_DIRECT": [s["raw_read_gb_s"] * 1000, 0.0]}, "MB/s")
+    series = {name: [s[f"read_gb_s_{name}"] * 1000, s[f"write_gb_s_{name}"] * 1000]
+              for name in backends}
+    if "fs" in backends:
+        series["raw O_DIRECT"] = [s["raw_read_gb_s"] * 1000, 0.0]
+    bar_chart(out.with_suffix(".png"), "store throughput (full blocks)", ["read", "write"],
+              series, "MB/s")
+
+
+def _rows(s: dict[str, Any], backends: list[str]) -> list[tuple[str, float]]:
+    """The table's rows: reads side by side, then ratios, then writes."""
+    what = {"fs": "dualpath fs (O_DIRECT, verified)",
+            "mooncake_store": "dualpath mooncake_store (TCP, verified)"}
+    rows = [(f"read, {what[name]}", s[f"read_gb_s_{name}"]) for name in backends]
+    if "fs" in backends:
+        rows += [("read, raw sequential O_DIRECT", s["raw_read_gb_s"]),
+                 ("read ratio (fs / raw)", s["read_ratio_vs_raw"])]
+    if "read_ratio_mooncake_store_vs_fs" in s:
+        rows.append(("read ratio (mooncake_store / fs)", s["read_ratio_mooncake_store_vs_fs"]))
+    durable = {"fs": "durable (to os.sync)", "mooncake_store": "in the holder's memory"}
+    rows += [(f"write, {name}, {durable[name]}", s[f"write_gb_s_{name}"]) for name in backends]
+    return rows

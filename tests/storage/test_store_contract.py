@@ -1,6 +1,8 @@
 """The storage backend contract, checked on every backend through ``open_store``."""
 
+import hashlib
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from dualpath.storage.block_file import HEADER_BYTES
 
 SMALL = KVLayout(4, 2, 8, "float16", 16)  # 4096-byte full blocks
 SMOL = KVLayout(30, 3, 64, "bfloat16", 64)  # SmolLM2-135M: 1,474,560-byte full blocks
-BACKENDS = ["fs", "memory"]
+BACKENDS = ["fs", "memory", "mooncake_store"]
 
 
 def _keys(layout: KVLayout, count: int, model: str = "m", salt: int = 0):
@@ -32,17 +34,27 @@ def _empty(layout: KVLayout, count: int) -> list[bytearray]:
     return [bytearray(layout.full_block_bytes) for _ in range(count)]
 
 
-def _open(backend: str, root, layout: KVLayout = SMALL, **kwargs):
-    return open_store(StorageConfig(backend=backend, root=str(root), **kwargs), layout)
+def _open(backend: StorageConfig | str, root, layout: KVLayout = SMALL, **kwargs):
+    """A store of the backend's template config at ``root`` (for mooncake_store: objects
+    under a key prefix of its own, derived from ``root``)."""
+    base = StorageConfig(backend=backend) if isinstance(backend, str) else backend
+    prefix = "t" + hashlib.blake2b(str(root).encode(), digest_size=8).hexdigest()
+    return open_store(replace(base, root=str(root), mooncake_key_prefix=prefix, **kwargs), layout)
 
 
 def _capacity_gb(blocks: int, block_cost: int) -> float:
     return (blocks * block_cost + 0.5) / 1e9  # open_store truncates GB * 1e9 to bytes
 
 
-def _block_cost(backend: str, layout: KVLayout) -> int:
+def _block_cost(backend: StorageConfig, layout: KVLayout) -> int:
     """Bytes one block counts against capacity (fs files carry a 4 KiB header)."""
-    return layout.full_block_bytes + (HEADER_BYTES if backend == "fs" else 0)
+    return layout.full_block_bytes + (HEADER_BYTES if backend.backend == "fs" else 0)
+
+
+def _needs_capacity(backend: StorageConfig) -> None:
+    if backend.backend == "mooncake_store":
+        pytest.skip("mooncake_store refuses capacity_gb: its capacity is the segment holders' "
+                    "memory, evicted by the master (test_mooncake_store.py checks the refusal)")
 
 
 def _stored(store, keys) -> list[bool]:
@@ -50,8 +62,12 @@ def _stored(store, keys) -> list[bool]:
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request) -> str:
-    return request.param
+def backend(request) -> StorageConfig:
+    """The backend under test as a config template (mooncake_store: the session's master)."""
+    if request.param == "mooncake_store":
+        master = request.getfixturevalue("mooncake_store_master")
+        return StorageConfig(backend="mooncake_store", mooncake_master=master)
+    return StorageConfig(backend=request.param)
 
 
 @pytest.fixture
@@ -244,6 +260,7 @@ def test_no_capacity_never_evicts(store):
 
 
 def test_a_chain_longer_than_capacity_evicts(backend, tmp_path):
+    _needs_capacity(backend)
     gb = _capacity_gb(4, _block_cost(backend, SMALL))
     keys = _keys(SMALL, 6)
     with _open(backend, tmp_path / "store", capacity_gb=gb) as store:
@@ -256,6 +273,7 @@ def test_a_chain_longer_than_capacity_evicts(backend, tmp_path):
 
 
 def test_a_chain_longer_than_capacity_stays_prefix_closed(backend, tmp_path):
+    _needs_capacity(backend)
     gb = _capacity_gb(4, _block_cost(backend, SMALL))
     keys, data = _keys(SMALL, 6), _payloads(SMALL, 6)
     with _open(backend, tmp_path / "store", capacity_gb=gb, workers=1) as store:
@@ -267,6 +285,7 @@ def test_a_chain_longer_than_capacity_stays_prefix_closed(backend, tmp_path):
 
 
 def test_eviction_removes_least_recently_used_suffixes_first(backend, tmp_path):
+    _needs_capacity(backend)
     gb = _capacity_gb(8, _block_cost(backend, SMALL))
     chain_a, chain_b = _keys(SMALL, 6, salt=1), _keys(SMALL, 6, salt=2)
     data_a = _payloads(SMALL, 6)
@@ -287,6 +306,7 @@ def test_eviction_removes_least_recently_used_suffixes_first(backend, tmp_path):
 
 
 def test_eviction_across_many_chains_stays_prefix_closed(backend, tmp_path):
+    _needs_capacity(backend)
     gb = _capacity_gb(5, _block_cost(backend, SMALL))
     chains = [_keys(SMALL, 4, salt=3)] + [_keys(SMALL, 2, salt=salt) for salt in (4, 5, 6)]
     with _open(backend, tmp_path / "store", capacity_gb=gb) as store:
