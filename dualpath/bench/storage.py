@@ -109,7 +109,8 @@ def _open_stores(stack: contextlib.ExitStack, backends: list[str], layout: KVLay
             stores[name] = stack.enter_context(
                 FsStore(root, layout, o_direct=True, workers=args.workers))
             continue
-        from dualpath.storage.mooncake_store import MooncakeStore, local_mooncake
+        from dualpath.storage.mooncake_service import local_mooncake
+        from dualpath.storage.mooncake_store import MooncakeStore
 
         object_bytes = args.blocks * (HEADER_BYTES + layout.full_block_bytes)
         segment_mb = -(-object_bytes // int(MOONCAKE_FILL * (1 << 20))) + 16

@@ -42,7 +42,8 @@ def _runs(cluster: LocalCluster, convs, params, wipe_store) -> dict[str, tuple]:
 
 def test_mooncake_store_cluster_hits_from_turn_2_with_fs_tokens(tiny_chaotic_dir, tmp_path):
     pytest.importorskip("mooncake.store", reason="the mooncake package is not installed")
-    from dualpath.storage.mooncake_store import connect, local_mooncake
+    from dualpath.storage.mooncake_service import local_mooncake
+    from dualpath.storage.mooncake_store import connect
 
     engine_cfg = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=512)
     convs = make_conversations(300, first_lengths=[45, 70, 101], append_lengths=[19, 27],

@@ -16,7 +16,7 @@ def mooncake_store_master(tmp_path_factory) -> Iterator[str]:
     """``host:port`` of a mooncake_master with one segment holder, both stopped at the end;
     skips when the ``mooncake`` package or its ``mooncake_master`` binary is missing."""
     pytest.importorskip("mooncake.store", reason="the mooncake package is not installed")
-    from dualpath.storage.mooncake_store import local_mooncake, master_binary
+    from dualpath.storage.mooncake_service import local_mooncake, master_binary
 
     try:
         master_binary()

@@ -83,7 +83,8 @@ def test_mooncake_store_refuses_capacity_gb():
 
 
 def test_mooncake_store_module_imports_without_mooncake():
-    code = ("import sys, dualpath.storage, dualpath.storage.mooncake_store; "
+    code = ("import sys, dualpath.storage, dualpath.storage.mooncake_store, "
+            "dualpath.storage.mooncake_service; "
             "assert not [m for m in sys.modules if m.startswith('mooncake')], sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -193,7 +194,7 @@ def test_mooncake_store_absent_block_is_a_miss_not_damage(store):
 
 
 def test_mooncake_store_unreachable_master_is_a_clear_error():
-    from dualpath.storage.mooncake_store import free_port
+    from dualpath.storage.mooncake_service import free_port
 
     start = time.monotonic()
     master = f"127.0.0.1:{free_port()}"
@@ -211,7 +212,12 @@ def _timed(call):
 @pytest.fixture
 def private_service(tmp_path):
     """A master and a segment holder of this test's own, to kill; always stopped afterwards."""
-    from dualpath.storage.mooncake_store import free_port, start_master, start_segment_holder, stop
+    from dualpath.storage.mooncake_service import (
+        free_port,
+        start_master,
+        start_segment_holder,
+        stop,
+    )
 
     port = free_port()
     master = start_master(port, log_path=tmp_path / "master.log")
@@ -284,23 +290,23 @@ def test_mooncake_store_segment_holder_stops_cleanly_on_sigterm(private_service)
 
 
 def test_mooncake_store_segment_holder_fails_without_a_master(tmp_path):
-    from dualpath.storage.mooncake_store import free_port, start_segment_holder
+    from dualpath.storage.mooncake_service import free_port, start_segment_holder
 
     with pytest.raises(StorageError, match=r"segment holder .* did not start.*unreachable"):
         start_segment_holder(f"127.0.0.1:{free_port()}", 16, log_path=tmp_path / "holder.log")
 
 
 def test_mooncake_store_start_master_needs_the_binary(monkeypatch):
-    from dualpath.storage import mooncake_store
+    from dualpath.storage import mooncake_service
 
-    monkeypatch.setattr(mooncake_store.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(mooncake_store.shutil, "which", lambda name: None)
+    monkeypatch.setattr(mooncake_service.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(mooncake_service.shutil, "which", lambda name: None)
     with pytest.raises(StorageError, match="no mooncake_master executable"):
-        mooncake_store.start_master(mooncake_store.free_port())
+        mooncake_service.start_master(mooncake_service.free_port())
 
 
 def test_mooncake_store_start_master_refuses_a_taken_port(mooncake_store_master):
-    from dualpath.storage.mooncake_store import start_master
+    from dualpath.storage.mooncake_service import start_master
 
     port = int(mooncake_store_master.rsplit(":", 1)[1])
     with pytest.raises(StorageError, match="already listens"):
