@@ -129,6 +129,7 @@ def _cmd_engine(args: argparse.Namespace) -> int:
         check_model,
         join_router,
         local_address_towards,
+        localized,
         router_host,
     )
     from dualpath.engine.loop import EngineIdentity, EngineProcess
@@ -143,6 +144,7 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     check_model(joined, model_id(model_dir), str(model_dir))
     config = override_cluster_config(joined.config, args.set)
     advertised = Advertised(host, config.transfer_protocol, args.rdma_devices)
+    config = localized(config, advertised)
     identity = EngineIdentity(name, args.role, args.node_id)
     return EngineProcess(identity, model_dir, config, args.router, advertised,
                          joined.cluster_id).serve()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 import zmq
@@ -28,6 +28,7 @@ from dualpath.protocol import Join, JoinConfig, ProtocolError, decode, encode
 
 JOIN_RETRY_S = 1.0  # resend Join this often while the router is not (yet) answering
 JOIN_SUFFIX = "/join"  # the identity of the joining socket: the engine's name plus this
+LOOPBACK = "127.0.0.1"
 
 
 class EngineJoinError(DualPathError):
@@ -107,6 +108,15 @@ def _ask(sock: zmq.Socket, join: Join, timeout_s: float) -> JoinConfig | None:
             if isinstance(answer, JoinConfig):
                 return answer
     return None
+
+
+def localized(config: ClusterConfig, advertised: Advertised) -> ClusterConfig:
+    """``config`` as this host runs it: a Mooncake Store client registers with the engine's
+    advertised address unless the config (or an override) names another."""
+    storage = config.storage
+    if storage.backend != "mooncake_store" or storage.mooncake_local_host != LOOPBACK:
+        return config
+    return replace(config, storage=replace(storage, mooncake_local_host=advertised.host))
 
 
 def check_model(joined: Joined, local_model_id: str, model_dir: str) -> None:

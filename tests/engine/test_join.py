@@ -81,3 +81,15 @@ def test_host_local_overrides_apply_on_the_routers_config():
 
 def test_local_address_towards_loopback_is_loopback():
     assert local_address_towards("127.0.0.1") == "127.0.0.1"
+
+
+def test_a_mooncake_store_client_registers_with_the_engines_address():
+    from dualpath.config import StorageConfig
+    from dualpath.engine.join import Advertised, localized
+
+    here = Advertised("10.77.3.2")
+    store = ClusterConfig(storage=StorageConfig(backend="mooncake_store"))
+    assert localized(store, here).storage.mooncake_local_host == "10.77.3.2"
+    named = override_cluster_config(store, ["storage.mooncake_local_host=10.78.3.2"])
+    assert localized(named, here).storage.mooncake_local_host == "10.78.3.2"
+    assert localized(ClusterConfig(), here) == ClusterConfig()  # fs: nothing to do
