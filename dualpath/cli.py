@@ -397,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     clu.add_argument("--profile", default=None, help="dualpath profile JSON (α, β, cost model)")
     clu.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     clu.add_argument("--keep", action="store_true", help="keep the store and logs")
+    clu.add_argument("--storage-backend", default="fs", choices=("fs", "mooncake_store"),
+                     help="the store: a folder (fs) or Mooncake Store (a master and segment "
+                          "holder are started for the run; on their own host with --links)")
     clu.add_argument("--links", default="local",
                      help="comma-separated, each a full run: local (engines here, token-bucket "
                           "caps), caps (a network namespace per node, token-bucket caps), "

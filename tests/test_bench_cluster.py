@@ -62,3 +62,21 @@ def test_bench_cluster_rejects_unknown_link_kinds(tiny_llama_dir, tmp_path, caps
     args = ["bench", "cluster", "--model", str(tiny_llama_dir), "--links", "caps,fibre"]
     assert main(args) == 2
     assert "--links takes local, caps, shaped" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
+def test_bench_cluster_netns_shaped_storage_links_to_a_mooncake_store_host(tiny_llama_dir,
+                                                                         tmp_path):
+    out = tmp_path / "store.json"
+    args = ["bench", "cluster", "--json", str(out), "--model", str(tiny_llama_dir),
+            "--dtype", "float32", "--block-size", "16", "--agents", "2", "--turns", "2",
+            "--first", "40", "--append", "20", "--gen", "4", "--read-cap-mb-s", "5",
+            "--compute-cap-mb-s", "40", "--links", "shaped", "--modes", "dualpath",
+            "--storage-backend", "mooncake_store"]
+    assert main(args) == 0
+    data = json.loads(out.read_text())
+    assert "storage links to the store host shaped" in data["links"]["shaped"]
+    (row,) = data["rows"]
+    assert row["hit_tokens"] > 0  # the blocks went to the store host and came back
+    for metrics in row["metrics"].values():
+        assert metrics["storage_snic_read_utilization"] is None  # the link caps it

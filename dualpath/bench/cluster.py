@@ -16,11 +16,13 @@ testbed`` predicts from a ``dualpath profile`` of the same engine and caps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +194,7 @@ def run_agents(cluster: LocalCluster, trajectories: list[tuple[list[int], list[l
     return row
 
 
+STORE_SEGMENT_MB = 2048  # a local mooncake_store's memory for the run
 COMPUTE_PER_STORAGE = 8  # compute-NIC cap per engine / storage-NIC cap per node (DESIGN §6)
 
 
@@ -215,7 +218,9 @@ def _config(args: argparse.Namespace, store: Path, engine: EngineConfig,
             mode: str) -> ClusterConfig:
     return ClusterConfig(
         engine=engine, mode=mode,
-        storage=StorageConfig(root=str(store), read_cap_mb_s=args.read_cap_mb_s),
+        storage=StorageConfig(backend=args.storage_backend, root=str(store),
+                              read_cap_mb_s=args.read_cap_mb_s,
+                              mooncake_key_prefix=f"bench-{mode}"),
         traffic=TrafficConfig(compute_send_cap_mb_s=args.compute_cap_mb_s,
                               compute_recv_cap_mb_s=args.compute_cap_mb_s),
         num_prefill=args.prefill, num_decode=args.decode, profile_path=args.profile)
@@ -224,14 +229,25 @@ def _config(args: argparse.Namespace, store: Path, engine: EngineConfig,
 LINK_KINDS = ("local", "caps", "shaped")  # see --links
 
 
-def _cluster(kind: str, model_dir: Path, config: ClusterConfig, log_dir: Path) -> LocalCluster:
+@contextlib.contextmanager
+def _cluster(kind: str, model_dir: Path, config: ClusterConfig,
+             log_dir: Path) -> Iterator[LocalCluster]:
     """``local``: engines are children here, software caps; ``caps``: each node a network
-    namespace, software caps; ``shaped``: the same namespaces with tc-shaped compute links."""
-    if kind == "local":
-        return LocalCluster(model_dir, config, log_dir=log_dir)
-    from dualpath.bench.netns_cluster import NetnsCluster
+    namespace, software caps; ``shaped``: the same namespaces with tc-shaped links. A local
+    ``mooncake_store`` gets a master and segment holder here for the run."""
+    if kind != "local":
+        from dualpath.bench.netns_cluster import NetnsCluster
 
-    return NetnsCluster(model_dir, config, shaped=kind == "shaped", log_dir=log_dir)
+        with NetnsCluster(model_dir, config, shaped=kind == "shaped", log_dir=log_dir) as c:
+            yield c
+        return
+    with contextlib.ExitStack() as stack:
+        if config.storage.backend == "mooncake_store":
+            from dualpath.storage.mooncake_service import local_mooncake
+
+            master = stack.enter_context(local_mooncake(STORE_SEGMENT_MB, log_dir=log_dir))
+            config = replace(config, storage=replace(config.storage, mooncake_master=master))
+        yield stack.enter_context(LocalCluster(model_dir, config, log_dir=log_dir))
 
 
 def _link_kinds(raw: str) -> list[str]:
@@ -282,7 +298,9 @@ def run_cluster_bench(args: argparse.Namespace) -> dict[str, Any]:
               "workload": {"agents": args.agents, "turns": args.turns, "first": args.first,
                            "append": args.append, "gen": args.gen, "seed": args.seed},
               "caps_mb_s": {"read": args.read_cap_mb_s, "compute": args.compute_cap_mb_s},
-              "links": {k: LINK_NOTES[k] for k in kinds}, "rows": rows, "summary": summary}
+              "storage_backend": args.storage_backend,
+              "links": {k: link_note(k, args.storage_backend) for k in kinds}, "rows": rows,
+              "summary": summary}
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
@@ -295,12 +313,17 @@ def run_cluster_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-LINK_NOTES = {
-    "local": "engines on this host; the traffic manager's token buckets cap the NICs",
-    "caps": "each node a network namespace (veth links, unshaped); token buckets cap the NICs",
-    "shaped": "each node a network namespace; compute links shaped by tc tbf at the compute "
-              "cap (no software compute cap); storage NIC: token bucket (shared-folder store)",
-}
+def link_note(kind: str, backend: str) -> str:
+    """How the NICs of a ``kind`` run are emulated (stated in the results)."""
+    if kind == "local":
+        return "engines on this host; the traffic manager's token buckets cap the NICs"
+    if kind == "caps":
+        return "each node a network namespace (veth links, unshaped); token buckets cap the NICs"
+    storage = ("storage links to the store host shaped by tc tbf at the storage caps"
+               if backend == "mooncake_store" else
+               "storage NIC: token bucket (a shared-folder store's reads cross no link)")
+    return ("each node a network namespace; compute links shaped by tc tbf at the compute cap "
+            f"(no software compute cap); {storage}")
 
 
 def _summary(rows: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:

@@ -55,19 +55,21 @@ def master_binary() -> Path:
 
 
 def start_master(port: int, *, host: str = "127.0.0.1", log_path: str | Path | None = None,
-                 ready_timeout_s: float = 15.0, extra_args: Sequence[str] = ()
-                 ) -> subprocess.Popen[bytes]:
+                 ready_timeout_s: float = 15.0, extra_args: Sequence[str] = (),
+                 wrap: Sequence[str] = ()) -> subprocess.Popen[bytes]:
     """Start ``mooncake_master`` on ``host:port``; returns once the port accepts connections.
 
-    Its glog output goes to ``log_path`` (discarded when None). ``StorageError`` if the
+    Its glog output goes to ``log_path`` (discarded when None). ``wrap`` prefixes the command
+    (e.g. ``ip netns exec NS`` to run it on another emulated host). ``StorageError`` if the
     binary is missing, something already listens there, or the master exits or does not
     listen within ``ready_timeout_s``.
     """
     if master_reachable(f"{host}:{port}", 0.2):
         raise StorageError(f"cannot start mooncake_master: something already listens on "
                            f"{host}:{port}")
-    args = [str(master_binary()), f"--rpc_port={port}", f"--rpc_address={host}",
-            f"--metrics_port={free_port(host)}", f"--metrics_host={host}",
+    metrics_port = free_port("127.0.0.1" if wrap else host)  # a guess elsewhere: likely free
+    args = [*wrap, str(master_binary()), f"--rpc_port={port}", f"--rpc_address={host}",
+            f"--metrics_port={metrics_port}", f"--metrics_host={host}",
             "--enable_metric_reporting=false", *extra_args]
     with _log_file(log_path) as log_file:
         proc = subprocess.Popen(args, stdout=log_file, stderr=log_file, stdin=subprocess.DEVNULL)
@@ -82,11 +84,12 @@ def start_master(port: int, *, host: str = "127.0.0.1", log_path: str | Path | N
 
 
 def start_segment_holder(master: str, segment_mb: int, *, host: str = "127.0.0.1",
-                         log_path: str | Path | None = None, ready_timeout_s: float = 30.0
-                         ) -> subprocess.Popen[bytes]:
+                         log_path: str | Path | None = None, ready_timeout_s: float = 30.0,
+                         wrap: Sequence[str] = ()) -> subprocess.Popen[bytes]:
     """Start a process that contributes ``segment_mb`` of memory to the store (``serve``);
-    returns once its segment is mounted (``StorageError`` if it fails or times out)."""
-    args = [sys.executable, "-m", "dualpath.storage.mooncake_store", "serve",
+    returns once its segment is mounted (``StorageError`` if it fails or times out).
+    ``wrap`` prefixes the command, as for ``start_master``."""
+    args = [*wrap, sys.executable, "-m", "dualpath.storage.mooncake_store", "serve",
             "--master", master, "--segment-mb", str(segment_mb), "--host", host]
     with _log_file(log_path) as log_file:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log_file,
