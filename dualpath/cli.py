@@ -403,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     clu.add_argument("--links", default="local",
                      help="comma-separated, each a full run: local (engines here, token-bucket "
                           "caps), caps (a network namespace per node, token-bucket caps), "
-                          "shaped (the same, compute links shaped by tc instead); root only "
+                          "shaped (the same, links shaped by tc instead: compute links, and "
+                          "storage links with --storage-backend mooncake_store); root only "
                           "for caps and shaped")
     _add_engine_args(clu)
     clu.set_defaults(func=_cmd_bench_cluster)

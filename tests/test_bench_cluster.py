@@ -18,7 +18,7 @@ def test_trajectories_are_random_and_reproducible():
     assert a[0][0] != a[1][0]
 
 
-def test_bench_cluster_runs_basic_and_dualpath(tiny_llama_dir, tmp_path):
+def test_bench_cluster_runs_basic_and_dualpath(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "cluster.json"
     args = ["bench", "cluster", "--json", str(out), "--model", str(tiny_llama_dir),
             "--dtype", "float32", "--block-size", "16", "--agents", "2", "--turns", "3",
@@ -34,6 +34,8 @@ def test_bench_cluster_runs_basic_and_dualpath(tiny_llama_dir, tmp_path):
     assert data["summary"]["dualpath_vs_basic_jct_ratio"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
     assert not (tmp_path / "work").exists()  # cleaned unless --keep
+    table = capsys.readouterr().out
+    assert "bench cluster" in table and "dualpath" in table and "/ basic" in table
 
 
 @pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")

@@ -30,6 +30,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from dualpath.bench.cluster_report import cluster_table
 from dualpath.bench.report import bar_chart, machine_profile, write_json
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, TrafficConfig
 from dualpath.errors import DualPathError
@@ -309,7 +310,7 @@ def run_cluster_bench(args: argparse.Namespace) -> dict[str, Any]:
                   [f"{args.agents} agents x {args.turns} turns, {k} links" for k in kinds],
                   {m: [summary["jct_s_by_links"][k].get(m, 0.0) for k in kinds]
                    for m in modes}, "JCT (s)")
-    Console().print_json(data=summary)
+    Console().print(cluster_table(result))
     return result
 
 
