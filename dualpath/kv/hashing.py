@@ -91,6 +91,19 @@ class BlockKey:
         return f"{self.model_id}/{self.layout_id}/bs{self.block_size}/{self.hex}"
 
 
+def checked_key(key: object) -> BlockKey:
+    """``key`` if it is a well-formed ``BlockKey``, else ``InvalidKeyError``: stores re-check
+    before naming a path or object, since a frozen dataclass can still be mutated through
+    ``object.__setattr__``."""
+    if not isinstance(key, BlockKey):
+        raise InvalidKeyError(f"expected a BlockKey, got {type(key).__name__}")
+    check_id(key.model_id, "model id")
+    check_id(key.layout_id, "layout id")
+    if not isinstance(key.block_size, int) or not isinstance(key.block_hash, bytes):
+        raise InvalidKeyError(f"key {key!r} has a malformed block size or hash")
+    return key
+
+
 @dataclass(frozen=True)
 class KeySpace:
     """All keys of one model and KV layout; seeds the hash chain with both."""

@@ -26,8 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dualpath.errors import InvalidKeyError
-from dualpath.kv.hashing import BlockKey, check_id
+from dualpath.kv.hashing import BlockKey, checked_key
 from dualpath.kv.layout import KVLayout
 from dualpath.storage.base import Parts, StorageBackend
 from dualpath.storage.block_file import (
@@ -83,15 +82,9 @@ class FsStore(StorageBackend):
         return Path(self._path_str(key))
 
     def _path_str(self, key: BlockKey) -> str:
-        if not isinstance(key, BlockKey):
-            raise InvalidKeyError(f"expected a BlockKey, got {type(key).__name__}")
-        # re-checked here: a frozen dataclass can still be mutated through object.__setattr__
-        model_id = check_id(key.model_id, "model id")
-        layout_id = check_id(key.layout_id, "layout id")
-        if not isinstance(key.block_size, int) or not isinstance(key.block_hash, bytes):
-            raise InvalidKeyError(f"key {key!r} has a malformed block size or hash")
-        h = key.block_hash.hex()
-        return (f"{self._root_str}/{model_id}/{layout_id}/bs{key.block_size}/{h[:2]}/"
+        key = checked_key(key)
+        h = key.hex
+        return (f"{self._root_str}/{key.model_id}/{key.layout_id}/bs{key.block_size}/{h[:2]}/"
                 f"{h[2:4]}/{h}{SUFFIX}")
 
     # -- interface ---------------------------------------------------------------------------

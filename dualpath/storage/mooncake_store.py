@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from dualpath.errors import InvalidKeyError, StorageError
-from dualpath.kv.hashing import BlockKey, check_id
+from dualpath.errors import StorageError
+from dualpath.kv.hashing import BlockKey, check_id, checked_key
 from dualpath.kv.layout import KVLayout
 from dualpath.storage.base import Parts, StorageBackend
 from dualpath.storage.block_file import (
@@ -123,14 +123,7 @@ class MooncakeStore(StorageBackend):
     # -- keys --------------------------------------------------------------------------------
     def object_key(self, key: BlockKey) -> str:
         """The Mooncake key of ``key``'s block (``InvalidKeyError`` if the key is malformed)."""
-        if not isinstance(key, BlockKey):
-            raise InvalidKeyError(f"expected a BlockKey, got {type(key).__name__}")
-        # re-checked here: a frozen dataclass can still be mutated through object.__setattr__
-        model_id = check_id(key.model_id, "model id")
-        layout_id = check_id(key.layout_id, "layout id")
-        if not isinstance(key.block_size, int) or not isinstance(key.block_hash, bytes):
-            raise InvalidKeyError(f"key {key!r} has a malformed block size or hash")
-        return f"{self.key_prefix}/{model_id}/{layout_id}/bs{key.block_size}/{key.hex}"
+        return f"{self.key_prefix}/{checked_key(key).name}"
 
     # -- interface ---------------------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[BlockKey]) -> int:

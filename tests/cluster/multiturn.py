@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +82,15 @@ def wipe(store_root: Path) -> None:
 def node_sum(metrics: dict[str, dict], role: str, key: str) -> float:
     """Sum of one counter over the engines of a role."""
     return sum(m.get(key) or 0 for m in metrics.values() if m["role"] == role)
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float = 30.0,
+             what: str = "condition") -> object:
+    """Poll ``condition`` (a cheap query) until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")

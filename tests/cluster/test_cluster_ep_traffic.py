@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from multiturn import wait_for
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, TrafficConfig
 from dualpath.engine.llm_engine import LLMEngine
@@ -37,15 +38,6 @@ def want(tiny_chaotic_dir) -> dict[str, list[list[int]]]:
     engine = LLMEngine(tiny_chaotic_dir, ENGINE)
     return {"short": [o.output_ids for o in engine.generate(PROMPTS, PARAMS)],
             "long": [o.output_ids for o in engine.generate(PROMPTS[:4], LONG)]}
-
-
-def wait_for(condition, timeout_s: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def decoding(cluster: LocalCluster) -> set[str]:

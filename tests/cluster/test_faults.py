@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from multiturn import make_conversations, reference_outputs
+from multiturn import make_conversations, reference_outputs, wait_for
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.engine.llm_engine import LLMEngine
@@ -98,15 +98,6 @@ class Agents:
             self.run_turn()
 
 
-def wait_for(condition, timeout_s: float = 30.0, what: str = "condition"):
-    """Poll ``condition`` (a cheap query of the router) until it returns something truthy."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def in_phase(cluster: LocalCluster, req_id: int, phase: str) -> tuple[str, str, str] | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from multiturn import cluster_outputs, make_conversations, reference_outputs
+from multiturn import cluster_outputs, make_conversations, reference_outputs, wait_for
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.errors import DualPathError
@@ -92,15 +92,6 @@ def want(tiny_chaotic_dir) -> list[list[list[int]]]:
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def wait_for(condition, timeout_s: float = 30.0, what: str = "condition"):
-    """Poll ``condition`` until it returns something truthy; that value."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def ray_node_of(resource: str) -> str:
