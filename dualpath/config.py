@@ -23,6 +23,10 @@ class EngineConfig:
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     threads: int = 1  # torch intra-op threads (one per engine process, see README)
     seed: int = 0
+    # The CPU fast path: linear weights prepacked for oneDNN (model/linear.py) and the C
+    # kernels of model/kernels.py. False runs plain torch ops, the reference both are tested
+    # against.
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:

@@ -20,6 +20,7 @@ from dualpath.kv.block_pool import BlockPool
 from dualpath.kv.cache import TORCH_DTYPES, PagedKVCache
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
+from dualpath.model.kernels import load_kernels
 from dualpath.model.loader import load_model
 from dualpath.model.spec import load_spec, model_id, resolve_dtype, resolve_kv_dtype
 from dualpath.model.tokenizer import Tokenizer
@@ -48,6 +49,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, spec)
         self.kv_dtype = resolve_kv_dtype(config.kv_dtype, self.dtype)
         model = load_model(model_dir, TORCH_DTYPES[self.dtype], spec, config.device)
+        if config.cpu_kernels and torch.device(config.device).type == "cpu":
+            model.pack_weights()
+            if self.kv_dtype == self.dtype:  # the kernels write KV in the compute dtype
+                model.use_kernels(load_kernels())
         self.layout = KVLayout.from_spec(spec, self.kv_dtype, config.block_size)
         num_blocks = self.layout.cache_blocks(config.num_kv_blocks, config.kv_cache_mb,
                                               config.layer_window)

@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache.
+"""Attention over a paged KV cache: the batch metadata and the torch reference ops.
 
 The runner hands each layer a cache view of shape ``[num_blocks, block_size, 2, kv_heads,
 head_dim]`` (K and V of one token side by side: one row is one token's layer-block bytes) and
@@ -6,6 +6,9 @@ an ``AttentionBatch`` that says where each new token's K/V goes and which cache 
 sequence attends to. New K/V are written first and every sequence then reads its whole context
 back from the cache, so a token's attention sees exactly the cached (possibly down-cast) K/V
 whether its prefix was computed in this step, an earlier chunk, or loaded from elsewhere.
+
+The functions here are the plain-torch path (and the reference the C kernels of
+``model/kernels.py`` are tested against); the kernels read the same metadata.
 """
 
 from __future__ import annotations
@@ -16,23 +19,73 @@ import torch
 import torch.nn.functional as F
 
 
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[q, k]`` True where a query at ``q_pos`` attends the key at ``k_pos`` (causal, and
+    within ``window`` positions when one is set)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
 @dataclass
 class PrefillSlice:
-    """One sequence computing ``q_len`` tokens that attend over ``slot_ids`` (its context)."""
+    """One sequence computing ``q_len`` tokens, rows ``q_start..`` of the step, at positions
+    ``pos0..pos0 + q_len`` over its context, whose cache slots are ``slot_ids``."""
 
     q_start: int
     q_len: int
     slot_ids: torch.Tensor  # [ctx_len] flat cache slots of the whole context, in order
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when plain causal from 0
+    pos0: int = 0  # position of the first query (the tokens before it are cached)
+    window: int | None = None  # sliding-window size, None for full attention
+
+    def mask(self) -> torch.Tensor | None:
+        """``[q_len, ctx_len]`` bool, or None when plain causal attention from position 0."""
+        ctx = self.slot_ids.shape[0]
+        if self.pos0 == 0 and (self.window is None or ctx <= self.window):
+            return None
+        k_pos = torch.arange(ctx, device=self.slot_ids.device)
+        return window_mask(k_pos[self.pos0 :], k_pos, self.window)
 
 
 @dataclass
 class DecodeSlice:
-    """Sequences computing one token each, batched with padded contexts."""
+    """Sequences computing one token each: their rows in the step and their paged contexts."""
 
-    token_idx: torch.Tensor  # [B] rows of the flat token batch
-    slot_ids: torch.Tensor  # [B, max_ctx] flat cache slots (padding points at slot 0)
-    mask: torch.Tensor  # [B, 1, 1, max_ctx] bool, True where the key is attended
+    token_idx: torch.Tensor  # [B] int64: rows of the flat token batch
+    block_table: torch.Tensor  # [B, max_blocks] int32 (padding: block 0)
+    ctx_lens: torch.Tensor  # [B] int32: tokens of each context, the new one included
+    block_size: int
+    window: int | None = None
+
+    @classmethod
+    def build(cls, rows: list[int], tables: list[list[int]], ctx_lens: list[int],
+              block_size: int, window: int | None) -> DecodeSlice:
+        """The slice of sequences whose query is in row ``rows[b]``, with block table
+        ``tables[b]`` (at least ``ctx_lens[b]`` tokens' worth)."""
+        width = max(-(-n // block_size) for n in ctx_lens)
+        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        return cls(torch.tensor(rows, dtype=torch.long),
+                   torch.tensor(padded, dtype=torch.int32),
+                   torch.tensor(ctx_lens, dtype=torch.int32), block_size, window)
+
+    def slot_ids(self) -> torch.Tensor:
+        """``[B, max_ctx]`` flat cache slot of every context position (padding: slot 0's)."""
+        max_ctx = int(self.ctx_lens.max())
+        pos = torch.arange(max_ctx, device=self.block_table.device)
+        blocks = self.block_table.long()[:, pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+    def mask(self) -> torch.Tensor:
+        """``[B, max_ctx]`` bool: which keys each query attends (also hides the padding)."""
+        max_ctx = int(self.ctx_lens.max())
+        k_pos = torch.arange(max_ctx, device=self.ctx_lens.device)
+        return window_mask(self.ctx_lens.long() - 1, k_pos, self.window)
+
+    def to(self, device: torch.device) -> DecodeSlice:
+        """The same slice with its tensors on ``device``."""
+        return DecodeSlice(self.token_idx.to(device), self.block_table.to(device),
+                           self.ctx_lens.to(device), self.block_size, self.window)
 
 
 @dataclass
@@ -47,12 +100,9 @@ class AttentionBatch:
         """The same batch with every tensor on ``device``."""
         if self.slot_mapping.device == device:
             return self
-        prefills = [PrefillSlice(p.q_start, p.q_len, p.slot_ids.to(device),
-                                 None if p.mask is None else p.mask.to(device))
+        prefills = [PrefillSlice(p.q_start, p.q_len, p.slot_ids.to(device), p.pos0, p.window)
                     for p in self.prefills]
-        decode = self.decode and DecodeSlice(self.decode.token_idx.to(device),
-                                             self.decode.slot_ids.to(device),
-                                             self.decode.mask.to(device))
+        decode = self.decode and self.decode.to(device)
         return AttentionBatch(self.slot_mapping.to(device), prefills, decode)
 
 
@@ -69,40 +119,44 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBat
     flat = kv_layer.view(-1, *kv_layer.shape[2:])
     out = torch.empty_like(q)
     for part in batch.prefills:
-        q_part = q[part.q_start : part.q_start + part.q_len]
-        out[part.q_start : part.q_start + part.q_len] = _prefill(q_part, flat, part, scale)
+        rows = slice(part.q_start, part.q_start + part.q_len)
+        out[rows] = prefill_reference(q[rows], flat, part, scale)
     if batch.decode is not None:
-        out[batch.decode.token_idx] = _decode(q[batch.decode.token_idx], flat, batch.decode,
-                                              scale)
+        idx = batch.decode.token_idx
+        out[idx] = decode_reference(q[idx], flat, batch.decode, scale)
     return out
 
 
-def _prefill(q: torch.Tensor, flat: torch.Tensor, part: PrefillSlice,
-             scale: float) -> torch.Tensor:
+def prefill_reference(q: torch.Tensor, flat: torch.Tensor, part: PrefillSlice,
+                      scale: float) -> torch.Tensor:
+    """One sequence's queries ``[q_len, heads, head_dim]`` over its context (SDPA)."""
     kv = flat.index_select(0, part.slot_ids).to(q.dtype)  # [ctx, 2, kvh, hd]
     k = kv[:, 0].transpose(0, 1).unsqueeze(0)
     v = kv[:, 1].transpose(0, 1).unsqueeze(0)
     qh = q.transpose(0, 1).unsqueeze(0)
-    if part.mask is None:
+    mask = part.mask()
+    if mask is None:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=part.mask, scale=scale,
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, flat: torch.Tensor, part: DecodeSlice,
-            scale: float) -> torch.Tensor:
-    """One query per sequence: plain matmuls (CPU SDPA is slow on bf16 with a mask)."""
-    batch, max_ctx = part.slot_ids.shape
+def decode_reference(q: torch.Tensor, flat: torch.Tensor, part: DecodeSlice,
+                     scale: float) -> torch.Tensor:
+    """One query per sequence ``[B, heads, head_dim]``: plain matmuls over the gathered,
+    padded contexts (CPU SDPA is slow on bf16 with a mask)."""
+    slot_ids = part.slot_ids()
+    batch, max_ctx = slot_ids.shape
     kv_heads, head_dim = flat.shape[2], flat.shape[3]
-    kv = flat.index_select(0, part.slot_ids.reshape(-1)).to(q.dtype)
+    kv = flat.index_select(0, slot_ids.reshape(-1)).to(q.dtype)
     kv = kv.view(batch, max_ctx, 2, kv_heads, head_dim)
     k = kv[:, :, 0].permute(0, 2, 3, 1)  # [B, kvh, hd, L]
     v = kv[:, :, 1].transpose(1, 2)  # [B, kvh, L, hd]
-    qg = q.view(batch, kv_heads, -1, head_dim)  # query heads grouped by their KV head
+    qg = q.reshape(batch, kv_heads, -1, head_dim)  # query heads grouped by their KV head
     scores = torch.matmul(qg, k).float() * scale
-    scores.masked_fill_(~part.mask.view(batch, 1, 1, max_ctx), float("-inf"))
+    scores.masked_fill_(~part.mask().view(batch, 1, 1, max_ctx), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, v).view(batch, -1, head_dim)

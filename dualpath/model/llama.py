@@ -2,6 +2,12 @@
 
 Module names mirror the Hugging Face checkpoints so the loader maps weights by name; q/k/v and
 gate/up are fused into single matmuls and loaded shard by shard.
+
+Two paths compute the same layers: plain torch ops (the reference), and, once
+``use_kernels`` hands the model the C kernels of ``model/kernels.py``, a fused path: one pass
+each for RMSNorm with its residual add, the rotary embedding with the KV write, SiLU-and-mul
+and attention over the paged cache. Both call every ``DecoderLayer`` module, so module hooks
+see each layer compute either way.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from torch import nn
 
 from dualpath.model.attention import AttentionBatch, paged_attention, write_kv
 from dualpath.model.hooks import NO_HOOKS, LayerHooks
+from dualpath.model.kernels import CpuKernels
 from dualpath.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from dualpath.model.linear import Linear, can_pack, pack_weight, packed_linear
 from dualpath.model.spec import ModelSpec
 
 
@@ -28,9 +36,9 @@ class Attention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
 
     def qkv_shard_rows(self, shard: str) -> slice:
         """Rows of the fused projection that hold shard ``q``, ``k`` or ``v``."""
@@ -47,6 +55,24 @@ class Attention(nn.Module):
         out = paged_attention(q, kv_layer, batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
+    def forward_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        kv_layer: torch.Tensor, batch: AttentionBatch,
+                        kernels: CpuKernels, window: int) -> torch.Tensor:
+        """``forward`` on the C kernels: q rotated in place, k and v written by the same pass,
+        attention read straight from the paged cache."""
+        qkv = self.qkv_proj(x)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        kernels.rope_kv(qkv, heads, kv_heads, dim, cos, sin, kv_layer, batch.slot_mapping)
+        out = torch.empty(x.shape[0], self.q_size, dtype=x.dtype)
+        for part in batch.prefills:
+            rows = slice(part.q_start, part.q_start + part.q_len)
+            kernels.prefill_attn(qkv[rows], part.pos0, kv_layer, part.slot_ids, heads,
+                                 kv_heads, dim, window, self.scale, out[rows])
+        if (d := batch.decode) is not None:
+            kernels.decode_attn(qkv, d.token_idx, kv_layer, d.block_table, d.ctx_lens, heads,
+                                kv_heads, dim, window, self.scale, out)
+        return self.o_proj(out)
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then SwiGLU MLP."""
@@ -58,10 +84,28 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
 
+    kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_kernels
+    window: int = 0  # sliding window for the kernels (0: none)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """The residual stream after this layer (on the kernels: ``x`` itself, updated)."""
+        if self.kernels is not None:
+            return self._forward_kernels(x, cos, sin, kv_layer, batch, self.kernels)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _forward_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         kv_layer: torch.Tensor, batch: AttentionBatch,
+                         kernels: CpuKernels) -> torch.Tensor:
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        h = kernels.rms_norm(x, norm.weight, norm.eps)
+        attn = self.self_attn.forward_kernels(h, cos, sin, kv_layer, batch, kernels,
+                                              self.window)
+        h = kernels.add_rms_norm(x, attn, post.weight, post.eps)  # x += attn
+        mlp = self.mlp
+        down = mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h), mlp.intermediate))
+        return x.add_(down)
 
 
 class DecoderBody(nn.Module):
@@ -85,7 +129,8 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self._packed_lm_head: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_layers: Sequence[torch.Tensor], hooks: LayerHooks = NO_HOOKS) -> torch.Tensor:
@@ -97,9 +142,40 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_layers[i], batch)
             hooks.after_layer(i)
         hooks.finish()
-        return self.model.norm(x)
+        norm = self.model.norm
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, norm.weight, norm.eps)
+        return norm(x)
+
+    kernels: CpuKernels | None = None
+
+    def use_kernels(self, kernels: CpuKernels | None) -> bool:
+        """Run the fused path on ``kernels`` (None: the torch ops); False, and the torch ops,
+        when they do not support this model's dtype and head size."""
+        dtype = self.model.embed_tokens.weight.dtype
+        if kernels is not None and not kernels.supports(dtype, self.spec.head_dim):
+            kernels = None
+        self.kernels = kernels
+        for layer in self.model.layers:
+            layer.kernels = kernels
+            layer.window = self.spec.sliding_window or 0
+        return kernels is not None
+
+    def pack_weights(self) -> int:
+        """Prepack every linear weight (and the tied output head) for oneDNN where this
+        device and dtype allow it (``model/linear.py``); how many were packed. Call once the
+        weights are final."""
+        packed = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        head = self._head_weight()
+        self._packed_lm_head = pack_weight(head) if can_pack(head) else None
+        return packed + (self._packed_lm_head is not None)
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (fp32) for hidden states ``[N, hidden]``."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        head = self._packed_lm_head
+        if head is not None and hidden.dtype == self._head_weight().dtype:
+            return packed_linear(hidden, head).float()
+        return nn.functional.linear(hidden, self._head_weight()).float()

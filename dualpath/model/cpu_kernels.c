@@ -1,0 +1,587 @@
+/* dualpath's CPU kernels for the Llama-family forward, fp32 and bf16, on AVX-512.
+ *
+ * Built once per machine by dualpath/model/kernels.py (cc -O3 -march=native) and called
+ * through ctypes; every kernel runs on the calling thread (an engine uses one core). On a CPU
+ * without AVX-512F the library builds with dp_available() == 0 and the model runs torch ops.
+ *
+ * - rms_norm, add_rms_norm: RMSNorm (optionally after the residual add), rounding where the
+ *   torch reference (model/layers.py) rounds: the normalised row to the model dtype, then the
+ *   product with the weight.
+ * - rope_kv: the rotary embedding of q (in place) and k, and the write of k and v into their
+ *   paged-cache slots, in one pass over the new tokens; products and sum rounded as torch's.
+ * - silu_mul: down_proj's input, silu(gate) * up, rounded like the reference.
+ * - decode_attn: one query per sequence over its paged context (keys read in place, no
+ *   gather), fp32 scores and softmax.
+ * - prefill_attn: a sequence's queries over its paged context, causal (and windowed), in
+ *   tiles of 8 queries x 16 keys with an online softmax (flash attention). With AVX512-BF16
+ *   the bf16 kernel computes q.k and p.v with vdpbf16ps: exact bf16 products summed in fp32,
+ *   p rounded to bf16 for the second product as torch's CPU flash attention does.
+ *
+ * The file is its own template: the kernels below DP_KERNELS are compiled twice, for float
+ * (suffix _f32) and for bf16 (suffix _bf16), with LD/ST (16 lanes as float <-> memory) and
+ * RND (round to the type and back).
+ */
+#ifndef DP_KERNELS
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define DP_AVX512 1
+#else
+#define DP_AVX512 0
+#endif
+#if DP_AVX512 && defined(__AVX512BF16__)
+#define DP_HAVE_BF16_DOT 1
+#else
+#define DP_HAVE_BF16_DOT 0
+#endif
+
+int dp_available(void) { return DP_AVX512; }
+int dp_has_bf16_dot(void) { return DP_HAVE_BF16_DOT; }
+
+#if DP_AVX512
+typedef uint16_t bf16;
+typedef __mmask16 mask16;
+
+#define QB 8  /* query rows per prefill tile */
+#define KB 16 /* keys per prefill tile: one vector */
+#define MAX_DV 8 /* head_dim / 16 <= 8 */
+
+static inline mask16 dp_tail(int64_t left) { return left >= 16 ? (mask16)0xffff : (mask16)((1u << left) - 1u); }
+
+/* fp32 -> bf16, round to nearest even, NaN kept quiet (torch's c10::BFloat16 rule). */
+static inline __m256i dp_to_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline __m512 dp_from_bf16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline uint16_t dp_bf16_scalar(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* exp on 16 lanes (Cody-Waite reduction, Cephes' degree-6 polynomial, ~1 ulp); inputs are
+ * clamped to [-87, 88]: softmax terms below e^-87 never matter beside the maximum's 1. */
+static inline __m512 dp_exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline float dp_exp1(float x) { return _mm512_cvtss_f32(dp_exp16(_mm512_set1_ps(x))); }
+
+#define DP_CAT2(a, b) a##_##b
+#define DP_CAT(a, b) DP_CAT2(a, b)
+#define NAME(x) DP_CAT(dp_##x, SUF)
+
+#define DP_KERNELS
+#define T float
+#define SUF f32
+#define LDM(p, m) _mm512_maskz_loadu_ps((m), (p))
+#define STM(p, m, v) _mm512_mask_storeu_ps((p), (m), (v))
+#define LDF(p) _mm512_loadu_ps(p)
+#define STF(p, v) _mm512_storeu_ps((p), (v))
+#define RND(v) (v)
+#include __FILE__
+#undef T
+#undef SUF
+#undef LDM
+#undef STM
+#undef LDF
+#undef STF
+#undef RND
+
+#define T bf16
+#define SUF bf16
+#define LDM(p, m) dp_from_bf16(_mm256_maskz_loadu_epi16((m), (p)))
+#define STM(p, m, v) _mm256_mask_storeu_epi16((p), (m), dp_to_bf16(v))
+#define LDF(p) dp_from_bf16(_mm256_loadu_si256((const __m256i *)(p)))
+#define STF(p, v) _mm256_storeu_si256((__m256i *)(p), dp_to_bf16(v))
+#define RND(v) dp_from_bf16(dp_to_bf16(v))
+#define DP_BF16_PASS 1
+#include __FILE__
+#endif /* DP_AVX512 */
+
+#else /* DP_KERNELS: the per-dtype kernels */
+#define LD(p) LDF(p)
+#define ST(p, v) STF((p), (v))
+
+/* out[r] = RND(x[r] / rms(x[r])) * w, rows of n; strides in elements. */
+void NAME(rms_norm)(const T *x, int64_t x_stride, const T *w, T *out, int64_t out_stride,
+                    int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const T *xr = x + r * x_stride;
+        T *o = out + r * out_stride;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            __m512 v = LDM(xr + i, dp_tail(n - i));
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
+        for (int64_t i = 0; i < n; i += 16) {
+            mask16 m = dp_tail(n - i);
+            __m512 t = RND(_mm512_mul_ps(LDM(xr + i, m), inv));
+            STM(o + i, m, _mm512_mul_ps(LDM(w + i, m), t));
+        }
+    }
+}
+
+/* x[r] = RND(x[r] + delta[r]) in place, then out[r] = rms_norm(x[r]). */
+void NAME(add_rms_norm)(T *x, int64_t x_stride, const T *delta, int64_t d_stride, const T *w,
+                        T *out, int64_t out_stride, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        T *xr = x + r * x_stride;
+        const T *dr = delta + r * d_stride;
+        for (int64_t i = 0; i < n; i += 16) {
+            mask16 m = dp_tail(n - i);
+            STM(xr + i, m, _mm512_add_ps(LDM(xr + i, m), LDM(dr + i, m)));
+        }
+    }
+    NAME(rms_norm)(x, x_stride, w, out, out_stride, rows, n, eps);
+}
+
+/* One head of D values: out = RND(RND(v*cos) + RND(rotate_half(v)*sin)). out may be v. */
+static inline void NAME(rotate)(const T *v, const T *c, const T *s, T *out, int64_t D) {
+    int64_t half = D / 2;
+    __m512 lo[MAX_DV], hi[MAX_DV];
+    for (int64_t i = 0, k = 0; i < half; i += 16, k++) {
+        mask16 m = dp_tail(half - i);
+        __m512 a = LDM(v + i, m), b = LDM(v + half + i, m);
+        __m512 ca = LDM(c + i, m), cb = LDM(c + half + i, m);
+        __m512 sa = LDM(s + i, m), sb = LDM(s + half + i, m);
+        __m512 nb = _mm512_sub_ps(_mm512_setzero_ps(), b);
+        lo[k] = _mm512_add_ps(RND(_mm512_mul_ps(a, ca)), RND(_mm512_mul_ps(nb, sa)));
+        hi[k] = _mm512_add_ps(RND(_mm512_mul_ps(b, cb)), RND(_mm512_mul_ps(a, sb)));
+    }
+    for (int64_t i = 0, k = 0; i < half; i += 16, k++) {
+        mask16 m = dp_tail(half - i);
+        STM(out + i, m, lo[k]);
+        STM(out + half + i, m, hi[k]);
+    }
+}
+
+/* qkv rows [tokens, (H + 2 KVH) D] (row stride qkv_stride): q rotated in place; k rotated and
+ * v copied into the cache rows cache[slots[t]] = [2][KVH][D]. cos/sin: [tokens, D]. */
+void NAME(rope_kv)(T *qkv, int64_t qkv_stride, int64_t tokens, int64_t H, int64_t KVH,
+                   int64_t D, const T *cos, const T *sin, T *cache, const int64_t *slots) {
+    for (int64_t t = 0; t < tokens; t++) {
+        T *row = qkv + t * qkv_stride;
+        const T *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < H; h++) NAME(rotate)(row + h * D, c, s, row + h * D, D);
+        T *dst = cache + slots[t] * 2 * KVH * D;
+        for (int64_t h = 0; h < KVH; h++) NAME(rotate)(row + (H + h) * D, c, s, dst + h * D, D);
+        memcpy(dst + KVH * D, row + (H + KVH) * D, (size_t)(KVH * D) * sizeof(T));
+    }
+}
+
+/* out[r, i] = RND(silu(gu[r, i])) * gu[r, inter + i]. */
+void NAME(silu_mul)(const T *gu, int64_t gu_stride, T *out, int64_t out_stride, int64_t rows,
+                    int64_t inter) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        const T *g = gu + r * gu_stride, *u = g + inter;
+        T *o = out + r * out_stride;
+        for (int64_t i = 0; i < inter; i += 16) {
+            mask16 m = dp_tail(inter - i);
+            __m512 x = LDM(g + i, m);
+            __m512 e = dp_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            __m512 silu = RND(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+            STM(o + i, m, _mm512_mul_ps(silu, LDM(u + i, m)));
+        }
+    }
+}
+
+/* One sequence's decode attention, block by block with an online softmax: each block's rows
+ * (every head's k, then every head's v) are first copied whole into `scratch` (a copy streams
+ * from memory at several times the rate of the computation's own loads of paged rows), then
+ * scored, folded into the running max and sum, and their v weighted into acc. */
+static inline __attribute__((always_inline)) void NAME(decode_seq_impl)(
+    const T *qb, const T *cache, const int32_t *table, int64_t bs, int64_t lo, int64_t ctx,
+    int64_t H, int64_t KVH, float scale, T *ob, T *scratch, float *s, __m512 *acc,
+    const int64_t DV) {
+    const int64_t D = DV * 16, G = H / KVH, row = 2 * KVH * D;
+#if defined(DP_BF16_PASS) && DP_HAVE_BF16_DOT
+    const int64_t NC = (DV + 1) / 2; /* chunks of 32 bf16; an odd DV ends on a half chunk */
+    const __mmask32 last = DV % 2 ? (__mmask32)0xffff : (__mmask32)0xffffffff;
+    __m512bh qv[128]; /* H * NC <= 128 */
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t c = 0; c < NC; c++)
+            qv[h * NC + c] = (__m512bh)_mm512_maskz_loadu_epi16(c == NC - 1 ? last : (__mmask32)0xffffffff, qb + h * D + c * 32);
+#else
+    __m512 qv[256]; /* H * DV <= 256 */
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t v = 0; v < DV; v++) qv[h * DV + v] = LD(qb + h * D + v * 16);
+#endif
+    float m[256], l[256]; /* H <= 256 */
+    for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
+    for (int64_t i = 0; i < H * DV; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = lo / bs; blk * bs < ctx; blk++) {
+        int64_t l0 = blk * bs > lo ? blk * bs : lo, l1 = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
+        int64_t n = l1 - l0;
+        memcpy(scratch, cache + ((int64_t)table[blk] * bs + (l0 - blk * bs)) * row,
+               (size_t)(n * row) * sizeof(T));
+        for (int64_t j = 0; j < n; j++) { /* scores */
+            const T *r = scratch + j * row;
+            for (int64_t kh = 0; kh < KVH; kh++) {
+#if defined(DP_BF16_PASS) && DP_HAVE_BF16_DOT
+                __m512bh kv[(MAX_DV + 1) / 2];
+                for (int64_t c = 0; c < NC; c++)
+                    kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(c == NC - 1 ? last : (__mmask32)0xffffffff, r + kh * D + c * 32);
+                for (int64_t g = 0; g < G; g++) {
+                    int64_t h = kh * G + g;
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < NC; c++) a = _mm512_dpbf16_ps(a, qv[h * NC + c], kv[c]);
+                    s[h * bs + j] = scale * _mm512_reduce_add_ps(a);
+                }
+#else
+                __m512 kv[MAX_DV];
+                for (int64_t v = 0; v < DV; v++) kv[v] = LD(r + kh * D + v * 16);
+                for (int64_t g = 0; g < G; g++) {
+                    int64_t h = kh * G + g;
+                    __m512 a = _mm512_mul_ps(qv[h * DV], kv[0]);
+                    for (int64_t v = 1; v < DV; v++) a = _mm512_fmadd_ps(qv[h * DV + v], kv[v], a);
+                    s[h * bs + j] = scale * _mm512_reduce_add_ps(a);
+                }
+#endif
+            }
+        }
+        for (int64_t h = 0; h < H; h++) { /* online softmax */
+            float *sh = s + h * bs;
+            __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j += 16)
+                mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, dp_tail(n - j), sh + j));
+            float bm = _mm512_reduce_max_ps(mx), mnew = m[h] > bm ? m[h] : bm;
+            float corr = m[h] == -INFINITY ? 0.0f : dp_exp1(m[h] - mnew);
+            __m512 mv = _mm512_set1_ps(mnew);
+            for (int64_t j = 0; j < n; j += 16) {
+                mask16 t = dp_tail(n - j);
+                __m512 e = _mm512_maskz_mov_ps(t, dp_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, sh + j), mv)));
+                _mm512_mask_storeu_ps(sh + j, t, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            l[h] = l[h] * corr + _mm512_reduce_add_ps(sum);
+            m[h] = mnew;
+            if (corr != 1.0f) {
+                __m512 c = _mm512_set1_ps(corr);
+                for (int64_t v = 0; v < DV; v++) acc[h * DV + v] = _mm512_mul_ps(acc[h * DV + v], c);
+            }
+        }
+        for (int64_t j = 0; j < n; j++) { /* values, weighted */
+            const T *r = scratch + j * row + KVH * D;
+            for (int64_t kh = 0; kh < KVH; kh++) {
+                __m512 vv[MAX_DV];
+                for (int64_t v = 0; v < DV; v++) vv[v] = LD(r + kh * D + v * 16);
+                for (int64_t g = 0; g < G; g++) {
+                    int64_t h = kh * G + g;
+                    __m512 p = _mm512_set1_ps(s[h * bs + j]);
+                    for (int64_t v = 0; v < DV; v++) acc[h * DV + v] = _mm512_fmadd_ps(p, vv[v], acc[h * DV + v]);
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; h++) {
+        __m512 inv = _mm512_set1_ps(1.0f / l[h]);
+        for (int64_t v = 0; v < DV; v++) ST(ob + h * D + v * 16, _mm512_mul_ps(acc[h * DV + v], inv));
+    }
+}
+
+#define DP_DECODE(N) \
+    static void NAME(decode_seq_##N)(const T *qb, const T *cache, const int32_t *table, \
+                                     int64_t bs, int64_t lo, int64_t ctx, int64_t H, \
+                                     int64_t KVH, float scale, T *ob, T *scratch, float *s, \
+                                     __m512 *acc) { \
+        NAME(decode_seq_impl)(qb, cache, table, bs, lo, ctx, H, KVH, scale, ob, scratch, s, acc, N); \
+    }
+DP_DECODE(1)
+DP_DECODE(2)
+DP_DECODE(3)
+DP_DECODE(4)
+DP_DECODE(5)
+DP_DECODE(6)
+DP_DECODE(7)
+DP_DECODE(8)
+#undef DP_DECODE
+
+/* One query per sequence b, in row rows[b] of q ([H][D] per row, row stride q_stride), over
+ * its context of ctx_lens[b] tokens in paged blocks (block_table[b][i], bs tokens each, cache
+ * rows [2][KVH][D]); only keys at positions >= ctx - window when window > 0. The result goes
+ * to row rows[b] of out (row stride out_stride). D % 16 == 0, D <= 128, H <= 256. */
+void NAME(decode_attn)(const T *q, int64_t q_stride, const int64_t *rows, const T *cache,
+                       const int32_t *block_table, int64_t table_stride, const int32_t *ctx_lens,
+                       int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
+                       float scale, T *out, int64_t out_stride) {
+    typedef void (*seq_fn)(const T *, const T *, const int32_t *, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, float, T *, T *, float *, __m512 *);
+    static const seq_fn seqs[MAX_DV + 1] = {
+        0, NAME(decode_seq_1), NAME(decode_seq_2), NAME(decode_seq_3), NAME(decode_seq_4),
+        NAME(decode_seq_5), NAME(decode_seq_6), NAME(decode_seq_7), NAME(decode_seq_8)};
+    size_t scratch_bytes = (sizeof(T) * (size_t)(bs * 2 * KVH * D) + 63) / 64 * 64;
+    T *scratch = aligned_alloc(64, scratch_bytes);
+    float *s = aligned_alloc(64, (sizeof(float) * (size_t)(H * bs) + 63) / 64 * 64);
+    __m512 *acc = aligned_alloc(64, sizeof(__m512) * (size_t)(H * (D / 16)));
+    for (int64_t b = 0; b < B; b++) {
+        int64_t ctx = ctx_lens[b], lo = window > 0 && ctx > window ? ctx - window : 0;
+        seqs[D / 16](q + rows[b] * q_stride, cache, block_table + b * table_stride, bs, lo, ctx,
+                     H, KVH, scale, out + rows[b] * out_stride, scratch, s, acc);
+    }
+    free(scratch);
+    free(s);
+    free(acc);
+}
+
+/* ---- prefill: blocks of QB queries; their scores over the visible keys, softmax, p.v ------ */
+
+static inline int64_t NAME(first_key)(int64_t p, int64_t window) {
+    return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+}
+
+/* Lanes j..j+15 that fall in [lo, hi). */
+static inline mask16 NAME(lanes)(int64_t j, int64_t lo, int64_t hi) {
+    int64_t a = lo - j < 0 ? 0 : lo - j, b = hi - j > 16 ? 16 : hi - j;
+    if (b <= a) return 0;
+    return (mask16)(((1u << b) - 1u) & ~((1u << a) - 1u));
+}
+
+/* Each row i of s (width keys from k0; row p0 + i sees keys [first_key, p0 + i]) becomes its
+ * unnormalised softmax exp(s - max), 0 outside what the row sees; sums[i] gets the row sum. */
+static void NAME(block_softmax)(float *s, int64_t width, int64_t p0, int64_t nq, int64_t k0,
+                                int64_t window, float *sums) {
+    for (int64_t i = 0; i < nq; i++) {
+        float *row = s + i * width;
+        int64_t lo = NAME(first_key)(p0 + i, window) - k0, hi = p0 + i + 1 - k0;
+        __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < width; j += 16)
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, NAME(lanes)(j, lo, hi), row + j));
+        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        for (int64_t j = 0; j < width; j += 16) {
+            __m512 e = dp_exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
+            e = _mm512_maskz_mov_ps(NAME(lanes)(j, lo, hi), e);
+            _mm512_storeu_ps(row + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        sums[i] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+#if defined(DP_BF16_PASS) && DP_HAVE_BF16_DOT
+/* bf16 on vdpbf16ps: K packed per tile of KB keys as [D/2][KB][2] (pairs of d), V as
+ * [ctx/2][D][2] (pairs of keys); q pairs and p pairs broadcast as 32-bit words. */
+#define PK T
+static inline __attribute__((always_inline)) void NAME(prefill_head_impl)(
+    const T *q, int64_t q_stride, int64_t q_len, int64_t q_pos0, const PK *kp, const PK *vp,
+    int64_t ctx, int64_t window, float scale, T *out, int64_t out_stride, float *s,
+    uint16_t *pb, const int64_t DV) {
+    const int64_t D = DV * 16;
+    for (int64_t i0 = 0; i0 < q_len; i0 += QB) {
+        int64_t nq = q_len - i0 < QB ? q_len - i0 : QB, p0 = q_pos0 + i0;
+        int64_t t_lo = NAME(first_key)(p0, window) / KB, t_hi = (p0 + nq - 1) / KB;
+        if (t_hi >= (ctx + KB - 1) / KB) t_hi = (ctx + KB - 1) / KB - 1;
+        int64_t k0 = t_lo * KB, width = (t_hi - t_lo + 1) * KB;
+        const uint32_t *qrow[QB];
+        for (int i = 0; i < QB; i++) qrow[i] = (const uint32_t *)(q + (i0 + (i < nq ? i : 0)) * q_stride);
+        for (int64_t t = t_lo; t <= t_hi; t++) { /* scores, 8 rows x 16 keys a tile */
+            __m512 acc[QB];
+            for (int i = 0; i < QB; i++) acc[i] = _mm512_setzero_ps();
+            const PK *kt = kp + t * KB * D;
+            for (int64_t dp = 0; dp < D / 2; dp++) {
+                __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(kt + dp * 2 * KB));
+                for (int i = 0; i < QB; i++)
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)qrow[i][dp]), kv);
+            }
+            for (int i = 0; i < nq; i++)
+                _mm512_storeu_ps(s + i * width + (t - t_lo) * KB, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+        }
+        float sums[QB];
+        NAME(block_softmax)(s, width, p0, nq, k0, window, sums);
+        for (int64_t i = 0; i < nq; i++) /* p to bf16, as torch's flash attention does */
+            for (int64_t j = 0; j < width; j += 16)
+                _mm256_storeu_si256((__m256i *)(pb + i * width + j), dp_to_bf16(_mm512_loadu_ps(s + i * width + j)));
+        for (int64_t i = 0; i < nq; i += 2) { /* p.v, two rows at a time */
+            int two = i + 1 < nq;
+            const uint32_t *pa = (const uint32_t *)(pb + i * width);
+            const uint32_t *pc = (const uint32_t *)(pb + (i + two) * width);
+            __m512 a[MAX_DV], c[MAX_DV];
+            for (int64_t v = 0; v < DV; v++) a[v] = c[v] = _mm512_setzero_ps();
+            int64_t hi = (p0 + i + two - k0 + 2) / 2;
+            for (int64_t jp = 0; jp < hi; jp++) {
+                const PK *vrow = vp + (k0 / 2 + jp) * D * 2;
+                __m512bh wa = (__m512bh)_mm512_set1_epi32((int)pa[jp]);
+                __m512bh wc = (__m512bh)_mm512_set1_epi32((int)pc[jp]);
+                for (int64_t v = 0; v < DV; v++) {
+                    __m512bh vv = (__m512bh)_mm512_loadu_si512((const void *)(vrow + v * 32));
+                    a[v] = _mm512_dpbf16_ps(a[v], wa, vv);
+                    c[v] = _mm512_dpbf16_ps(c[v], wc, vv);
+                }
+            }
+            __m512 ia = _mm512_set1_ps(1.0f / sums[i]), ic = _mm512_set1_ps(1.0f / sums[i + two]);
+            for (int64_t v = 0; v < DV; v++) {
+                ST(out + (i0 + i) * out_stride + v * 16, _mm512_mul_ps(a[v], ia));
+                if (two) ST(out + (i0 + i + 1) * out_stride + v * 16, _mm512_mul_ps(c[v], ic));
+            }
+        }
+    }
+}
+
+static void NAME(pack_kv)(const T *cache, const int64_t *slots, int64_t ctx, int64_t KVH,
+                          int64_t kh, int64_t D, PK *kp, PK *vp) {
+    int64_t ntiles = (ctx + KB - 1) / KB, row = 2 * KVH * D;
+    memset(kp, 0, sizeof(PK) * (size_t)(ntiles * KB * D));
+    memset(vp, 0, sizeof(PK) * (size_t)(ntiles * KB * D));
+    for (int64_t j = 0; j < ctx; j++) {
+        const uint32_t *k = (const uint32_t *)(cache + slots[j] * row + kh * D);
+        const T *v = cache + slots[j] * row + (KVH + kh) * D;
+        uint32_t *kt = (uint32_t *)(kp + (j / KB) * KB * D);
+        PK *vt = vp + (j / 2) * D * 2 + (j % 2);
+        for (int64_t dp = 0; dp < D / 2; dp++) kt[dp * KB + j % KB] = k[dp];
+        for (int64_t d = 0; d < D; d++) vt[d * 2] = v[d];
+    }
+}
+#else
+/* fp32 (and bf16 without vdpbf16ps, loaded as fp32): K packed per tile as [D][KB], V as
+ * [ctx][D]. */
+#define PK float
+static inline __attribute__((always_inline)) void NAME(prefill_head_impl)(
+    const T *q, int64_t q_stride, int64_t q_len, int64_t q_pos0, const PK *kp, const PK *vp,
+    int64_t ctx, int64_t window, float scale, T *out, int64_t out_stride, float *s,
+    uint16_t *pb, const int64_t DV) {
+    const int64_t D = DV * 16;
+    (void)pb;
+    float qf[QB * MAX_DV * 16];
+    for (int64_t i0 = 0; i0 < q_len; i0 += QB) {
+        int64_t nq = q_len - i0 < QB ? q_len - i0 : QB, p0 = q_pos0 + i0;
+        int64_t t_lo = NAME(first_key)(p0, window) / KB, t_hi = (p0 + nq - 1) / KB;
+        if (t_hi >= (ctx + KB - 1) / KB) t_hi = (ctx + KB - 1) / KB - 1;
+        int64_t k0 = t_lo * KB, width = (t_hi - t_lo + 1) * KB;
+        for (int i = 0; i < QB; i++)
+            for (int64_t v = 0; v < DV; v++)
+                _mm512_storeu_ps(qf + i * D + v * 16, i < nq ? LD(q + (i0 + i) * q_stride + v * 16) : _mm512_setzero_ps());
+        for (int64_t t = t_lo; t <= t_hi; t++) {
+            __m512 acc[QB];
+            for (int i = 0; i < QB; i++) acc[i] = _mm512_setzero_ps();
+            const PK *kt = kp + t * KB * D;
+            for (int64_t d = 0; d < D; d++) {
+                __m512 kv = _mm512_loadu_ps(kt + d * KB);
+                for (int i = 0; i < QB; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i * D + d]), kv, acc[i]);
+            }
+            for (int i = 0; i < nq; i++)
+                _mm512_storeu_ps(s + i * width + (t - t_lo) * KB, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+        }
+        float sums[QB];
+        NAME(block_softmax)(s, width, p0, nq, k0, window, sums);
+        for (int64_t i = 0; i < nq; i += 2) {
+            int two = i + 1 < nq;
+            const float *pa = s + i * width, *pc = s + (i + two) * width;
+            __m512 a[MAX_DV], c[MAX_DV];
+            for (int64_t v = 0; v < DV; v++) a[v] = c[v] = _mm512_setzero_ps();
+            int64_t hi = p0 + i + two + 1 - k0;
+            for (int64_t j = 0; j < hi; j++) {
+                const PK *vrow = vp + (k0 + j) * D;
+                __m512 wa = _mm512_set1_ps(pa[j]), wc = _mm512_set1_ps(pc[j]);
+                for (int64_t v = 0; v < DV; v++) {
+                    __m512 vv = _mm512_loadu_ps(vrow + v * 16);
+                    a[v] = _mm512_fmadd_ps(wa, vv, a[v]);
+                    c[v] = _mm512_fmadd_ps(wc, vv, c[v]);
+                }
+            }
+            __m512 ia = _mm512_set1_ps(1.0f / sums[i]), ic = _mm512_set1_ps(1.0f / sums[i + two]);
+            for (int64_t v = 0; v < DV; v++) {
+                ST(out + (i0 + i) * out_stride + v * 16, _mm512_mul_ps(a[v], ia));
+                if (two) ST(out + (i0 + i + 1) * out_stride + v * 16, _mm512_mul_ps(c[v], ic));
+            }
+        }
+    }
+}
+
+static void NAME(pack_kv)(const T *cache, const int64_t *slots, int64_t ctx, int64_t KVH,
+                          int64_t kh, int64_t D, PK *kp, PK *vp) {
+    int64_t ntiles = (ctx + KB - 1) / KB, row = 2 * KVH * D;
+    memset(kp, 0, sizeof(PK) * (size_t)(ntiles * KB * D));
+    memset(vp, 0, sizeof(PK) * (size_t)(ntiles * KB * D));
+    for (int64_t j = 0; j < ctx; j++) {
+        const T *k = cache + slots[j] * row + kh * D, *v = k + KVH * D;
+        PK *kt = kp + (j / KB) * KB * D;
+        float kf[MAX_DV * 16];
+        for (int64_t i = 0; i < D / 16; i++) {
+            _mm512_storeu_ps(kf + i * 16, LD(k + i * 16));
+            _mm512_storeu_ps(vp + j * D + i * 16, LD(v + i * 16));
+        }
+        for (int64_t d = 0; d < D; d++) kt[d * KB + j % KB] = kf[d];
+    }
+}
+#endif
+
+/* prefill_head_impl with the head size a constant, so its accumulators live in registers. */
+#define DP_HEAD(N) \
+    static void NAME(prefill_head_##N)(const T *q, int64_t qs, int64_t ql, int64_t qp, \
+                                       const PK *kp, const PK *vp, int64_t ctx, int64_t w, \
+                                       float sc, T *o, int64_t os, float *s, uint16_t *pb) { \
+        NAME(prefill_head_impl)(q, qs, ql, qp, kp, vp, ctx, w, sc, o, os, s, pb, N); \
+    }
+DP_HEAD(1)
+DP_HEAD(2)
+DP_HEAD(3)
+DP_HEAD(4)
+DP_HEAD(5)
+DP_HEAD(6)
+DP_HEAD(7)
+DP_HEAD(8)
+#undef DP_HEAD
+
+/* One sequence: q_len queries (q rows [H][D], row stride q_stride) at positions q_pos0.. over
+ * the ctx tokens of its context, whose cache rows are slots[0..ctx); causal, and windowed when
+ * window > 0. out rows [H][D] (row stride out_stride). D % 16 == 0, D <= 128. */
+void NAME(prefill_attn)(const T *q, int64_t q_stride, int64_t q_len, int64_t q_pos0,
+                        const T *cache, const int64_t *slots, int64_t ctx, int64_t H,
+                        int64_t KVH, int64_t D, int64_t window, float scale, T *out,
+                        int64_t out_stride) {
+    typedef void (*head_fn)(const T *, int64_t, int64_t, int64_t, const PK *, const PK *,
+                            int64_t, int64_t, float, T *, int64_t, float *, uint16_t *);
+    static const head_fn heads[MAX_DV + 1] = {
+        0, NAME(prefill_head_1), NAME(prefill_head_2), NAME(prefill_head_3),
+        NAME(prefill_head_4), NAME(prefill_head_5), NAME(prefill_head_6),
+        NAME(prefill_head_7), NAME(prefill_head_8)};
+    int64_t G = H / KVH, ntiles = (ctx + KB - 1) / KB, width = ntiles * KB + KB;
+    size_t kv_bytes = (sizeof(PK) * (size_t)(ntiles * KB * D) + 63) / 64 * 64;
+    PK *kp = aligned_alloc(64, kv_bytes), *vp = aligned_alloc(64, kv_bytes);
+    float *s = aligned_alloc(64, sizeof(float) * (size_t)(QB * width));
+    uint16_t *pb = aligned_alloc(64, (sizeof(uint16_t) * (size_t)(QB * width) + 63) / 64 * 64);
+    for (int64_t kh = 0; kh < KVH; kh++) {
+        NAME(pack_kv)(cache, slots, ctx, KVH, kh, D, kp, vp);
+        for (int64_t g = 0; g < G; g++) {
+            int64_t h = kh * G + g;
+            heads[D / 16](q + h * D, q_stride, q_len, q_pos0, kp, vp, ctx, window, scale,
+                          out + h * D, out_stride, s, pb);
+        }
+    }
+    free(kp);
+    free(vp);
+    free(s);
+    free(pb);
+}
+#undef PK
+#undef LD
+#undef ST
+#endif /* DP_KERNELS */
