@@ -134,7 +134,7 @@ class LLMEngine:
         if not sampling:
             return []
         seqs = [seq for seq, _ in sampling]
-        logits = self.runner.logits(hidden[[row for _, row in sampling]])
+        logits = self.runner.logits(hidden[[row for _, row in sampling]], fp32=False)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs],
                                      num_outputs=[len(s.output_ids) for s in seqs])
         return [seq for seq, tok in zip(seqs, tokens, strict=True) if self._append(seq, tok)]

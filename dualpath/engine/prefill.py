@@ -346,7 +346,7 @@ class PrefillWorker:
     def _complete(self, done: list[tuple[_Job, int]], hidden) -> list[Message]:
         engine = self.engine
         seqs = [job.seq for job, _ in done]
-        logits = engine.runner.logits(hidden[[row for _, row in done]])
+        logits = engine.runner.logits(hidden[[row for _, row in done]], fp32=False)
         tokens = engine.sampler.sample(logits, [s.params for s in seqs],  # type: ignore[union-attr]
                                        [s.seq_id for s in seqs],  # type: ignore[union-attr]
                                        num_outputs=[0] * len(seqs))  # the first output token

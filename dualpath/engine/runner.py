@@ -82,6 +82,6 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.batch, self._kv_layers, hooks)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the given hidden rows."""
-        return self.model.logits(hidden)
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Logits of the given hidden rows: fp32, or in the model's dtype (for the sampler)."""
+        return self.model.logits(hidden, fp32)

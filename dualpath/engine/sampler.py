@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dualpath.model.kernels import argmax_rows
 from dualpath.request import SamplingParams
 
 
@@ -39,7 +40,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int],
                num_outputs: Sequence[int] | None = None) -> list[int]:
-        """Next token ids for ``logits [rows, vocab]`` (fp32).
+        """Next token ids for ``logits [rows, vocab]`` (fp32, or the model's dtype: greedy
+        rows take its argmax, sampled rows are converted to fp32 first).
 
         ``num_outputs[row]`` is how many output tokens the row's sequence already has, i.e. the
         index of the token drawn now. A seeded row's draw depends only on its seed and that
@@ -49,12 +51,17 @@ class Sampler:
         which is right only when this sampler draws every output token of the sequence.
         """
         indices: Sequence[int | None] = [None] * len(params) if num_outputs is None else num_outputs
-        tokens = logits.argmax(-1).tolist()
+        if not len(params) == len(seq_ids) == len(indices) == logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logit rows need as many params, seq ids and "
+                             f"indices, got {len(params)}, {len(seq_ids)}, {len(indices)}")
+        tokens = argmax_rows(logits)
+        if all(p.greedy for p in params):
+            return tokens
         logits = logits.cpu()  # generators live on the CPU; sampling rows is cheap there
         for row, (p, seq_id, index) in enumerate(zip(params, seq_ids, indices, strict=True)):
             if p.greedy:
                 continue
-            probs = torch.softmax(logits[row] / p.temperature, dim=-1)
+            probs = torch.softmax(logits[row].float() / p.temperature, dim=-1)
             probs = top_p_filter(probs, p.top_p)
             generator = self._generator(p, seq_id, index)
             tokens[row] = int(torch.multinomial(probs, 1, generator=generator))

@@ -14,6 +14,7 @@ The functions here are the plain-torch path (and the reference the C kernels of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,22 @@ class DecodeSlice:
                            self.ctx_lens.to(device), self.block_size, self.window)
 
 
+@dataclass(frozen=True)
+class KernelMeta:
+    """An ``AttentionBatch`` as the C kernels' ``attend`` takes it: addresses and counts,
+    with the tensors behind them kept alive."""
+
+    slot_ptr: int
+    num_prefills: int
+    prefill_ptr: int  # int64 [num_prefills, 5]: q_start, q_len, pos0, ctx, slot_ids address
+    num_decodes: int
+    rows_ptr: int
+    table_ptr: int
+    table_stride: int
+    ctx_ptr: int
+    keep: tuple[torch.Tensor, ...]
+
+
 @dataclass
 class AttentionBatch:
     """Where the step's new K/V go and what each sequence attends to."""
@@ -95,6 +112,22 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [T] flat slot of each new token
     prefills: list[PrefillSlice]
     decode: DecodeSlice | None
+
+    @cached_property
+    def kernel_meta(self) -> KernelMeta:
+        """This batch for the C kernels (built once, on the first layer, for every layer)."""
+        rows = [[p.q_start, p.q_len, p.pos0, p.slot_ids.shape[0], p.slot_ids.data_ptr()]
+                for p in self.prefills]
+        prefill = torch.tensor(rows or [[0] * 5], dtype=torch.long)
+        d = self.decode
+        keep = (self.slot_mapping, prefill, *(p.slot_ids for p in self.prefills))
+        if d is None:
+            return KernelMeta(self.slot_mapping.data_ptr(), len(rows), prefill.data_ptr(), 0, 0,
+                              0, 0, 0, keep)
+        return KernelMeta(self.slot_mapping.data_ptr(), len(rows), prefill.data_ptr(),
+                          d.token_idx.shape[0], d.token_idx.data_ptr(), d.block_table.data_ptr(),
+                          d.block_table.stride(0), d.ctx_lens.data_ptr(),
+                          (*keep, d.token_idx, d.block_table, d.ctx_lens))
 
     def to(self, device: torch.device) -> AttentionBatch:
         """The same batch with every tensor on ``device``."""

@@ -1,8 +1,9 @@
 /* dualpath's CPU kernels for the Llama-family forward, fp32 and bf16, on AVX-512.
  *
- * Built once per machine by dualpath/model/kernels.py (cc -O3 -march=native) and called
- * through ctypes; every kernel runs on the calling thread (an engine uses one core). On a CPU
- * without AVX-512F the library builds with dp_available() == 0 and the model runs torch ops.
+ * Built once per machine by dualpath/model/kernels.py (cc -O3 -march=native) as a Python
+ * extension module (the bindings at the end); every kernel runs on the calling thread (an
+ * engine uses one core). On a CPU without AVX-512F the module builds with available() == 0
+ * and the model runs torch ops.
  *
  * - rms_norm, add_rms_norm: RMSNorm (optionally after the residual add), rounding where the
  *   torch reference (model/layers.py) rounds: the normalised row to the model dtype, then the
@@ -39,8 +40,6 @@
 #define DP_HAVE_BF16_DOT 0
 #endif
 
-int dp_available(void) { return DP_AVX512; }
-int dp_has_bf16_dot(void) { return DP_HAVE_BF16_DOT; }
 
 #if DP_AVX512
 typedef uint16_t bf16;
@@ -123,7 +122,115 @@ static inline float dp_exp1(float x) { return _mm512_cvtss_f32(dp_exp16(_mm512_s
 #define RND(v) dp_from_bf16(dp_to_bf16(v))
 #define DP_BF16_PASS 1
 #include __FILE__
+#undef T
+#undef SUF
+#undef LDM
+#undef STM
+#undef LDF
+#undef STF
+#undef RND
+#undef DP_BF16_PASS
 #endif /* DP_AVX512 */
+
+/* ---- the Python module: one function per kernel, arguments as ints (pointers, sizes,
+ * strides in elements) and floats; the first says the dtype (0 fp32, 1 bf16). Each call
+ * releases the GIL while it computes. -------------------------------------------------------- */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *py_available(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyLong_FromLong(DP_AVX512);
+}
+
+static PyObject *py_has_bf16_dot(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyLong_FromLong(DP_HAVE_BF16_DOT);
+}
+
+#if DP_AVX512
+/* Parse nargs arguments by fmt ('i': int64, 'f': float) into iv / fv; -1 with an exception. */
+static int dp_args(PyObject *const *args, Py_ssize_t nargs, const char *fmt, int64_t *iv, double *fv) {
+    Py_ssize_t want = (Py_ssize_t)strlen(fmt);
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < nargs; k++) {
+        if (fmt[k] == 'f') fv[k] = PyFloat_AsDouble(args[k]);
+        else iv[k] = PyLong_AsLongLong(args[k]);
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+#define P(k) ((void *)(intptr_t)a[k])
+#define DP_PY(name, fmt, ...)                                                               \
+    static PyObject *py_##name(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {  \
+        int64_t a[32];                                                                     \
+        double f[32];                                                                      \
+        (void)self;                                                                        \
+        if (dp_args(args, nargs, fmt, a, f) < 0) return NULL;                              \
+        Py_BEGIN_ALLOW_THREADS __VA_ARGS__ Py_END_ALLOW_THREADS Py_RETURN_NONE;            \
+    }
+#define DP_BY_DTYPE(fn, ...) \
+    if (a[0]) dp_##fn##_bf16(__VA_ARGS__); else dp_##fn##_f32(__VA_ARGS__);
+
+DP_PY(rms_norm, "iiiiiiiif", DP_BY_DTYPE(rms_norm, P(1), a[2], P(3), P(4), a[5], a[6], a[7], (float)f[8]))
+DP_PY(add_rms_norm, "iiiiiiiiiif",
+      DP_BY_DTYPE(add_rms_norm, P(1), a[2], P(3), a[4], P(5), P(6), a[7], a[8], a[9], (float)f[10]))
+DP_PY(silu_mul, "iiiiiii", DP_BY_DTYPE(silu_mul, P(1), a[2], P(3), a[4], a[5], a[6]))
+DP_PY(argmax_rows, "iiiiii", DP_BY_DTYPE(argmax_rows, P(1), a[2], a[3], a[4], P(5)))
+DP_PY(rope_kv, "iiiiiiiiiii",
+      DP_BY_DTYPE(rope_kv, P(1), a[2], a[3], a[4], a[5], a[6], P(7), P(8), P(9), P(10)))
+DP_PY(decode_attn, "iiiiiiiiiiiiiifii",
+      DP_BY_DTYPE(decode_attn, P(1), a[2], P(3), P(4), P(5), a[6], P(7), a[8], a[9], a[10],
+                  a[11], a[12], a[13], (float)f[14], P(15), a[16]))
+DP_PY(prefill_attn, "iiiiiiiiiiiifii",
+      DP_BY_DTYPE(prefill_attn, P(1), a[2], a[3], a[4], P(5), P(6), a[7], a[8], a[9], a[10],
+                  a[11], (float)f[12], P(13), a[14]))
+
+/* A whole layer's attention: the rotary embedding and KV write of all T tokens, then every
+ * prefill slice (meta: [q_start, q_len, pos0, ctx, slot_ids pointer] each) and the decode
+ * rows. Arguments: dtype, qkv, qkv_stride, T, H, KVH, D, cos, sin, cache, slots, bs, window,
+ * scale, out, out_stride, n_prefill, meta, n_decode, rows, block_table, table_stride,
+ * ctx_lens. */
+DP_PY(attend, "iiiiiiiiiiiiifiiiiiiiii", {
+    int64_t D = a[6], qs = a[2], os = a[15];
+    const int64_t *meta = P(17);
+    if (a[0]) {
+        dp_rope_kv_bf16(P(1), qs, a[3], a[4], a[5], D, P(7), P(8), P(9), P(10));
+        for (int64_t i = 0; i < a[16]; i++) {
+            const int64_t *m = meta + 5 * i;
+            dp_prefill_attn_bf16((bf16 *)P(1) + m[0] * qs, qs, m[1], m[2], P(9), (const int64_t *)(intptr_t)m[4], m[3], a[4], a[5], D, a[12], (float)f[13], (bf16 *)P(14) + m[0] * os, os);
+        }
+        if (a[18]) dp_decode_attn_bf16(P(1), qs, P(19), P(9), P(20), a[21], P(22), a[18], a[4], a[5], D, a[11], a[12], (float)f[13], P(14), os);
+    } else {
+        dp_rope_kv_f32(P(1), qs, a[3], a[4], a[5], D, P(7), P(8), P(9), P(10));
+        for (int64_t i = 0; i < a[16]; i++) {
+            const int64_t *m = meta + 5 * i;
+            dp_prefill_attn_f32((float *)P(1) + m[0] * qs, qs, m[1], m[2], P(9), (const int64_t *)(intptr_t)m[4], m[3], a[4], a[5], D, a[12], (float)f[13], (float *)P(14) + m[0] * os, os);
+        }
+        if (a[18]) dp_decode_attn_f32(P(1), qs, P(19), P(9), P(20), a[21], P(22), a[18], a[4], a[5], D, a[11], a[12], (float)f[13], P(14), os);
+    }
+})
+#undef P
+#endif /* DP_AVX512 */
+
+#define DP_FAST(name) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, NULL}
+static PyMethodDef dp_methods[] = {
+    {"available", py_available, METH_NOARGS, NULL},
+    {"has_bf16_dot", py_has_bf16_dot, METH_NOARGS, NULL},
+#if DP_AVX512
+    DP_FAST(rms_norm), DP_FAST(add_rms_norm), DP_FAST(silu_mul), DP_FAST(argmax_rows),
+    DP_FAST(rope_kv), DP_FAST(decode_attn), DP_FAST(prefill_attn), DP_FAST(attend),
+#endif
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef dp_module = {PyModuleDef_HEAD_INIT, "dualpath_cpu_kernels",
+                                       "dualpath's CPU kernels", -1, dp_methods,
+                                       NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_dualpath_cpu_kernels(void) { return PyModule_Create(&dp_module); }
 
 #else /* DP_KERNELS: the per-dtype kernels */
 #define LD(p) LDF(p)
@@ -350,6 +457,37 @@ void NAME(decode_attn)(const T *q, int64_t q_stride, const int64_t *rows, const 
     free(scratch);
     free(s);
     free(acc);
+}
+
+/* out[r] = index of the largest value in row r of x [rows, n] (row stride x_stride): the first
+ * one on ties, and the first NaN if there is one, as torch.argmax. */
+void NAME(argmax_rows)(const T *x, int64_t x_stride, int64_t rows, int64_t n, int64_t *out) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t r = 0; r < rows; r++) {
+        const T *xr = x + r * x_stride;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i at = _mm512_set1_epi32(INT32_MAX);
+        mask16 nan = 0;
+        for (int64_t i = 0; i < n; i += 16) {
+            mask16 t = dp_tail(n - i);
+            __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), t, LDM(xr + i, t));
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            /* strictly greater keeps each lane's first maximum; a -inf row still gets an index */
+            mask16 gt = _mm512_mask_cmp_ps_mask(t, v, best, _CMP_GT_OQ) |
+                        (_mm512_cmpeq_epi32_mask(at, _mm512_set1_epi32(INT32_MAX)) & t);
+            best = _mm512_mask_mov_ps(best, gt, v);
+            at = _mm512_mask_mov_epi32(at, gt, _mm512_add_epi32(iota, _mm512_set1_epi32((int)i)));
+        }
+        if (nan) {
+            int64_t i = 0;
+            while (!isnan(_mm512_cvtss_f32(LDM(xr + i, (mask16)1)))) i++;
+            out[r] = i;
+            continue;
+        }
+        float m = _mm512_reduce_max_ps(best);
+        mask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+        out[r] = _mm512_mask_reduce_min_epi32(top, at);
+    }
 }
 
 /* ---- prefill: blocks of QB queries; their scores over the visible keys, softmax, p.v ------ */

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dualpath.model.attention import AttentionBatch, paged_attention, write_kv
+from dualpath.model.fused import FusedLayer
 from dualpath.model.hooks import NO_HOOKS, LayerHooks
 from dualpath.model.kernels import CpuKernels
 from dualpath.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -55,24 +56,6 @@ class Attention(nn.Module):
         out = paged_attention(q, kv_layer, batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
-    def forward_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        kv_layer: torch.Tensor, batch: AttentionBatch,
-                        kernels: CpuKernels, window: int) -> torch.Tensor:
-        """``forward`` on the C kernels: q rotated in place, k and v written by the same pass,
-        attention read straight from the paged cache."""
-        qkv = self.qkv_proj(x)
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        kernels.rope_kv(qkv, heads, kv_heads, dim, cos, sin, kv_layer, batch.slot_mapping)
-        out = torch.empty(x.shape[0], self.q_size, dtype=x.dtype)
-        for part in batch.prefills:
-            rows = slice(part.q_start, part.q_start + part.q_len)
-            kernels.prefill_attn(qkv[rows], part.pos0, kv_layer, part.slot_ids, heads,
-                                 kv_heads, dim, window, self.scale, out[rows])
-        if (d := batch.decode) is not None:
-            kernels.decode_attn(qkv, d.token_idx, kv_layer, d.block_table, d.ctx_lens, heads,
-                                kv_heads, dim, window, self.scale, out)
-        return self.o_proj(out)
-
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then SwiGLU MLP."""
@@ -84,28 +67,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
 
-    kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_kernels
-    window: int = 0  # sliding window for the kernels (0: none)
+    fused: FusedLayer | None = None  # set by LlamaForCausalLM.use_kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """The residual stream after this layer (on the kernels: ``x`` itself, updated)."""
-        if self.kernels is not None:
-            return self._forward_kernels(x, cos, sin, kv_layer, batch, self.kernels)
+        if self.fused is not None:
+            return self.fused(x, cos, sin, kv_layer, batch)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def _forward_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         kv_layer: torch.Tensor, batch: AttentionBatch,
-                         kernels: CpuKernels) -> torch.Tensor:
-        norm, post = self.input_layernorm, self.post_attention_layernorm
-        h = kernels.rms_norm(x, norm.weight, norm.eps)
-        attn = self.self_attn.forward_kernels(h, cos, sin, kv_layer, batch, kernels,
-                                              self.window)
-        h = kernels.add_rms_norm(x, attn, post.weight, post.eps)  # x += attn
-        mlp = self.mlp
-        down = mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h), mlp.intermediate))
-        return x.add_(down)
 
 
 class DecoderBody(nn.Module):
@@ -120,6 +90,8 @@ class DecoderBody(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The whole model; ``forward`` returns final hidden states, ``logits`` projects them."""
+
+    kernels: CpuKernels | None = None  # the fused path's kernels (use_kernels)
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -147,18 +119,17 @@ class LlamaForCausalLM(nn.Module):
             return self.kernels.rms_norm(x, norm.weight, norm.eps)
         return norm(x)
 
-    kernels: CpuKernels | None = None
-
     def use_kernels(self, kernels: CpuKernels | None) -> bool:
         """Run the fused path on ``kernels`` (None: the torch ops); False, and the torch ops,
-        when they do not support this model's dtype and head size."""
+        when they do not support this model's dtype and head size. Call after
+        ``pack_weights`` (the fused layers take the packed weights as they are then)."""
         dtype = self.model.embed_tokens.weight.dtype
         if kernels is not None and not kernels.supports(dtype, self.spec.head_dim):
             kernels = None
         self.kernels = kernels
+        window = self.spec.sliding_window or 0
         for layer in self.model.layers:
-            layer.kernels = kernels
-            layer.window = self.spec.sliding_window or 0
+            layer.fused = None if kernels is None else FusedLayer(layer, kernels, window)
         return kernels is not None
 
     def pack_weights(self) -> int:
@@ -173,9 +144,13 @@ class LlamaForCausalLM(nn.Module):
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits (fp32) for hidden states ``[N, hidden]``."""
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Vocabulary logits for hidden states ``[N, hidden]``: fp32, or in the model's dtype
+        when ``fp32`` is False (what greedy sampling needs: the conversion of 32 rows of a 49k
+        vocabulary cost 1.2 ms a step in bf16)."""
         head = self._packed_lm_head
         if head is not None and hidden.dtype == self._head_weight().dtype:
-            return packed_linear(hidden, head).float()
-        return nn.functional.linear(hidden, self._head_weight()).float()
+            out = packed_linear(hidden, head)
+        else:
+            out = nn.functional.linear(hidden, self._head_weight())
+        return out.float() if fp32 else out

@@ -178,3 +178,18 @@ def test_fast_path_greedy_tokens_equal_the_torch_ops_in_mixed_steps(smollm2_dir)
         outs[fast] = [o.output_ids for o in
                       engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_is_torch_argmax_ties_and_nan_included(dtype):
+    from dualpath.model.kernels import argmax_rows
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 1000, generator=g).to(dtype)
+    x[1, 10] = x[1, 500] = x[1, 990] = 50.0  # ties: the first wins
+    x[2] = float("-inf")
+    x[3, 7] = x[3, 900] = float("nan")  # NaN is the largest, the first one
+    x[4, 999] = 60.0  # the tail of a row
+    assert argmax_rows(x) == x.argmax(-1).tolist() == [x[0].argmax().item(), 10, 0, 7, 999,
+                                                       x[5].argmax().item()]
+    assert argmax_rows(x[:, :37]) == x[:, :37].argmax(-1).tolist()  # strided rows, short rows
