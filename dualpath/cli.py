@@ -348,13 +348,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    eng = bench_sub.add_parser("engine", help="prefill/decode tokens/s vs transformers")
+    eng = bench_sub.add_parser("engine", help="prefill/decode tokens/s against transformers "
+                               "and vLLM, each in its own process (JSON + PNG)")
     eng.add_argument("--json", required=True, help="where to write the results")
     eng.add_argument("--prompt-tokens", type=int, default=1024)
     eng.add_argument("--decode-batches", default="1,8,32")
-    eng.add_argument("--decode-tokens", type=int, default=32, help="generated tokens per row")
+    eng.add_argument("--decode-tokens", type=int, default=128, help="generated tokens per row")
     eng.add_argument("--decode-prompt-tokens", type=int, default=128)
-    eng.add_argument("--repeats", type=int, default=2)
+    eng.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median)")
+    eng.add_argument("--against", default="transformers",
+                     help="comma-separated peers, each in its own process: transformers, vllm "
+                          "(vllm runs in the peers' environment: make peers)")
+    eng.add_argument("--pin-core", type=int, default=None, metavar="K",
+                     help="confine every system's whole process tree to core K (vLLM's "
+                          "scheduler process included) for a like-for-like run")
+    eng.add_argument("--peers-python", default=None,
+                     help="the peers' python (default $DUALPATH_PEERS_PYTHON or "
+                          ".venv-peers/bin/python)")
     _add_engine_args(eng)
     eng.set_defaults(func=_cmd_bench_engine)
 

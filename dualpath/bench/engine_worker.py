@@ -1,0 +1,75 @@
+"""The processes of ``dualpath bench engine`` for dualpath and ``transformers``.
+
+``python -m dualpath.bench.engine_worker dualpath|transformers --spec S --out O`` builds the
+system on the spec's model, dtype and thread count and runs ``engine_method``'s measurement.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from dualpath.bench.engine_method import Generate, run_system
+
+
+def dualpath_system(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
+    """Our ``LLMEngine`` (no prefix caching: every repeat computes its prompt)."""
+    from dualpath.config import EngineConfig
+    from dualpath.engine.llm_engine import LLMEngine
+    from dualpath.request import SamplingParams
+
+    batches = spec["decode_prompts"]
+    longest = max(len(spec["prefill_prompt"]), *(len(p[0]) for p in batches.values()))
+    config = EngineConfig(dtype=spec["dtype"], threads=spec["threads"],
+                          block_size=spec["block_size"], enable_prefix_caching=False,
+                          max_num_batched_tokens=max(512, longest),
+                          max_num_seqs=max(64, *map(int, batches)),
+                          cpu_kernels=spec.get("cpu_kernels", True))
+    engine = LLMEngine(spec["model"], config)
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> None:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        assert all(len(o.output_ids) == new_tokens for o in outs)
+
+    kernels = engine.runner.model.kernels
+    return generate, {"dtype": engine.dtype, "threads": torch.get_num_threads(),
+                      "fast_path": kernels is not None,
+                      "cores": "one torch thread; the engine's step loop runs on it too"}
+
+
+def transformers_system(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
+    """``transformers`` ``generate``, greedy, exactly N tokens (EOS never stops it)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(spec["threads"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"]))
+    model.generation_config.eos_token_id = None
+
+    @torch.inference_mode()
+    def generate(prompts: list[list[int]], new_tokens: int) -> None:
+        ids = torch.tensor(prompts)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + new_tokens
+
+    return generate, {"dtype": spec["dtype"], "threads": torch.get_num_threads(),
+                      "version": transformers.__version__,
+                      "cores": "one torch thread; generate's loop runs on it too"}
+
+
+SYSTEMS = {"dualpath": dualpath_system, "transformers": transformers_system}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``engine_worker SYSTEM --spec S --out O``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in SYSTEMS:
+        sys.exit(f"usage: engine_worker {{{','.join(SYSTEMS)}}} --spec S --out O")
+    return run_system(argv[0], SYSTEMS[argv[0]], argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
