@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,11 @@ def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list
 def make_spec(args: argparse.Namespace, model_dir: Path, dtype: str,
               vocab: int) -> dict[str, Any]:
     """What every system runs: the prompts, the token count, the repeats, the model."""
+    from dualpath.cli import engine_config
+
     batches = [int(b) for b in args.decode_batches.split(",")]
     return {"model": str(model_dir), "dtype": dtype, "threads": args.threads,
+            "engine": asdict(engine_config(args)),  # dualpath's config, --set included
             "block_size": args.block_size, "repeats": args.repeats,
             "decode_tokens": args.decode_tokens,
             "prefill_prompt": _random_prompts(1, args.prompt_tokens, vocab, seed=1)[0],

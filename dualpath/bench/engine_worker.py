@@ -15,18 +15,17 @@ from dualpath.bench.engine_method import Generate, run_system
 
 
 def dualpath_system(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
-    """Our ``LLMEngine`` (no prefix caching: every repeat computes its prompt)."""
+    """Our ``LLMEngine`` as configured (``--set`` included; no prefix caching: every repeat
+    computes its prompt)."""
     from dualpath.config import EngineConfig
     from dualpath.engine.llm_engine import LLMEngine
     from dualpath.request import SamplingParams
 
     batches = spec["decode_prompts"]
     longest = max(len(spec["prefill_prompt"]), *(len(p[0]) for p in batches.values()))
-    config = EngineConfig(dtype=spec["dtype"], threads=spec["threads"],
-                          block_size=spec["block_size"], enable_prefix_caching=False,
-                          max_num_batched_tokens=max(512, longest),
-                          max_num_seqs=max(64, *map(int, batches)),
-                          cpu_kernels=spec.get("cpu_kernels", True))
+    config = EngineConfig(**{**spec["engine"], "enable_prefix_caching": False,
+                             "max_num_batched_tokens": max(512, longest),
+                             "max_num_seqs": max(64, *map(int, batches))})
     engine = LLMEngine(spec["model"], config)
 
     def generate(prompts: list[list[int]], new_tokens: int) -> None:
