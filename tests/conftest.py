@@ -96,6 +96,17 @@ def tiny_chaotic_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_long_dir(tmp_path_factory) -> Path:
+    """Like ``tiny_chaotic_dir`` with 8,192 positions, for requests that must stay decoding
+    while a test acts on them (900 tokens of the 1,024-position model took 0.45 s)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**{**TINY, "max_position_embeddings": 8192}, rope_theta=10000.0,
+                      initializer_range=0.3)
+    return _save_tiny(tmp_path_factory.mktemp("tiny-long"), cfg, seed=6)
+
+
+@pytest.fixture(scope="session")
 def tiny_deep_dir(tmp_path_factory) -> Path:
     """Like ``tiny_chaotic_dir`` with 6 layers, so a 2-layer window is reused three times."""
     from transformers import LlamaConfig

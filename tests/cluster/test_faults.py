@@ -30,9 +30,9 @@ from dualpath.storage.block_file import HEADER_BYTES
 
 pytestmark = pytest.mark.faults
 
-ENGINE = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=256)
+ENGINE = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=512)
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
-LONG = SamplingParams(max_tokens=900, ignore_eos=True)  # decodes for a few seconds
+LONG = SamplingParams(max_tokens=3000, ignore_eos=True)  # decodes for a second or more
 CONVS = make_conversations(300, first_lengths=[45, 70, 101, 60], append_lengths=[19, 27, 13],
                            seed=11)
 VICTIM_PROMPT = list(range(5, 60))
@@ -47,13 +47,13 @@ def config(tmp_path: Path, **overrides) -> ClusterConfig:
 
 
 @pytest.fixture(scope="module")
-def want(tiny_chaotic_dir) -> list[list[list[int]]]:
-    return reference_outputs(tiny_chaotic_dir, ENGINE, CONVS, PARAMS)
+def want(tiny_long_dir) -> list[list[list[int]]]:
+    return reference_outputs(tiny_long_dir, ENGINE, CONVS, PARAMS)
 
 
 @pytest.fixture(scope="module")
-def victim_want(tiny_chaotic_dir) -> list[int]:
-    return LLMEngine(tiny_chaotic_dir, ENGINE).generate([VICTIM_PROMPT], LONG)[0].output_ids
+def victim_want(tiny_long_dir) -> list[int]:
+    return LLMEngine(tiny_long_dir, ENGINE).generate([VICTIM_PROMPT], LONG)[0].output_ids
 
 
 # -- the workload and the checks ------------------------------------------------------------------
@@ -127,9 +127,9 @@ def assert_idle(cluster: LocalCluster, host_pool_blocks: int = 64) -> None:
 # -- engines dying --------------------------------------------------------------------------------
 
 
-def test_killing_a_decode_engine_mid_decode_fails_only_that_stream(tiny_chaotic_dir, tmp_path,
+def test_killing_a_decode_engine_mid_decode_fails_only_that_stream(tiny_long_dir, tmp_path,
                                                                    want):
-    with LocalCluster(tiny_chaotic_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
+    with LocalCluster(tiny_long_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
         agents = Agents(cluster, want)
         agents.run_turn()
         victim = cluster.submit(VICTIM_PROMPT, LONG)
@@ -146,9 +146,9 @@ def test_killing_a_decode_engine_mid_decode_fails_only_that_stream(tiny_chaotic_
 
 
 def test_killing_a_prefill_engine_after_prefill_lets_its_requests_finish(
-        tiny_chaotic_dir, tmp_path, want, victim_want):
+        tiny_long_dir, tmp_path, want, victim_want):
     cfg = config(tmp_path, num_prefill=2, num_decode=1)
-    with LocalCluster(tiny_chaotic_dir, cfg, log_dir=tmp_path / "logs") as cluster:
+    with LocalCluster(tiny_long_dir, cfg, log_dir=tmp_path / "logs") as cluster:
         agents = Agents(cluster, want)
         victim = cluster.submit(VICTIM_PROMPT, LONG)
         _, pe, _ = wait_for(lambda: in_phase(cluster, victim.req_id, "decoding"), what="decode")
@@ -160,12 +160,12 @@ def test_killing_a_prefill_engine_after_prefill_lets_its_requests_finish(
         assert_idle(cluster)
 
 
-def test_killing_a_prefill_engine_mid_prefill_places_its_requests_again(tiny_chaotic_dir,
+def test_killing_a_prefill_engine_mid_prefill_places_its_requests_again(tiny_long_dir,
                                                                         tmp_path, want):
     # slow storage reads keep a turn's requests reading on their PE long enough to kill it
     storage = StorageConfig(root=str(tmp_path / "kv"), read_cap_mb_s=0.1)
     cfg = config(tmp_path, num_prefill=2, num_decode=1, storage=storage, read_path="pe")
-    with LocalCluster(tiny_chaotic_dir, cfg, log_dir=tmp_path / "logs") as cluster:
+    with LocalCluster(tiny_long_dir, cfg, log_dir=tmp_path / "logs") as cluster:
         agents = Agents(cluster, want)
         agents.run_turn()
         turn = agents.submit_turn()
@@ -181,8 +181,8 @@ def test_killing_a_prefill_engine_mid_prefill_places_its_requests_again(tiny_cha
 
 
 def test_a_stopped_decode_engine_is_detected_then_rejoins_without_corrupting_anything(
-        tiny_chaotic_dir, tmp_path, want):
-    with LocalCluster(tiny_chaotic_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
+        tiny_long_dir, tmp_path, want):
+    with LocalCluster(tiny_long_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
         agents = Agents(cluster, want)
         agents.run_turn()
         victim = cluster.submit(VICTIM_PROMPT, LONG)
@@ -203,8 +203,8 @@ def test_a_stopped_decode_engine_is_detected_then_rejoins_without_corrupting_any
         assert_idle(cluster)
 
 
-def test_engines_stop_when_their_router_is_gone(tiny_chaotic_dir, tmp_path, want):
-    cluster = LocalCluster(tiny_chaotic_dir, config(tmp_path, router_timeout_s=1.5),
+def test_engines_stop_when_their_router_is_gone(tiny_long_dir, tmp_path, want):
+    cluster = LocalCluster(tiny_long_dir, config(tmp_path, router_timeout_s=1.5),
                            log_dir=tmp_path / "logs")
     cluster.start()
     try:
@@ -223,11 +223,11 @@ def test_engines_stop_when_their_router_is_gone(tiny_chaotic_dir, tmp_path, want
 # -- full buffers ---------------------------------------------------------------------------------
 
 
-def test_tiny_buffers_make_requests_wait_never_fail(tiny_chaotic_dir, tmp_path, want):
+def test_tiny_buffers_make_requests_wait_never_fail(tiny_long_dir, tmp_path, want):
     # 14 host-buffer blocks hold one prompt at a time; 24 KV blocks one decode at a time
     engine = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=24)
     cfg = config(tmp_path, engine=engine, host_pool_blocks=16, save_staging_blocks=2)
-    with LocalCluster(tiny_chaotic_dir, cfg, log_dir=tmp_path / "logs") as cluster:
+    with LocalCluster(tiny_long_dir, cfg, log_dir=tmp_path / "logs") as cluster:
         agents = Agents(cluster, want)
         agents.run_rest()
         started = time.monotonic()
@@ -241,9 +241,9 @@ def test_tiny_buffers_make_requests_wait_never_fail(tiny_chaotic_dir, tmp_path, 
 # -- cancellation ---------------------------------------------------------------------------------
 
 
-def test_abort_in_every_phase_frees_everything(tiny_chaotic_dir, tmp_path, want):
+def test_abort_in_every_phase_frees_everything(tiny_long_dir, tmp_path, want):
     storage = StorageConfig(root=str(tmp_path / "kv"), read_cap_mb_s=0.05)
-    with LocalCluster(tiny_chaotic_dir, config(tmp_path, storage=storage),
+    with LocalCluster(tiny_long_dir, config(tmp_path, storage=storage),
                       log_dir=tmp_path / "logs") as cluster:
         agents = Agents(cluster, want)
         agents.run_turn()
@@ -258,8 +258,8 @@ def test_abort_in_every_phase_frees_everything(tiny_chaotic_dir, tmp_path, want)
             with pytest.raises(RequestAborted):
                 future.result(5)
             seen.add(phase)
-        # 4 requests reserving 2,045 tokens of KV each fill both decode engines: a 5th queues
-        huge = SamplingParams(max_tokens=1990, ignore_eos=True)
+        # 4 requests reserving 4,085 tokens of KV each fill both decode engines: a 5th queues
+        huge = SamplingParams(max_tokens=4030, ignore_eos=True)
         fill = [cluster.submit(VICTIM_PROMPT, huge) for _ in range(5)]
         wait_for(lambda: in_phase(cluster, fill[-1].req_id, "queued"), what="queued")
         seen.add("queued")
@@ -269,7 +269,7 @@ def test_abort_in_every_phase_frees_everything(tiny_chaotic_dir, tmp_path, want)
             with pytest.raises(RequestAborted):
                 f.result(5)
         with pytest.raises(TimeoutError):  # generate's timeout aborts what it gave up on
-            cluster.generate([VICTIM_PROMPT], LONG, timeout_s=0.5)
+            cluster.generate([VICTIM_PROMPT], LONG, timeout_s=0.1)
         assert seen == {"queued", "buffering", "prefilling", "decoding"}
         assert_idle(cluster)
         agents.run_rest()
@@ -284,9 +284,9 @@ def _block_files(root: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "corrupted"])
-def test_damaged_blocks_are_recomputed(tiny_chaotic_dir, tmp_path, want, damage):
+def test_damaged_blocks_are_recomputed(tiny_long_dir, tmp_path, want, damage):
     root = tmp_path / "kv"
-    with LocalCluster(tiny_chaotic_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
+    with LocalCluster(tiny_long_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
         agents = Agents(cluster, want)
         agents.run_turn()
         files = _block_files(root)
@@ -307,12 +307,12 @@ def test_damaged_blocks_are_recomputed(tiny_chaotic_dir, tmp_path, want, damage)
         assert_idle(cluster)
 
 
-def test_a_store_made_read_only_mid_run_costs_only_its_writes(tiny_chaotic_dir, tmp_path, want):
+def test_a_store_made_read_only_mid_run_costs_only_its_writes(tiny_long_dir, tmp_path, want):
     if os.geteuid() != 0:
         pytest.skip("a read-only bind mount needs root")
     root = tmp_path / "kv"
     root.mkdir()
-    with LocalCluster(tiny_chaotic_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
+    with LocalCluster(tiny_long_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
         agents = Agents(cluster, want)
         agents.run_turn()
         subprocess.run(["mount", "--bind", str(root), str(root)], check=True)
@@ -327,9 +327,9 @@ def test_a_store_made_read_only_mid_run_costs_only_its_writes(tiny_chaotic_dir, 
     assert errors > 0  # the decode engines tried, failed, counted, and went on
 
 
-def test_reads_slower_than_the_deadline_are_recomputed(tiny_chaotic_dir, tmp_path, want):
+def test_reads_slower_than_the_deadline_are_recomputed(tiny_long_dir, tmp_path, want):
     storage = StorageConfig(root=str(tmp_path / "kv"), read_cap_mb_s=0.02, read_deadline_s=0.3)
-    with LocalCluster(tiny_chaotic_dir, config(tmp_path, storage=storage),
+    with LocalCluster(tiny_long_dir, config(tmp_path, storage=storage),
                       log_dir=tmp_path / "logs") as cluster:
         agents = Agents(cluster, want)
         started = time.monotonic()
@@ -343,12 +343,12 @@ def test_reads_slower_than_the_deadline_are_recomputed(tiny_chaotic_dir, tmp_pat
         assert_idle(cluster)
 
 
-def test_engines_sharing_a_capped_store_keep_it_within_the_cap(tiny_chaotic_dir, tmp_path, want):
+def test_engines_sharing_a_capped_store_keep_it_within_the_cap(tiny_long_dir, tmp_path, want):
     root = tmp_path / "kv"
-    block_bytes = LLMEngine(tiny_chaotic_dir, ENGINE).layout.full_block_bytes + HEADER_BYTES
+    block_bytes = LLMEngine(tiny_long_dir, ENGINE).layout.full_block_bytes + HEADER_BYTES
     cap_blocks = 12
     storage = StorageConfig(root=str(root), capacity_gb=cap_blocks * block_bytes / 1e9)
-    with LocalCluster(tiny_chaotic_dir, config(tmp_path, storage=storage),
+    with LocalCluster(tiny_long_dir, config(tmp_path, storage=storage),
                       log_dir=tmp_path / "logs") as cluster:
         agents = Agents(cluster, want)
         agents.run_rest()

@@ -35,9 +35,9 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 from dualpath.server import launch_ray  # noqa: E402
 from dualpath.server.launch_ray import RayCluster, node_resource  # noqa: E402
 
-ENGINE = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=256)
+ENGINE = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=512)
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
-LONG = SamplingParams(max_tokens=900, ignore_eos=True)  # decodes for a few seconds
+LONG = SamplingParams(max_tokens=3000, ignore_eos=True)  # decodes for a second or more
 CONVS = make_conversations(300, first_lengths=[45, 70, 101], append_lengths=[19, 27], seed=13)
 VICTIM_PROMPT = list(range(5, 60))
 ENGINE_TIMEOUT_S = 60.0  # heartbeats cannot tell a loss within a test: only Ray's report can
@@ -73,9 +73,9 @@ def ray_nodes():
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(ray_nodes, tiny_chaotic_dir, tmp_path_factory):
+def ray_cluster(ray_nodes, tiny_long_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-cluster")
-    cluster = RayCluster(tiny_chaotic_dir, config(root), log_dir=root / "logs",
+    cluster = RayCluster(tiny_long_dir, config(root), log_dir=root / "logs",
                          ray_address=ray_nodes.address)
     cluster.start()
     try:
@@ -85,8 +85,8 @@ def ray_cluster(ray_nodes, tiny_chaotic_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def want(tiny_chaotic_dir) -> list[list[list[int]]]:
-    return reference_outputs(tiny_chaotic_dir, ENGINE, CONVS, PARAMS)
+def want(tiny_long_dir) -> list[list[list[int]]]:
+    return reference_outputs(tiny_long_dir, ENGINE, CONVS, PARAMS)
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -181,24 +181,24 @@ def test_ray_kill_of_a_decode_actor_is_an_engine_loss_and_the_cluster_serves_on(
     assert_idle(cluster)
 
 
-def test_ray_start_fails_clearly_when_no_node_offers_a_config_node(ray_nodes, tiny_chaotic_dir,
+def test_ray_start_fails_clearly_when_no_node_offers_a_config_node(ray_nodes, tiny_long_dir,
                                                                    tmp_path):
     cfg = config(tmp_path, num_decode=RAY_NODES)  # config node 3: no Ray node offers it
     started = time.monotonic()
     with pytest.raises(DualPathError, match=node_resource(RAY_NODES)):
-        RayCluster(tiny_chaotic_dir, cfg, log_dir=tmp_path / "logs",
+        RayCluster(tiny_long_dir, cfg, log_dir=tmp_path / "logs",
                    ray_address=ray_nodes.address).start()
     assert time.monotonic() - started < 10
 
 
-def test_ray_start_fails_clearly_when_a_node_resource_is_used_up(ray_nodes, tiny_chaotic_dir,
+def test_ray_start_fails_clearly_when_a_node_resource_is_used_up(ray_nodes, tiny_long_dir,
                                                                  tmp_path):
     before = free_node_resources()
     hog = placement_group([{node_resource(2): before[node_resource(2)]}])
     ray.get(hog.ready(), timeout=30)
     try:
         with pytest.raises(DualPathError, match=f"within 3 s.*de2 needs .* of {node_resource(2)}"):
-            RayCluster(tiny_chaotic_dir, config(tmp_path), log_dir=tmp_path / "logs",
+            RayCluster(tiny_long_dir, config(tmp_path), log_dir=tmp_path / "logs",
                        ray_address=ray_nodes.address, placement_timeout_s=3).start()
     finally:
         remove_placement_group(hog)
@@ -207,7 +207,7 @@ def test_ray_start_fails_clearly_when_a_node_resource_is_used_up(ray_nodes, tiny
              what=f"{before}, not {free_node_resources()}")
 
 
-def test_ray_start_fails_at_once_when_an_engine_exits_before_joining(ray_nodes, tiny_chaotic_dir,
+def test_ray_start_fails_at_once_when_an_engine_exits_before_joining(ray_nodes, tiny_long_dir,
                                                                      tmp_path, monkeypatch):
     def bad_command(*args, **kwargs) -> list[str]:
         return [*engine_command(*args, **kwargs), "--no-such-option"]
@@ -215,7 +215,7 @@ def test_ray_start_fails_at_once_when_an_engine_exits_before_joining(ray_nodes, 
     monkeypatch.setattr(launch_ray, "engine_command", bad_command)
     started = time.monotonic()
     with pytest.raises(DualPathError, match=r"exited with status 2 before joining"):
-        RayCluster(tiny_chaotic_dir, config(tmp_path, num_decode=1), log_dir=tmp_path / "logs",
+        RayCluster(tiny_long_dir, config(tmp_path, num_decode=1), log_dir=tmp_path / "logs",
                    ray_address=ray_nodes.address).start()
     assert time.monotonic() - started < 60  # not the startup timeout
 
