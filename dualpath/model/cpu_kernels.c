@@ -528,57 +528,48 @@ static void NAME(block_softmax)(float *s, int64_t width, int64_t p0, int64_t nq,
 /* bf16 on vdpbf16ps: K packed per tile of KB keys as [D/2][KB][2] (pairs of d), V as
  * [ctx/2][D][2] (pairs of keys); q pairs and p pairs broadcast as 32-bit words. */
 #define PK T
-static inline __attribute__((always_inline)) void NAME(prefill_head_impl)(
-    const T *q, int64_t q_stride, int64_t q_len, int64_t q_pos0, const PK *kp, const PK *vp,
-    int64_t ctx, int64_t window, float scale, T *out, int64_t out_stride, float *s,
-    uint16_t *pb, const int64_t DV) {
-    const int64_t D = DV * 16;
-    for (int64_t i0 = 0; i0 < q_len; i0 += QB) {
-        int64_t nq = q_len - i0 < QB ? q_len - i0 : QB, p0 = q_pos0 + i0;
-        int64_t t_lo = NAME(first_key)(p0, window) / KB, t_hi = (p0 + nq - 1) / KB;
-        if (t_hi >= (ctx + KB - 1) / KB) t_hi = (ctx + KB - 1) / KB - 1;
-        int64_t k0 = t_lo * KB, width = (t_hi - t_lo + 1) * KB;
-        const uint32_t *qrow[QB];
-        for (int i = 0; i < QB; i++) qrow[i] = (const uint32_t *)(q + (i0 + (i < nq ? i : 0)) * q_stride);
-        for (int64_t t = t_lo; t <= t_hi; t++) { /* scores, 8 rows x 16 keys a tile */
-            __m512 acc[QB];
-            for (int i = 0; i < QB; i++) acc[i] = _mm512_setzero_ps();
-            const PK *kt = kp + t * KB * D;
-            for (int64_t dp = 0; dp < D / 2; dp++) {
-                __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(kt + dp * 2 * KB));
-                for (int i = 0; i < QB; i++)
-                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)qrow[i][dp]), kv);
-            }
-            for (int i = 0; i < nq; i++)
-                _mm512_storeu_ps(s + i * width + (t - t_lo) * KB, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
-        }
-        float sums[QB];
-        NAME(block_softmax)(s, width, p0, nq, k0, window, sums);
-        for (int64_t i = 0; i < nq; i++) /* p to bf16, as torch's flash attention does */
-            for (int64_t j = 0; j < width; j += 16)
-                _mm256_storeu_si256((__m256i *)(pb + i * width + j), dp_to_bf16(_mm512_loadu_ps(s + i * width + j)));
-        for (int64_t i = 0; i < nq; i += 2) { /* p.v, two rows at a time */
-            int two = i + 1 < nq;
-            const uint32_t *pa = (const uint32_t *)(pb + i * width);
-            const uint32_t *pc = (const uint32_t *)(pb + (i + two) * width);
-            __m512 a[MAX_DV], c[MAX_DV];
-            for (int64_t v = 0; v < DV; v++) a[v] = c[v] = _mm512_setzero_ps();
-            int64_t hi = (p0 + i + two - k0 + 2) / 2;
-            for (int64_t jp = 0; jp < hi; jp++) {
-                const PK *vrow = vp + (k0 / 2 + jp) * D * 2;
-                __m512bh wa = (__m512bh)_mm512_set1_epi32((int)pa[jp]);
-                __m512bh wc = (__m512bh)_mm512_set1_epi32((int)pc[jp]);
-                for (int64_t v = 0; v < DV; v++) {
-                    __m512bh vv = (__m512bh)_mm512_loadu_si512((const void *)(vrow + v * 32));
-                    a[v] = _mm512_dpbf16_ps(a[v], wa, vv);
-                    c[v] = _mm512_dpbf16_ps(c[v], wc, vv);
-                }
-            }
-            __m512 ia = _mm512_set1_ps(1.0f / sums[i]), ic = _mm512_set1_ps(1.0f / sums[i + two]);
-            for (int64_t v = 0; v < DV; v++) {
-                ST(out + (i0 + i) * out_stride + v * 16, _mm512_mul_ps(a[v], ia));
-                if (two) ST(out + (i0 + i + 1) * out_stride + v * 16, _mm512_mul_ps(c[v], ic));
-            }
+typedef const uint32_t *NAME(qblock)[QB]; /* each query row, as pairs of bf16 */
+
+static inline __attribute__((always_inline)) void NAME(load_queries)(
+    const T *q, int64_t q_stride, int64_t i0, int64_t nq, NAME(qblock) rows, float *qf,
+    const int64_t DV) {
+    (void)qf, (void)DV;
+    for (int i = 0; i < QB; i++) rows[i] = (const uint32_t *)(q + (i0 + (i < nq ? i : 0)) * q_stride);
+}
+
+/* acc[i] = q_i . k_j for the tile's 16 keys. */
+static inline __attribute__((always_inline)) void NAME(tile_scores)(
+    NAME(qblock) rows, const float *qf, const PK *kt, __m512 *acc, const int64_t DV) {
+    (void)qf;
+    for (int i = 0; i < QB; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < DV * 8; dp++) {
+        __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(kt + dp * 2 * KB));
+        for (int i = 0; i < QB; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)rows[i][dp]), kv);
+    }
+}
+
+/* The probabilities as bf16 (what torch's flash attention multiplies v by), in pb. */
+static inline void NAME(round_probs)(const float *s, int64_t width, int64_t nq, uint16_t *pb) {
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t j = 0; j < width; j += 16)
+            _mm256_storeu_si256((__m256i *)(pb + i * width + j), dp_to_bf16(_mm512_loadu_ps(s + i * width + j)));
+}
+
+/* a, c += p.v of rows i and i2 over keys [k0, k0 + n). */
+static inline __attribute__((always_inline)) void NAME(pair_values)(
+    const float *s, const uint16_t *pb, int64_t width, int64_t i, int64_t i2, const PK *vp,
+    int64_t k0, int64_t n, __m512 *a, __m512 *c, const int64_t DV) {
+    (void)s;
+    const uint32_t *pa = (const uint32_t *)(pb + i * width), *pc = (const uint32_t *)(pb + i2 * width);
+    for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
+        const PK *vrow = vp + (k0 / 2 + jp) * DV * 32;
+        __m512bh wa = (__m512bh)_mm512_set1_epi32((int)pa[jp]);
+        __m512bh wc = (__m512bh)_mm512_set1_epi32((int)pc[jp]);
+        for (int64_t v = 0; v < DV; v++) {
+            __m512bh vv = (__m512bh)_mm512_loadu_si512((const void *)(vrow + v * 32));
+            a[v] = _mm512_dpbf16_ps(a[v], wa, vv);
+            c[v] = _mm512_dpbf16_ps(c[v], wc, vv);
         }
     }
 }
@@ -601,54 +592,43 @@ static void NAME(pack_kv)(const T *cache, const int64_t *slots, int64_t ctx, int
 /* fp32 (and bf16 without vdpbf16ps, loaded as fp32): K packed per tile as [D][KB], V as
  * [ctx][D]. */
 #define PK float
-static inline __attribute__((always_inline)) void NAME(prefill_head_impl)(
-    const T *q, int64_t q_stride, int64_t q_len, int64_t q_pos0, const PK *kp, const PK *vp,
-    int64_t ctx, int64_t window, float scale, T *out, int64_t out_stride, float *s,
-    uint16_t *pb, const int64_t DV) {
-    const int64_t D = DV * 16;
+typedef int NAME(qblock)[1]; /* unused: the queries are staged as floats in qf */
+
+static inline __attribute__((always_inline)) void NAME(load_queries)(
+    const T *q, int64_t q_stride, int64_t i0, int64_t nq, NAME(qblock) rows, float *qf,
+    const int64_t DV) {
+    (void)rows;
+    for (int i = 0; i < QB; i++)
+        for (int64_t v = 0; v < DV; v++)
+            _mm512_storeu_ps(qf + (i * DV + v) * 16, i < nq ? LD(q + (i0 + i) * q_stride + v * 16) : _mm512_setzero_ps());
+}
+
+static inline __attribute__((always_inline)) void NAME(tile_scores)(
+    NAME(qblock) rows, const float *qf, const PK *kt, __m512 *acc, const int64_t DV) {
+    (void)rows;
+    for (int i = 0; i < QB; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < DV * 16; d++) {
+        __m512 kv = _mm512_loadu_ps(kt + d * KB);
+        for (int i = 0; i < QB; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i * DV * 16 + d]), kv, acc[i]);
+    }
+}
+
+static inline void NAME(round_probs)(const float *s, int64_t width, int64_t nq, uint16_t *pb) {
+    (void)s, (void)width, (void)nq, (void)pb; /* fp32 probabilities as they are */
+}
+
+static inline __attribute__((always_inline)) void NAME(pair_values)(
+    const float *s, const uint16_t *pb, int64_t width, int64_t i, int64_t i2, const PK *vp,
+    int64_t k0, int64_t n, __m512 *a, __m512 *c, const int64_t DV) {
     (void)pb;
-    float qf[QB * MAX_DV * 16];
-    for (int64_t i0 = 0; i0 < q_len; i0 += QB) {
-        int64_t nq = q_len - i0 < QB ? q_len - i0 : QB, p0 = q_pos0 + i0;
-        int64_t t_lo = NAME(first_key)(p0, window) / KB, t_hi = (p0 + nq - 1) / KB;
-        if (t_hi >= (ctx + KB - 1) / KB) t_hi = (ctx + KB - 1) / KB - 1;
-        int64_t k0 = t_lo * KB, width = (t_hi - t_lo + 1) * KB;
-        for (int i = 0; i < QB; i++)
-            for (int64_t v = 0; v < DV; v++)
-                _mm512_storeu_ps(qf + i * D + v * 16, i < nq ? LD(q + (i0 + i) * q_stride + v * 16) : _mm512_setzero_ps());
-        for (int64_t t = t_lo; t <= t_hi; t++) {
-            __m512 acc[QB];
-            for (int i = 0; i < QB; i++) acc[i] = _mm512_setzero_ps();
-            const PK *kt = kp + t * KB * D;
-            for (int64_t d = 0; d < D; d++) {
-                __m512 kv = _mm512_loadu_ps(kt + d * KB);
-                for (int i = 0; i < QB; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i * D + d]), kv, acc[i]);
-            }
-            for (int i = 0; i < nq; i++)
-                _mm512_storeu_ps(s + i * width + (t - t_lo) * KB, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
-        }
-        float sums[QB];
-        NAME(block_softmax)(s, width, p0, nq, k0, window, sums);
-        for (int64_t i = 0; i < nq; i += 2) {
-            int two = i + 1 < nq;
-            const float *pa = s + i * width, *pc = s + (i + two) * width;
-            __m512 a[MAX_DV], c[MAX_DV];
-            for (int64_t v = 0; v < DV; v++) a[v] = c[v] = _mm512_setzero_ps();
-            int64_t hi = p0 + i + two + 1 - k0;
-            for (int64_t j = 0; j < hi; j++) {
-                const PK *vrow = vp + (k0 + j) * D;
-                __m512 wa = _mm512_set1_ps(pa[j]), wc = _mm512_set1_ps(pc[j]);
-                for (int64_t v = 0; v < DV; v++) {
-                    __m512 vv = _mm512_loadu_ps(vrow + v * 16);
-                    a[v] = _mm512_fmadd_ps(wa, vv, a[v]);
-                    c[v] = _mm512_fmadd_ps(wc, vv, c[v]);
-                }
-            }
-            __m512 ia = _mm512_set1_ps(1.0f / sums[i]), ic = _mm512_set1_ps(1.0f / sums[i + two]);
-            for (int64_t v = 0; v < DV; v++) {
-                ST(out + (i0 + i) * out_stride + v * 16, _mm512_mul_ps(a[v], ia));
-                if (two) ST(out + (i0 + i + 1) * out_stride + v * 16, _mm512_mul_ps(c[v], ic));
-            }
+    const float *pa = s + i * width, *pc = s + i2 * width;
+    for (int64_t j = 0; j < n; j++) {
+        const PK *vrow = vp + (k0 + j) * DV * 16;
+        __m512 wa = _mm512_set1_ps(pa[j]), wc = _mm512_set1_ps(pc[j]);
+        for (int64_t v = 0; v < DV; v++) {
+            __m512 vv = _mm512_loadu_ps(vrow + v * 16);
+            a[v] = _mm512_fmadd_ps(wa, vv, a[v]);
+            c[v] = _mm512_fmadd_ps(wc, vv, c[v]);
         }
     }
 }
@@ -670,6 +650,45 @@ static void NAME(pack_kv)(const T *cache, const int64_t *slots, int64_t ctx, int
     }
 }
 #endif
+
+/* One head's queries in blocks of QB rows: scores over the keys the block sees, tile by tile;
+ * the softmax of each row; then p.v two rows at a time, whose 2 x DV accumulators stay in
+ * registers (DV is a constant where this is inlined). */
+static inline __attribute__((always_inline)) void NAME(prefill_head_impl)(
+    const T *q, int64_t q_stride, int64_t q_len, int64_t q_pos0, const PK *kp, const PK *vp,
+    int64_t ctx, int64_t window, float scale, T *out, int64_t out_stride, float *s,
+    uint16_t *pb, const int64_t DV) {
+    const int64_t ntiles = (ctx + KB - 1) / KB;
+    float qf[QB * MAX_DV * 16];
+    NAME(qblock) rows;
+    for (int64_t i0 = 0; i0 < q_len; i0 += QB) {
+        int64_t nq = q_len - i0 < QB ? q_len - i0 : QB, p0 = q_pos0 + i0;
+        int64_t t_lo = NAME(first_key)(p0, window) / KB, t_hi = (p0 + nq - 1) / KB;
+        if (t_hi >= ntiles) t_hi = ntiles - 1;
+        int64_t k0 = t_lo * KB, width = (t_hi - t_lo + 1) * KB;
+        NAME(load_queries)(q, q_stride, i0, nq, rows, qf, DV);
+        for (int64_t t = t_lo; t <= t_hi; t++) {
+            __m512 acc[QB];
+            NAME(tile_scores)(rows, qf, kp + t * KB * DV * 16, acc, DV);
+            for (int i = 0; i < nq; i++)
+                _mm512_storeu_ps(s + i * width + (t - t_lo) * KB, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+        }
+        float sums[QB];
+        NAME(block_softmax)(s, width, p0, nq, k0, window, sums);
+        NAME(round_probs)(s, width, nq, pb);
+        for (int64_t i = 0; i < nq; i += 2) {
+            int64_t i2 = i + 1 < nq ? i + 1 : i;
+            __m512 a[MAX_DV], c[MAX_DV];
+            for (int64_t v = 0; v < DV; v++) a[v] = c[v] = _mm512_setzero_ps();
+            NAME(pair_values)(s, pb, width, i, i2, vp, k0, p0 + i2 + 1 - k0, a, c, DV);
+            __m512 ia = _mm512_set1_ps(1.0f / sums[i]), ic = _mm512_set1_ps(1.0f / sums[i2]);
+            for (int64_t v = 0; v < DV; v++) {
+                ST(out + (i0 + i) * out_stride + v * 16, _mm512_mul_ps(a[v], ia));
+                if (i2 != i) ST(out + (i0 + i2) * out_stride + v * 16, _mm512_mul_ps(c[v], ic));
+            }
+        }
+    }
+}
 
 /* prefill_head_impl with the head size a constant, so its accumulators live in registers. */
 #define DP_HEAD(N) \
