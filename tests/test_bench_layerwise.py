@@ -51,15 +51,30 @@ def test_split_reads_part_reports_jct_and_reads_per_node(tiny_llama_dir, tmp_pat
 def test_lanes_part_measures_tpot_quiet_and_loaded_with_ep_traffic(tiny_llama_dir, tmp_path):
     """Part (b) on a tiny model: both lane settings run quiet and loaded phases; the DEs
     exchanged EP bytes and the PE pulled KV out of the DE buffers while loaded."""
-    data = _run(tmp_path, tiny_llama_dir, "b", "--kv-hit-tokens", "96", "--decode-tokens", "8",
-                "--compute-cap-mb-s", "20", "--chunk-kb", "16", "--ep-bytes-per-token", "4096")
+    data = _run(tmp_path, tiny_llama_dir, "b", "--kv-hit-tokens", "96", "--decode-tokens", "600",
+                "--settle-s", "0.05", "--compute-cap-mb-s", "20", "--chunk-kb", "16",
+                "--ep-bytes-per-token", "4096")
     summary, rows = data["summary"], data["parts"]["b"]
     for name in ("lanes", "fifo"):
         assert summary[f"tpot_inflation_{name}"] > 0
         assert summary[f"tpot_inflation_{name}_nic_only"] > 0
         for phase in ("quiet", "loaded"):
             for r in rows[name][phase]["rounds"]:
-                assert r["de_ep_bytes"] > 0 and r["tpot_s"] > 0
+                assert r["de_ep_bytes"] > 0 and r["tpot_s"] > 0 and r["ttst_s"] > 0
+                assert 0 < r["window_s"] and len(r["tpot_s_each"]) == 8  # the whole batch
+                assert r["de_loop_cpu_s"] > 0 and r["de_loop_runqueue_wait_s"] >= 0
         loaded = rows[name]["loaded"]["rounds"]
         assert all(r["kv_requests"] > 0 and r["pe_cnic_recv_bytes"] > 0 for r in loaded)
     assert data["configs"]["b"]["traffic"]["ep_bytes_per_token"] == 4096
+
+
+def test_token_clock_measures_tpot_inside_the_window_and_ttst_apart():
+    from dualpath.bench.layerwise_lanes import _TokenClock
+
+    clock = _TokenClock()
+    clock.times = [(0.0, 1), (2.0, 1), (2.1, 1), (2.2, 2), (2.4, 1), (9.0, 1)]
+    assert clock.decoding and clock.ttst_s() == 2.0  # the handoff, kept out of TPOT
+    # arrivals in [2.05, 2.5]: 2.1, 2.2 (2 tokens), 2.4 (1): 3 tokens in 0.3 s
+    assert clock.tpot_s(2.05, 2.5) == pytest.approx(0.1)
+    assert clock.tpot_s(2.3, 2.5) is None  # one arrival: no interval
+    assert not _TokenClock().decoding and _TokenClock().ttst_s() is None

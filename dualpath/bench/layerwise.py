@@ -53,13 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ep-bytes-per-token", type=int, default=48 << 10,
                         help="(b) EP traffic generator bytes per token (see engine/ep_traffic)")
     parser.add_argument("--chunk-kb", type=int, default=64, help="(b) lane arbitration unit")
+    parser.add_argument("--burst-chunks", type=int, default=1,
+                        help="(b) chunks a capped NIC may run ahead of its rate (1: an idle "
+                        "NIC does not send the EP exchange faster than its line rate)")
     parser.add_argument("--kv-hit-tokens", type=int, default=1024, help="(b) hit per KV request")
     parser.add_argument("--kv-in-flight", type=int, default=4,
                         help="(b) DE-path KV requests kept in flight in the loaded phase")
     parser.add_argument("--prefill", type=int, default=1,
                         help="(b) prefill engines (one: each extra one is a busy process on "
                         "a small machine)")
-    parser.add_argument("--decode-tokens", type=int, default=64, help="(b) tokens per decode")
+    parser.add_argument("--decode-tokens", type=int, default=256, help="(b) tokens per decode")
+    parser.add_argument("--settle-s", type=float, default=1.0,
+                        help="(b) seconds of KV traffic before the TPOT window opens")
     parser.add_argument("--read-cap-mb-s", type=float, default=30.0,
                         help="(c) storage-NIC read cap of every node")
     parser.add_argument("--agents", type=int, default=4, help="(c) agents")
@@ -101,7 +106,7 @@ def run_layerwise_bench(args: argparse.Namespace) -> dict[str, Any]:
             config = _lanes_config(args, engine, _fresh(work / "b" / "kv"))
             options = LanesOptions(kv_hit_tokens=args.kv_hit_tokens,
                                    decode_tokens=args.decode_tokens,
-                                   kv_in_flight=args.kv_in_flight)
+                                   kv_in_flight=args.kv_in_flight, settle_s=args.settle_s)
             rows = lanes_experiment(model_dir, config, vocab, options, work / "b" / "logs",
                                     step("(b) lanes vs FIFO", 4 * options.rounds))
             result["parts"]["b"], result["configs"]["b"] = rows, asdict(config)
@@ -135,7 +140,7 @@ def _batch_config(args: argparse.Namespace, engine: EngineConfig, store: Path) -
 def _lanes_config(args: argparse.Namespace, engine: EngineConfig, store: Path) -> ClusterConfig:
     cap = args.compute_cap_mb_s
     traffic = TrafficConfig(compute_send_cap_mb_s=cap, compute_recv_cap_mb_s=cap,
-                            chunk_bytes=args.chunk_kb << 10,
+                            chunk_bytes=args.chunk_kb << 10, burst_chunks=args.burst_chunks,
                             ep_bytes_per_token=args.ep_bytes_per_token)
     return ClusterConfig(engine=engine, storage=StorageConfig(root=str(store)),
                          traffic=traffic, num_prefill=args.prefill, num_decode=2,
@@ -191,13 +196,20 @@ def _summary(parts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             for name in ("lanes", "fifo") for phase in ("quiet", "loaded")}
         summary["de_step_ms"] = {f"{name}_{phase}": 1000 * b[name][phase]["de_step_s"]
                                  for name in ("lanes", "fifo") for phase in ("quiet", "loaded")}
+        # how long a DE's loop was runnable but waited for a CPU (schedstat), per second
+        summary["de_loop_runqueue_wait_frac"] = {
+            f"{name}_{phase}": b[name][phase]["de_loop_runqueue_wait_frac"]
+            for name in ("lanes", "fifo") for phase in ("quiet", "loaded")}
+        summary["ttst_s"] = {f"{name}_{phase}": b[name][phase]["ttst_s"]
+                             for name in ("lanes", "fifo") for phase in ("quiet", "loaded")}
         for name in ("lanes", "fifo"):
             quiet = b[name]["quiet"]
             added = (b[name]["loaded"]["de_ep_wait_s"] or 0.0) - (quiet["de_ep_wait_s"] or 0.0)
             summary[f"tpot_inflation_{name}_nic_only"] = (quiet["tpot_s"] + added) / quiet["tpot_s"]
         summary["testbed"] = {"compute_cap_mb_s": args.compute_cap_mb_s,
                               "ep_bytes_per_token": args.ep_bytes_per_token,
-                              "chunk_bytes": args.chunk_kb << 10}
+                              "chunk_bytes": args.chunk_kb << 10,
+                              "burst_chunks": args.burst_chunks}
     if "c" in parts:
         c = parts["c"]
         summary["split_read_jct_ratio"] = c["split_on"]["jct_s"] / c["split_off"]["jct_s"]

@@ -2,12 +2,16 @@
 
 2 prefill + 2 decode engines with capped compute NICs and the expert-parallel traffic generator
 on (``traffic.ep_bytes_per_token``: every prefill forward and decode step exchanges that many
-bytes per token with its group on the high lane and waits for it). Decode requests run alone,
-then again beside heavy KV traffic: a stream of DE-path requests whose large stored hits the
-prefill engines pull layer by layer out of the decode engines' buffers (through the decode
-engines' NICs, charged there too). TPOT and mean prefill forward time are measured in both
-phases, once with 99:1 lanes and once with one FIFO lane (``traffic.qos_lanes=false``), each on
-a fresh cluster over the same warm store.
+bytes per token with its group on the high lane and waits for it). A batch of decode
+requests runs alone, then again beside heavy KV traffic: a stream of DE-path requests whose
+large stored hits the prefill engines pull layer by layer out of the decode engines' buffers
+(through the decode engines' NICs, charged there too). The stream starts once every decode
+request is decoding on its DE, and TPOT is measured over the same window in both phases:
+from ``settle_s`` after that until the first request ends, so the same batch decodes with and
+without the KV traffic. (Time to the second token, the decode request's own KV handoff, is
+reported apart: it is KV traffic itself.) Mean prefill forward time is measured too; once with
+99:1 lanes and once with one FIFO lane (``traffic.qos_lanes=false``), each on a fresh cluster
+over the same warm store.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 
 from dualpath.config import ClusterConfig
+from dualpath.errors import DualPathError
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
 
@@ -32,12 +37,13 @@ class LanesOptions:
     """Sizes of part (b)."""
 
     decode_requests: int = 8
-    decode_tokens: int = 64
+    decode_tokens: int = 256  # enough that the whole batch decodes together for seconds
     decode_prompt_tokens: int = 64
     kv_prompts: int = 6  # distinct stored prompts the KV traffic pulls
     kv_hit_tokens: int = 1024
     kv_in_flight: int = 4  # DE-path requests kept in flight during the loaded phase
     rounds: int = 2  # quiet/loaded pairs per cluster
+    settle_s: float = 1.0  # KV traffic before the TPOT window opens (the same wait when quiet)
     seed: int = 5
 
 
@@ -50,12 +56,21 @@ class _TokenClock:
     def __call__(self, tokens: tuple[int, ...]) -> None:
         self.times.append((time.perf_counter(), len(tokens)))
 
-    def tpot_s(self) -> float | None:
-        """Time per output token after the first (None with fewer than two arrivals)."""
-        if len(self.times) < 2:
+    @property
+    def decoding(self) -> bool:
+        """Whether the second token came: the request decodes on its DE."""
+        return len(self.times) >= 2
+
+    def ttst_s(self) -> float | None:
+        """Time from the first token (the PE's) to the second (the DE's first)."""
+        return self.times[1][0] - self.times[0][0] if self.decoding else None
+
+    def tpot_s(self, start_s: float, end_s: float) -> float | None:
+        """Time per output token over the arrivals in [start_s, end_s] (None: fewer than 2)."""
+        inside = [(t, n) for t, n in self.times if start_s <= t <= end_s]
+        if len(inside) < 2:
             return None
-        count = sum(n for _, n in self.times[1:])
-        return (self.times[-1][0] - self.times[0][0]) / max(1, count)
+        return (inside[-1][0] - inside[0][0]) / max(1, sum(n for _, n in inside[1:]))
 
 
 def lanes_experiment(model_dir: Path, base: ClusterConfig, vocab: int, options: LanesOptions,
@@ -94,6 +109,9 @@ def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     forwards = [r["pe_forward_s"] for r in rounds if r["pe_forward_s"] is not None]
     waits = [r["de_ep_wait_s"] for r in rounds if r["de_ep_wait_s"] is not None]
     return {"tpot_s": statistics.mean(r["tpot_s"] for r in rounds),
+            "ttst_s": statistics.mean(r["ttst_s"] for r in rounds),
+            "de_loop_runqueue_wait_frac": statistics.mean(
+                r["de_loop_runqueue_wait_s"] / r["metrics_window_s"] for r in rounds),
             "de_step_s": statistics.mean(r["de_step_s"] or 0.0 for r in rounds),
             "de_ep_wait_s": statistics.mean(waits) if waits else None,
             "pe_forward_s": statistics.mean(forwards) if forwards else None,
@@ -102,27 +120,36 @@ def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _phase(cluster: LocalCluster, decode_prompts: list[list[int]], kv_prompts: list[list[int]],
            options: LanesOptions, rand: Any) -> dict[str, Any]:
-    """Run the decode requests (beside a stream of DE-path KV requests when ``kv_prompts``)."""
-    before = cluster.metrics()
+    """Decode a batch; beside a stream of DE-path KV requests, started once the whole batch
+    decodes, when ``kv_prompts``. TPOT over [settle_s after that, the first request's end]."""
     params = SamplingParams(max_tokens=options.decode_tokens, ignore_eos=True)
     clocks = [_TokenClock() for _ in decode_prompts]
-    stop = threading.Event()
-    pulled = [0]
+    futures = [cluster.submit(p, params, on_tokens=c) for p, c in zip(decode_prompts, clocks,
+                                                                       strict=True)]
+    while not all(c.decoding or f.done() for c, f in zip(clocks, futures, strict=True)):
+        time.sleep(0.005)
+    stop, pulled = threading.Event(), [0]
     loader = threading.Thread(target=_kv_stream, args=(cluster, kv_prompts, options, rand, stop,
                                                        pulled), daemon=True)
     if kv_prompts:
         loader.start()
-        time.sleep(1.0)  # let the pulls build up before decoding starts
-    futures = [cluster.submit(p, params, on_tokens=c) for p, c in zip(decode_prompts, clocks,
-                                                                       strict=True)]
+    time.sleep(options.settle_s)
+    start_s = time.perf_counter()
+    before = cluster.metrics()  # a PE answers between forwards: seconds late when loaded
     for future in futures:
         future.result(timeout=1800)
+    after, metrics_end_s = cluster.metrics(), time.perf_counter()
     stop.set()
     if kv_prompts:
         loader.join(timeout=600)
-    after = cluster.metrics()
-    tpots = [t for c in clocks if (t := c.tpot_s()) is not None]
+    end_s = min(c.times[-1][0] for c in clocks)
+    tpots = [t for c in clocks if (t := c.tpot_s(start_s, end_s)) is not None]
+    if not tpots:
+        raise DualPathError("the decode batch ended before the TPOT window opened: raise "
+                            "--decode-tokens or lower --settle-s")
     return {"tpot_s": statistics.mean(tpots), "tpot_s_each": tpots,
+            "window_s": end_s - start_s, "metrics_window_s": metrics_end_s - start_s,
+            "ttst_s": statistics.mean(t for c in clocks if (t := c.ttst_s()) is not None),
             "kv_requests": pulled[0], **_engine_deltas(before, after)}
 
 
@@ -152,7 +179,10 @@ def _engine_deltas(before: dict[str, dict], after: dict[str, dict]) -> dict[str,
                    for n, a in after.items() if a["role"] == role)
 
     forwards = delta("prefill", "num_forwards")
-    return {"pe_forward_s": delta("prefill", "forward_s_total") / forwards if forwards else None,
+    decodes = sum(1 for a in after.values() if a["role"] == "decode")
+    return {"de_loop_runqueue_wait_s": delta("decode", "loop_runqueue_wait_s") / max(1, decodes),
+            "de_loop_cpu_s": delta("decode", "loop_cpu_s") / max(1, decodes),
+            "pe_forward_s": delta("prefill", "forward_s_total") / forwards if forwards else None,
             "de_step_s": (delta("decode", "step_s_total") / steps
                           if (steps := delta("decode", "num_steps")) else None),
             "de_ep_bytes": delta("decode", "ep_bytes_sent"),

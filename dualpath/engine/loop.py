@@ -274,6 +274,7 @@ class EngineProcess:
                      "max_forward_hit_tokens"):
             if hasattr(self.worker, name):
                 values[name] = getattr(self.worker, name)
+        values.update(loop_thread_schedstat())
         return values
 
     def close(self) -> None:
@@ -281,6 +282,18 @@ class EngineProcess:
         self.storage.close()
         self.traffic.close()
         self.socket.close(0)
+
+
+def loop_thread_schedstat() -> dict[str, float]:
+    """The calling thread's time on a CPU and runnable but waiting for one (seconds, Linux
+    schedstat; empty where the kernel does not keep it): on a small testbed, how much the
+    engine loop's compute waits behind the emulated NIC's threads and the other engines."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns, _ = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        return {}
+    return {"loop_cpu_s": run_ns / 1e9, "loop_runqueue_wait_s": wait_ns / 1e9}
 
 
 def _ep_traffic(traffic: TrafficManager, config: ClusterConfig, engine: EngineConfig,

@@ -9,6 +9,11 @@ over all lanes when QoS lanes are off — paces it through the direction's token
 NIC is capped, runs it, and counts its bytes per kind and lane. It also tracks the most bytes
 charged in any 100 ms window.
 
+With lanes, a high-lane item that arrives while a lower lane's item waits out its pacing goes
+first: the waiting item goes back to the head of its lane and its bytes are refunded, so the
+emulated wire is shared as a NIC's virtual lanes share it, packet by packet, rather than a
+whole chunk at a time (one FIFO cannot reorder, so it waits).
+
 An item that is not ``ready`` (a grant request whose requester already holds all the grants it
 may hold) keeps the head of its lane: with lanes, the other lanes go on; with one FIFO, the
 NIC waits for it, as a work queue does. Items whose owner gave up are dropped uncharged.
@@ -72,6 +77,7 @@ class NicDirection:
         self.dropped: dict[WorkKind, int] = dict.fromkeys(WORK_KINDS, 0)
         self.peak = PeakWindow()
         self.queued_bytes = 0
+        self.num_preempted = 0  # lower-lane items sent back for a high-lane one
         self.progress_s = clock()  # last time the dispatcher looked at its queues
         self.closed = False
         self._thread = threading.Thread(target=self._dispatch, daemon=True,
@@ -118,16 +124,37 @@ class NicDirection:
     def _dispatch(self) -> None:
         """Pick, pace, run, count; until closed and drained."""
         while (item := self._next()) is not None:
-            if self.bucket is not None:
-                wait_s = self.bucket.reserve(item.nbytes, self._clock())
-                if wait_s > 0:
-                    time.sleep(wait_s)  # the emulated NIC's pacing
+            if self.bucket is not None and not self._paced(item):
+                continue  # a high-lane item came first: ``item`` is back in its lane
             charged_s = self._clock()
             moved = item.run()
             with self.cond:
                 self.peak.add(charged_s, item.nbytes)
                 if moved:
                     self.bytes[item.kind][item.lane] += item.nbytes
+
+    def _paced(self, item: Work) -> bool:
+        """Wait out ``item``'s share of the cap (the emulated NIC's pacing); False when a
+        ready high-lane item arrived meanwhile and ``item`` went back, refunded."""
+        assert self.bucket is not None
+        wait_s = self.bucket.reserve(item.nbytes, self._clock())
+        if wait_s <= 0:
+            return True
+        if self._arbiter is None or item.lane is Lane.HIGH:
+            time.sleep(wait_s)
+            return True
+        deadline_s, high = self._clock() + wait_s, self._queues[Lane.HIGH]
+        with self.cond:
+            while not (high and high[0].ready()):
+                left_s = deadline_s - self._clock()
+                if left_s <= 0:
+                    return True
+                self.cond.wait(left_s)
+            self._queues[item.lane].appendleft(item)
+            self.queued_bytes += item.nbytes
+            self.num_preempted += 1
+        self.bucket.refund(item.nbytes)
+        return False
 
     def _next(self) -> Work | None:
         """The next item to run; waits while idle; None once closed and drained."""
@@ -182,7 +209,7 @@ def direction_metrics(d: NicDirection, elapsed_s: float) -> dict[str, float | in
     side = d.side
     with d.cond:
         active, passive, copies = (dict(d.bytes[k]) for k in WORK_KINDS)
-        queued, peak = d.queued_bytes, d.peak.peak_bytes
+        queued, peak, preempted = d.queued_bytes, d.peak.peak_bytes, d.num_preempted
     total = sum(active.values()) + sum(passive.values()) + sum(copies.values())
     out: dict[str, float | int | None] = {}
     for lane in Lane:
@@ -192,6 +219,7 @@ def direction_metrics(d: NicDirection, elapsed_s: float) -> dict[str, float | in
     out[f"cnic_{side}_passive_bytes"] = sum(passive.values())
     out[f"cnic_{side}_total_bytes"] = total
     out[f"cnic_{side}_queue_bytes"] = queued
+    out[f"cnic_{side}_preempted"] = preempted
     out[f"cnic_{side}_utilization"] = (
         None if d.bucket is None else total / (d.bucket.rate_bytes_s * elapsed_s))
     out[f"cnic_{side}_peak_mb_s_100ms"] = peak / d.peak.window_s / 1e6

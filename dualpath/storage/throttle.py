@@ -36,3 +36,7 @@ class TokenBucket:
         self._last = now_s
         self._tokens -= nbytes
         return max(0.0, -self._tokens / self.rate_bytes_s)
+
+    def refund(self, nbytes: int) -> None:
+        """Give back a reservation whose bytes were not sent (at most up to the burst)."""
+        self._tokens = min(self.burst_bytes, self._tokens + nbytes)
