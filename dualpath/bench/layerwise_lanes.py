@@ -123,6 +123,7 @@ def _phase(cluster: LocalCluster, decode_prompts: list[list[int]], kv_prompts: l
     """Decode a batch; beside a stream of DE-path KV requests, started once the whole batch
     decodes, when ``kv_prompts``. TPOT over [settle_s after that, the first request's end]."""
     params = SamplingParams(max_tokens=options.decode_tokens, ignore_eos=True)
+    at_start = cluster.metrics()  # the PE's forwards count over the whole phase
     clocks = [_TokenClock() for _ in decode_prompts]
     futures = [cluster.submit(p, params, on_tokens=c) for p, c in zip(decode_prompts, clocks,
                                                                        strict=True)]
@@ -150,7 +151,8 @@ def _phase(cluster: LocalCluster, decode_prompts: list[list[int]], kv_prompts: l
     return {"tpot_s": statistics.mean(tpots), "tpot_s_each": tpots,
             "window_s": end_s - start_s, "metrics_window_s": metrics_end_s - start_s,
             "ttst_s": statistics.mean(t for c in clocks if (t := c.ttst_s()) is not None),
-            "kv_requests": pulled[0], **_engine_deltas(before, after)}
+            "kv_requests": pulled[0], **_engine_deltas(before, after),
+            "pe_forward_s": _pe_forward_s(at_start, after)}
 
 
 def _kv_stream(cluster: LocalCluster, kv_prompts: list[list[int]], options: LanesOptions,
@@ -172,17 +174,23 @@ def _kv_stream(cluster: LocalCluster, kv_prompts: list[list[int]], options: Lane
         time.sleep(0.01)
 
 
+def _pe_forward_s(before: dict[str, dict], after: dict[str, dict]) -> float | None:
+    """The PEs' mean forward time between two metrics snapshots (None: no forward)."""
+    pes = [n for n, a in after.items() if a["role"] == "prefill"]
+    forwards = sum(after[n]["num_forwards"] - before[n]["num_forwards"] for n in pes)
+    seconds = sum(after[n]["forward_s_total"] - before[n]["forward_s_total"] for n in pes)
+    return seconds / forwards if forwards else None
+
+
 def _engine_deltas(before: dict[str, dict], after: dict[str, dict]) -> dict[str, Any]:
-    """Per-role sums of what moved during a phase, and the PEs' mean forward time."""
+    """Per-role sums of what moved during the TPOT window (from ``before`` to ``after``)."""
     def delta(role: str, key: str) -> float:
         return sum(float(a.get(key) or 0) - float(before[n].get(key) or 0)
                    for n, a in after.items() if a["role"] == role)
 
-    forwards = delta("prefill", "num_forwards")
     decodes = sum(1 for a in after.values() if a["role"] == "decode")
     return {"de_loop_runqueue_wait_s": delta("decode", "loop_runqueue_wait_s") / max(1, decodes),
             "de_loop_cpu_s": delta("decode", "loop_cpu_s") / max(1, decodes),
-            "pe_forward_s": delta("prefill", "forward_s_total") / forwards if forwards else None,
             "de_step_s": (delta("decode", "step_s_total") / steps
                           if (steps := delta("decode", "num_steps")) else None),
             "de_ep_bytes": delta("decode", "ep_bytes_sent"),
