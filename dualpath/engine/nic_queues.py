@@ -10,7 +10,8 @@ NIC is capped, runs it, and counts its bytes per kind and lane. It also tracks t
 charged in any 100 ms window.
 
 With lanes, a high-lane item that arrives while a lower lane's item waits out its pacing goes
-first: the waiting item goes back to the head of its lane and its bytes are refunded, so the
+first (one that was already waiting when the arbiter gave the lower lane its weighted turn
+does not): the waiting item goes back to the head of its lane and its bytes are refunded, so the
 emulated wire is shared as a NIC's virtual lanes share it, packet by packet, rather than a
 whole chunk at a time (one FIFO cannot reorder, so it waits).
 
@@ -140,10 +141,13 @@ class NicDirection:
         wait_s = self.bucket.reserve(item.nbytes, self._clock())
         if wait_s <= 0:
             return True
-        if self._arbiter is None or item.lane is Lane.HIGH:
+        high = self._queues[Lane.HIGH]
+        with self.cond:  # a high item already waiting: the arbiter gave this lane its turn
+            turn_over_high = bool(high)
+        if self._arbiter is None or item.lane is Lane.HIGH or turn_over_high:
             time.sleep(wait_s)
             return True
-        deadline_s, high = self._clock() + wait_s, self._queues[Lane.HIGH]
+        deadline_s = self._clock() + wait_s
         with self.cond:
             while not (high and high[0].ready()):
                 left_s = deadline_s - self._clock()

@@ -95,3 +95,21 @@ def test_refund_gives_back_a_reservation_up_to_the_burst():
     assert bucket.reserve(50, 0.0) == 0.0  # back to 50
     bucket.refund(500)
     assert bucket.state[0] == 50.0  # never above the burst
+
+
+def test_a_lower_lane_keeps_its_weighted_turns_while_high_items_wait():
+    """Items queued together: the arbiter's turns for the KV lane are kept, not preempted, so
+    a backlogged high lane cannot starve it."""
+    log: list[tuple[str, float]] = []
+    nic = NicDirection("send", TokenBucket(RATE_BYTES_S, 0.0),
+                       {Lane.HIGH: 3, Lane.KV_LOAD: 1, Lane.KV_FORWARD: 1, Lane.KV_SAVE: 1})
+    try:
+        items = [_Item(f"high{i}", Lane.HIGH, 5_000, log) for i in range(8)]
+        items += [_Item(f"kv{i}", Lane.KV_LOAD, 5_000, log) for i in range(2)]
+        nic.put(items)
+        assert all(item.ran.wait(5) for item in items)
+    finally:
+        nic.close()
+    order = [name for name, _ in log]
+    assert nic.num_preempted == 0
+    assert order.index("kv0") < order.index("high7")  # its turn came amid the high items
