@@ -92,6 +92,14 @@ static inline __m512 dp_exp16(__m512 x) {
 
 static inline float dp_exp1(float x) { return _mm512_cvtss_f32(dp_exp16(_mm512_set1_ps(x))); }
 
+/* Zero the packed K and V tiles of ctx keys (whole KB-key tiles, elem bytes a value) before
+ * pack_kv fills them: the last tile's unused keys must read as zeros. */
+static inline void dp_clear_packed(void *kp, void *vp, int64_t ctx, int64_t D, size_t elem) {
+    size_t nbytes = elem * (size_t)(((ctx + KB - 1) / KB) * KB * D);
+    memset(kp, 0, nbytes);
+    memset(vp, 0, nbytes);
+}
+
 #define DP_CAT2(a, b) a##_##b
 #define DP_CAT(a, b) DP_CAT2(a, b)
 #define NAME(x) DP_CAT(dp_##x, SUF)
@@ -576,9 +584,8 @@ static inline __attribute__((always_inline)) void NAME(pair_values)(
 
 static void NAME(pack_kv)(const T *cache, const int64_t *slots, int64_t ctx, int64_t KVH,
                           int64_t kh, int64_t D, PK *kp, PK *vp) {
-    int64_t ntiles = (ctx + KB - 1) / KB, row = 2 * KVH * D;
-    memset(kp, 0, sizeof(PK) * (size_t)(ntiles * KB * D));
-    memset(vp, 0, sizeof(PK) * (size_t)(ntiles * KB * D));
+    int64_t row = 2 * KVH * D;
+    dp_clear_packed(kp, vp, ctx, D, sizeof(PK));
     for (int64_t j = 0; j < ctx; j++) {
         const uint32_t *k = (const uint32_t *)(cache + slots[j] * row + kh * D);
         const T *v = cache + slots[j] * row + (KVH + kh) * D;
@@ -635,9 +642,8 @@ static inline __attribute__((always_inline)) void NAME(pair_values)(
 
 static void NAME(pack_kv)(const T *cache, const int64_t *slots, int64_t ctx, int64_t KVH,
                           int64_t kh, int64_t D, PK *kp, PK *vp) {
-    int64_t ntiles = (ctx + KB - 1) / KB, row = 2 * KVH * D;
-    memset(kp, 0, sizeof(PK) * (size_t)(ntiles * KB * D));
-    memset(vp, 0, sizeof(PK) * (size_t)(ntiles * KB * D));
+    int64_t row = 2 * KVH * D;
+    dp_clear_packed(kp, vp, ctx, D, sizeof(PK));
     for (int64_t j = 0; j < ctx; j++) {
         const T *k = cache + slots[j] * row + kh * D, *v = k + KVH * D;
         PK *kt = kp + (j / KB) * KB * D;
