@@ -72,9 +72,16 @@ class TrafficConfig:
     compute_send_cap_mb_s: float | None = None  # compute-NIC send cap (MB/s); None = uncapped
     compute_recv_cap_mb_s: float | None = None  # compute-NIC receive cap (MB/s); None = uncapped
     chunk_bytes: int = 1 << 20  # arbitration unit: lanes take turns chunk by chunk
+    # The KV lanes' chunk (None: chunk_bytes). A KV chunk still waiting out its pacing yields
+    # to a high-lane item, so on a capped NIC a larger one costs the high lane no wait, and
+    # it cuts the per-byte work (dispatcher turns, grant round trips) of bulk KV traffic.
+    kv_chunk_bytes: int | None = None
     # A capped NIC may run this many chunks ahead of its average rate. One chunk would lose
     # bandwidth every time the dispatcher thread is scheduled late (measured: a busy CPU cut a
-    # 200 MB/s link to 72-95%); four (5 ms at 200 MB/s) kept it at 100%.
+    # 200 MB/s link to 72-95%); four (5 ms at 200 MB/s) kept it at 100%. 0: no chunk ever
+    # moves faster than the rate, not even on an idle NIC (exact wire time, for measuring
+    # latency; a late dispatcher loses what it was late by). Peers hold up to this many of
+    # this NIC's grants at once (at least one).
     burst_chunks: int = 4
     lane_weights: tuple[tuple[str, int], ...] = (
         ("high", 99), ("kv_load", 1), ("kv_forward", 1), ("kv_save", 1))
@@ -85,9 +92,15 @@ class TrafficConfig:
     # decode step exchanges with the other engines of its group on the high lane (0: off).
     ep_bytes_per_token: int = 0
 
+    def lane_chunk_bytes(self, lane: str) -> int:
+        """The chunk a transfer or copy on ``lane`` (a ``Lane`` value) is cut into."""
+        return self.chunk_bytes if lane == "high" else (self.kv_chunk_bytes or self.chunk_bytes)
+
     def __post_init__(self) -> None:
-        if self.chunk_bytes <= 0 or self.burst_chunks <= 0:
-            raise ValueError("chunk_bytes and burst_chunks must be > 0")
+        if self.chunk_bytes <= 0 or self.burst_chunks < 0:
+            raise ValueError("chunk_bytes must be > 0 and burst_chunks >= 0")
+        if self.kv_chunk_bytes is not None and self.kv_chunk_bytes <= 0:
+            raise ValueError("kv_chunk_bytes must be > 0 (or None for chunk_bytes)")
         if self.ep_bytes_per_token < 0 or not self.grant_timeout_s > 0:
             raise ValueError("ep_bytes_per_token must be >= 0 and grant_timeout_s > 0")
         for cap in (self.compute_send_cap_mb_s, self.compute_recv_cap_mb_s):

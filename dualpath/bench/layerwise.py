@@ -52,10 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="(b) every engine's compute-NIC cap, each way")
     parser.add_argument("--ep-bytes-per-token", type=int, default=48 << 10,
                         help="(b) EP traffic generator bytes per token (see engine/ep_traffic)")
-    parser.add_argument("--chunk-kb", type=int, default=64, help="(b) lane arbitration unit")
-    parser.add_argument("--burst-chunks", type=int, default=1,
-                        help="(b) chunks a capped NIC may run ahead of its rate (1: an idle "
-                        "NIC does not send the EP exchange faster than its line rate)")
+    parser.add_argument("--chunk-kb", type=int, default=64,
+                        help="(b) the high lane's chunk: the arbitration unit")
+    parser.add_argument("--kv-chunk-kb", type=int, default=256,
+                        help="(b) the KV lanes' chunk (a KV chunk waiting out its pacing "
+                        "yields to a high-lane one; larger costs the high lane no wait, and "
+                        "less CPU per byte)")
+    parser.add_argument("--burst-chunks", type=int, default=0,
+                        help="(b) chunks a capped NIC may run ahead of its rate (0: not even "
+                        "an idle NIC sends the EP exchange faster than its line rate, as a "
+                        "busy one cannot)")
     parser.add_argument("--kv-hit-tokens", type=int, default=1024, help="(b) hit per KV request")
     parser.add_argument("--kv-in-flight", type=int, default=4,
                         help="(b) DE-path KV requests kept in flight in the loaded phase")
@@ -141,6 +147,7 @@ def _lanes_config(args: argparse.Namespace, engine: EngineConfig, store: Path) -
     cap = args.compute_cap_mb_s
     traffic = TrafficConfig(compute_send_cap_mb_s=cap, compute_recv_cap_mb_s=cap,
                             chunk_bytes=args.chunk_kb << 10, burst_chunks=args.burst_chunks,
+                            kv_chunk_bytes=args.kv_chunk_kb << 10,
                             ep_bytes_per_token=args.ep_bytes_per_token)
     return ClusterConfig(engine=engine, storage=StorageConfig(root=str(store)),
                          traffic=traffic, num_prefill=args.prefill, num_decode=2,
@@ -209,6 +216,7 @@ def _summary(parts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         summary["testbed"] = {"compute_cap_mb_s": args.compute_cap_mb_s,
                               "ep_bytes_per_token": args.ep_bytes_per_token,
                               "chunk_bytes": args.chunk_kb << 10,
+                              "kv_chunk_bytes": args.kv_chunk_kb << 10,
                               "burst_chunks": args.burst_chunks}
     if "c" in parts:
         c = parts["c"]

@@ -11,9 +11,11 @@ charged in any 100 ms window.
 
 With lanes, a high-lane item that arrives while a lower lane's item waits out its pacing goes
 first (one that was already waiting when the arbiter gave the lower lane its weighted turn
-does not): the waiting item goes back to the head of its lane and its bytes are refunded, so the
-emulated wire is shared as a NIC's virtual lanes share it, packet by packet, rather than a
-whole chunk at a time (one FIFO cannot reorder, so it waits).
+does not): the waiting item goes back to the head of its lane, keeping the part of its pacing
+it has waited out (those bytes had their wire time) and refunding the rest, and the high item
+then waits out its own bytes. So the emulated wire is shared as a NIC's virtual lanes share it,
+packet by packet, rather than a whole chunk at a time, and no wire time is lost to the
+switch (one FIFO cannot reorder, so it waits).
 
 An item that is not ``ready`` (a grant request whose requester already holds all the grants it
 may hold) keeps the head of its lane: with lanes, the other lanes go on; with one FIFO, the
@@ -136,9 +138,11 @@ class NicDirection:
 
     def _paced(self, item: Work) -> bool:
         """Wait out ``item``'s share of the cap (the emulated NIC's pacing); False when a
-        ready high-lane item arrived meanwhile and ``item`` went back, refunded."""
+        ready high-lane item arrived meanwhile and ``item`` went back, keeping what it had
+        waited out (the wire time its bytes had so far) and refunding the rest."""
         assert self.bucket is not None
-        wait_s = self.bucket.reserve(item.nbytes, self._clock())
+        unpaid = item.nbytes - item.paid_bytes
+        wait_s = self.bucket.reserve(unpaid, self._clock())
         if wait_s <= 0:
             return True
         high = self._queues[Lane.HIGH]
@@ -157,7 +161,10 @@ class NicDirection:
             self._queues[item.lane].appendleft(item)
             self.queued_bytes += item.nbytes
             self.num_preempted += 1
-        self.bucket.refund(item.nbytes)
+            left_bytes = min(unpaid, round(max(0.0, deadline_s - self._clock())
+                                           * self.bucket.rate_bytes_s))
+        item.paid_bytes += unpaid - left_bytes
+        self.bucket.refund(left_bytes)
         return False
 
     def _next(self) -> Work | None:

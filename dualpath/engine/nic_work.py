@@ -158,12 +158,13 @@ class LiveSubmissions:
 class Work(ABC):
     """One item of a NIC direction's queues: at most ``chunk_bytes`` on one lane."""
 
-    __slots__ = ("lane", "nbytes")
+    __slots__ = ("lane", "nbytes", "paid_bytes")
     kind: ClassVar[WorkKind]
 
     def __init__(self, lane: Lane, nbytes: int) -> None:
         self.lane = lane
         self.nbytes = nbytes
+        self.paid_bytes = 0  # of its pacing, already waited out before a high item went first
 
     def dropped(self, now_s: float) -> bool:
         """True if the item is to be skipped without charging the NIC (its owner gave up)."""
@@ -196,8 +197,7 @@ class SubmissionWork(Work):
 
     def __init__(self, sub: Submission, lane: Lane, nbytes: int,
                  op: Callable[[], None]) -> None:
-        self.lane = lane
-        self.nbytes = nbytes
+        super().__init__(lane, nbytes)
         self.sub = sub
         self.op = op
         self.release: Callable[[], None] | None = None

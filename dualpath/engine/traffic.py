@@ -1,8 +1,9 @@
 """The traffic manager: every byte an engine moves goes through it, on a QoS lane.
 
 Transfers to and from peer engines (the compute network) are split into chunks of at most
-``chunk_bytes``; host↔device copies into pieces of the same size (PAPER §4.2: every byte into
-or out of the device goes through the device's compute NIC). Each direction of the compute NIC
+``chunk_bytes`` on the high lane and ``kv_chunk_bytes`` on the KV lanes; host↔device copies
+into pieces of the same size (PAPER §4.2: every byte into or out of the device goes through the
+device's compute NIC). Each direction of the compute NIC
 — send (writes, device → host copies) and receive (reads, host → device copies) — has one
 dispatcher thread (``nic_queues.NicDirection``) that keeps a queue per lane, lets the
 ``LaneArbiter`` pick which backlogged lane goes next (or, with ``qos_lanes=False``, takes every
@@ -95,7 +96,7 @@ class TrafficManager:
         self._server: GrantServer | None = None
         if any(cap is not None for cap in caps.values()):
             self._server = GrantServer(nic_host, self.config.grant_timeout_s,
-                                       self.config.burst_chunks, self._enqueue_passive,
+                                       max(1, self.config.burst_chunks), self._enqueue_passive,
                                        self._stalled, self._wake, clock)
 
     # --- the API ------------------------------------------------------------------------
@@ -118,7 +119,8 @@ class TrafficManager:
             raise ValueError(f"kind must be 'write' or 'read', got {kind!r}")
         backend = self._need_backend()
         lane = Lane(lane)
-        chunks = split_chunks(coalesce(validated(segments)), self.config.chunk_bytes)
+        chunks = split_chunks(coalesce(validated(segments)),
+                              self.config.lane_chunk_bytes(lane.value))
         sub = Submission(len(chunks))
         op = backend.write if kind == "write" else backend.read
         items: list[Work] = [MoveWork(sub, lane, sum(s[2] for s in c), partial(op, peer, c))
@@ -143,7 +145,7 @@ class TrafficManager:
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
         side = _NIC_SIDE[direction]
-        pieces, _nbytes = copy_pieces(dst, src, self.config.chunk_bytes)
+        pieces, _nbytes = copy_pieces(dst, src, self.config.lane_chunk_bytes(lane.value))
         ctx = tensor_context(dst, src)
         copier = self._copiers[side]
         sub = Submission(len(pieces))

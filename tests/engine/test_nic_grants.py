@@ -103,7 +103,8 @@ class Engine:
 
 
 def _capped(send_mb_s: float, **kw: object) -> TrafficConfig:
-    return TrafficConfig(compute_send_cap_mb_s=send_mb_s, chunk_bytes=CHUNK, burst_chunks=2,
+    kw.setdefault("burst_chunks", 2)
+    return TrafficConfig(compute_send_cap_mb_s=send_mb_s, chunk_bytes=CHUNK,
                          **kw)  # type: ignore[arg-type]
 
 
@@ -129,6 +130,21 @@ def engines() -> Iterator[list[Engine]]:
 
 
 # --- the acceptance point: a decode engine pulled by two prefill engines ----------------------
+
+
+def test_a_nic_without_burst_still_grants_one_chunk_at_a_time(engines):
+    cap = 40.0
+    de = Engine(_capped(cap, burst_chunks=0), mooncake=True)
+    pe = Engine(TrafficConfig(compute_recv_cap_mb_s=10_000, chunk_bytes=CHUNK), mooncake=True)
+    engines.extend([de, pe])
+    pe.knows(de)
+    start = time.monotonic()
+    pe.pull(de, 2 * MB).result(10)
+    elapsed = time.monotonic() - start
+    m = de.tm.metrics()
+    assert m["cnic_send_passive_bytes"] == 2 * MB
+    assert elapsed >= 2 * MB / (cap * 1e6) * 0.95  # no chunk went ahead of the rate
+    assert peak_mb_s(pe.backend.events) <= 1.1 * cap
 
 
 @pytest.mark.parametrize("grants", [True, False])

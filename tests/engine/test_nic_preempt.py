@@ -67,6 +67,28 @@ def test_high_item_arriving_during_a_kv_items_pacing(qos_lanes):
     assert total == 210_000  # a preempted item is charged once, when it runs
 
 
+def test_a_preempted_item_keeps_the_pacing_it_had_waited_out():
+    """No wire time is lost to a preemption: the KV item runs once its own bytes and the high
+    item's have had their time (0.41 s), not after a fresh full wait (0.61 s)."""
+    log: list[tuple[str, float]] = []
+    nic = _direction(True)
+    try:
+        kv = _Item("kv", Lane.KV_LOAD, 400_000, log)  # paced for 0.4 s
+        high = _Item("high", Lane.HIGH, 10_000, log)
+        began = time.monotonic()
+        nic.put([kv])
+        time.sleep(0.2)  # half of the KV item's bytes had their wire time
+        nic.put([high])
+        assert kv.ran.wait(5) and high.ran.wait(5)
+    finally:
+        nic.close()
+    ran_at = {name: at - began for name, at in log}
+    assert nic.num_preempted == 1
+    assert 0.2 < ran_at["high"] < 0.3  # its own 0.01 s after it came
+    assert 0.4 < ran_at["kv"] < 0.53
+    assert kv.paid_bytes == pytest.approx(200_000, abs=30_000)
+
+
 def test_a_high_item_that_is_not_ready_does_not_preempt():
     class _Waiting(_Item):
         def ready(self) -> bool:

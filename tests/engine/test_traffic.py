@@ -171,6 +171,26 @@ def test_backend_sees_chunks_of_at_most_chunk_bytes():
     assert whole == segments[:10]  # 48 KB blocks are never cut
 
 
+def test_kv_lanes_move_in_kv_chunks_and_the_high_lane_in_chunks():
+    backend = Recorder()
+    config = TrafficConfig(chunk_bytes=64 * KB, kv_chunk_bytes=256 * KB)
+    with TrafficManager(backend, config) as tm:
+        tm.write("peer", [(0, MB, MB)], Lane.KV_LOAD)
+        kv_sizes = [sum(s[2] for s in segs) for _, segs in backend.calls]
+        backend.calls.clear()
+        tm.write("peer", [(0, MB, MB)], Lane.HIGH)
+        high_sizes = [sum(s[2] for s in segs) for _, segs in backend.calls]
+        dst, src = bytearray(MB), bytearray(b"\x07" * MB)
+        assert tm.copy(dst, src, Lane.KV_SAVE) == MB and dst == src
+        m = tm.metrics()
+    assert kv_sizes == [256 * KB] * 4
+    assert high_sizes == [64 * KB] * 16
+    assert m["d2h_bytes"] == MB
+    assert TrafficConfig(chunk_bytes=64 * KB).lane_chunk_bytes("kv_save") == 64 * KB  # default
+    with pytest.raises(ValueError, match="kv_chunk_bytes"):
+        TrafficConfig(kv_chunk_bytes=0)
+
+
 def test_write_and_read_round_trip_through_chunks(link):
     link.abuf[: 3 * MB] = bytes(range(256)) * (3 * MB // 256)
     link.tm.write(link.b.endpoint, [(link.aaddr, link.baddr + MB, 3 * MB)], Lane.KV_FORWARD)
