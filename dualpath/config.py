@@ -81,7 +81,7 @@ class TrafficConfig:
     # 200 MB/s link to 72-95%); four (5 ms at 200 MB/s) kept it at 100%. 0: no chunk ever
     # moves faster than the rate, not even on an idle NIC (exact wire time, for measuring
     # latency; a late dispatcher loses what it was late by). Peers hold up to this many of
-    # this NIC's grants at once (at least one).
+    # this NIC's grants at once (at least two: ``traffic.grant_credit``).
     burst_chunks: int = 4
     lane_weights: tuple[tuple[str, int], ...] = (
         ("high", 99), ("kv_load", 1), ("kv_forward", 1), ("kv_save", 1))

@@ -66,7 +66,11 @@ def test_lanes_part_measures_tpot_quiet_and_loaded_with_ep_traffic(tiny_llama_di
         assert rows[name]["quiet"]["pe_forward_s"] > 0  # the batch's own prefills
         loaded = rows[name]["loaded"]["rounds"]
         assert all(r["kv_requests"] > 0 and r["pe_cnic_recv_bytes"] > 0 for r in loaded)
-    assert data["configs"]["b"]["traffic"]["ep_bytes_per_token"] == 4096
+        assert summary["pe_kv_recv_mb_s"][f"{name}_loaded"] > 0
+    traffic = data["configs"]["b"]["traffic"]
+    assert traffic["ep_bytes_per_token"] == 4096
+    assert (traffic["chunk_bytes"], traffic["kv_chunk_bytes"], traffic["burst_chunks"]) == (
+        16 << 10, 256 << 10, 0)
 
 
 def test_token_clock_measures_tpot_inside_the_window_and_ttst_apart():

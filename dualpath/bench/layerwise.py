@@ -207,6 +207,8 @@ def _summary(parts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         summary["de_loop_runqueue_wait_frac"] = {
             f"{name}_{phase}": b[name][phase]["de_loop_runqueue_wait_frac"]
             for name in ("lanes", "fifo") for phase in ("quiet", "loaded")}
+        summary["pe_kv_recv_mb_s"] = {f"{name}_loaded": b[name]["loaded"]["pe_kv_recv_mb_s"]
+                                      for name in ("lanes", "fifo")}
         summary["ttst_s"] = {f"{name}_{phase}": b[name][phase]["ttst_s"]
                              for name in ("lanes", "fifo") for phase in ("quiet", "loaded")}
         for name in ("lanes", "fifo"):

@@ -114,6 +114,8 @@ def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                 r["de_loop_runqueue_wait_s"] / r["metrics_window_s"] for r in rounds),
             "de_step_s": statistics.mean(r["de_step_s"] or 0.0 for r in rounds),
             "de_ep_wait_s": statistics.mean(waits) if waits else None,
+            "pe_kv_recv_mb_s": statistics.mean(  # the KV traffic's weight
+                r["pe_cnic_recv_bytes"] / r["metrics_window_s"] / 1e6 for r in rounds),
             "pe_forward_s": statistics.mean(forwards) if forwards else None,
             "rounds": rounds}
 

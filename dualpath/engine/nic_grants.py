@@ -16,9 +16,9 @@ Credits: a grant is a slot of the passive NIC's time, but the active side moves 
 little later (its own queue, its threads). So that a requester that falls behind (its CPU
 busy, a slow backend call) cannot collect grants and then move them back to back, past the
 passive NIC's cap, it reports each granted chunk "done" once moved (or dropped), and holds at
-most ``burst_chunks`` grants not yet done (at least one); a request of a requester without
-credit keeps the head of its lane until it has some (the same bound as the token bucket's
-burst).
+most ``burst_chunks`` grants not yet done (the same bound as the token bucket's burst, and at
+least two, so that the two ends pace a transfer's consecutive chunks at once rather than by
+turns); a request of a requester without credit keeps the head of its lane until it has some.
 
 Liveness, so nothing leaks or wedges:
 

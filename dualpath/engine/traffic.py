@@ -66,6 +66,13 @@ _NIC_SIDE: dict[str, str] = {"write": "send", "read": "recv", "d2h": "send", "h2
 _OPPOSITE = {"send": "recv", "recv": "send"}
 
 
+def grant_credit(config: TrafficConfig) -> int:
+    """How many of this NIC's grants a peer may hold at once: ``burst_chunks``, and at least
+    two, so that this NIC paces a peer's next chunk while the peer paces the one granted (with
+    one, the two ends would take turns: half the rate)."""
+    return max(2, config.burst_chunks)
+
+
 class TrafficManager:
     """An engine's data movement: lanes, chunking, compute-NIC caps (both ends) and counters.
 
@@ -96,7 +103,7 @@ class TrafficManager:
         self._server: GrantServer | None = None
         if any(cap is not None for cap in caps.values()):
             self._server = GrantServer(nic_host, self.config.grant_timeout_s,
-                                       max(1, self.config.burst_chunks), self._enqueue_passive,
+                                       grant_credit(self.config), self._enqueue_passive,
                                        self._stalled, self._wake, clock)
 
     # --- the API ------------------------------------------------------------------------
