@@ -81,7 +81,7 @@ class TrafficConfig:
     # 200 MB/s link to 72-95%); four (5 ms at 200 MB/s) kept it at 100%. 0: no chunk ever
     # moves faster than the rate, not even on an idle NIC (exact wire time, for measuring
     # latency; a late dispatcher loses what it was late by). Peers hold up to this many of
-    # this NIC's grants at once (at least two: ``traffic.grant_credit``).
+    # this NIC's grants at once (at least two: ``grant_credit``).
     burst_chunks: int = 4
     lane_weights: tuple[tuple[str, int], ...] = (
         ("high", 99), ("kv_load", 1), ("kv_forward", 1), ("kv_save", 1))
@@ -91,6 +91,13 @@ class TrafficConfig:
     # Expert-parallel traffic generator (testbed): bytes per token each prefill forward and
     # decode step exchanges with the other engines of its group on the high lane (0: off).
     ep_bytes_per_token: int = 0
+
+    @property
+    def grant_credit(self) -> int:
+        """How many of this NIC's grants a peer may hold at once: ``burst_chunks``, and at least
+        two, so that this NIC paces a peer's next chunk while the peer paces the one granted
+        (with one, the two ends would take turns: half the rate)."""
+        return max(2, self.burst_chunks)
 
     def lane_chunk_bytes(self, lane: str) -> int:
         """The chunk a transfer or copy on ``lane`` (a ``Lane`` value) is cut into."""

@@ -156,7 +156,7 @@ class LiveSubmissions:
 
 
 class Work(ABC):
-    """One item of a NIC direction's queues: at most ``chunk_bytes`` on one lane."""
+    """One item of a NIC direction's queues: at most its lane's chunk, on one lane."""
 
     __slots__ = ("lane", "nbytes", "paid_bytes")
     kind: ClassVar[WorkKind]

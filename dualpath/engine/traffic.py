@@ -3,10 +3,10 @@
 Transfers to and from peer engines (the compute network) are split into chunks of at most
 ``chunk_bytes`` on the high lane and ``kv_chunk_bytes`` on the KV lanes; host↔device copies
 into pieces of the same size (PAPER §4.2: every byte into or out of the device goes through the
-device's compute NIC). Each direction of the compute NIC
-— send (writes, device → host copies) and receive (reads, host → device copies) — has one
-dispatcher thread (``nic_queues.NicDirection``) that keeps a queue per lane, lets the
-``LaneArbiter`` pick which backlogged lane goes next (or, with ``qos_lanes=False``, takes every
+device's compute NIC). Each direction of the compute NIC — send (writes, device → host copies)
+and receive (reads, host → device copies) — has one dispatcher thread
+(``nic_queues.NicDirection``) that keeps a queue per lane, lets the ``LaneArbiter`` pick which
+backlogged lane goes next (or, with ``qos_lanes=False``, takes every
 lane's work from one FIFO in arrival order: the ablation of the lanes), paces the chunk through
 a token bucket when the NIC is capped (the testbed's emulated NIC; off on real hardware) and
 runs it. So high-lane traffic gets about 99% of a busy link, KV traffic the rest, and KV
@@ -66,13 +66,6 @@ _NIC_SIDE: dict[str, str] = {"write": "send", "read": "recv", "d2h": "send", "h2
 _OPPOSITE = {"send": "recv", "recv": "send"}
 
 
-def grant_credit(config: TrafficConfig) -> int:
-    """How many of this NIC's grants a peer may hold at once: ``burst_chunks``, and at least
-    two, so that this NIC paces a peer's next chunk while the peer paces the one granted (with
-    one, the two ends would take turns: half the rate)."""
-    return max(2, config.burst_chunks)
-
-
 class TrafficManager:
     """An engine's data movement: lanes, chunking, compute-NIC caps (both ends) and counters.
 
@@ -103,7 +96,7 @@ class TrafficManager:
         self._server: GrantServer | None = None
         if any(cap is not None for cap in caps.values()):
             self._server = GrantServer(nic_host, self.config.grant_timeout_s,
-                                       grant_credit(self.config), self._enqueue_passive,
+                                       self.config.grant_credit, self._enqueue_passive,
                                        self._stalled, self._wake, clock)
 
     # --- the API ------------------------------------------------------------------------
