@@ -1,8 +1,9 @@
 """Part (b) of ``dualpath bench layerwise``: do the QoS lanes keep KV traffic off the EP path?
 
-2 prefill + 2 decode engines with capped compute NICs and the expert-parallel traffic generator
-on (``traffic.ep_bytes_per_token``: every prefill forward and decode step exchanges that many
-bytes per token with its group on the high lane and waits for it). A batch of decode
+Prefill engines (``--prefill``, one by default) and 2 decode engines with capped compute NICs
+and the expert-parallel traffic generator on (``traffic.ep_bytes_per_token``: every prefill
+forward and decode step exchanges that many bytes per token with its group on the high lane and
+waits for it). A batch of decode
 requests runs alone, then again beside heavy KV traffic: a stream of DE-path requests whose
 large stored hits the prefill engines pull layer by layer out of the decode engines' buffers
 (through the decode engines' NICs, charged there too). The stream starts once every decode
@@ -176,19 +177,23 @@ def _kv_stream(cluster: LocalCluster, kv_prompts: list[list[int]], options: Lane
         time.sleep(0.01)
 
 
+def _role_delta(before: dict[str, dict], after: dict[str, dict], role: str, key: str) -> float:
+    """How much ``key`` grew between two metrics snapshots, summed over the engines of ``role``."""
+    return sum(float(a.get(key) or 0) - float(before[n].get(key) or 0)
+               for n, a in after.items() if a["role"] == role)
+
+
 def _pe_forward_s(before: dict[str, dict], after: dict[str, dict]) -> float | None:
     """The PEs' mean forward time between two metrics snapshots (None: no forward)."""
-    pes = [n for n, a in after.items() if a["role"] == "prefill"]
-    forwards = sum(after[n]["num_forwards"] - before[n]["num_forwards"] for n in pes)
-    seconds = sum(after[n]["forward_s_total"] - before[n]["forward_s_total"] for n in pes)
+    forwards = _role_delta(before, after, "prefill", "num_forwards")
+    seconds = _role_delta(before, after, "prefill", "forward_s_total")
     return seconds / forwards if forwards else None
 
 
 def _engine_deltas(before: dict[str, dict], after: dict[str, dict]) -> dict[str, Any]:
     """Per-role sums of what moved during the TPOT window (from ``before`` to ``after``)."""
     def delta(role: str, key: str) -> float:
-        return sum(float(a.get(key) or 0) - float(before[n].get(key) or 0)
-                   for n, a in after.items() if a["role"] == role)
+        return _role_delta(before, after, role, key)
 
     decodes = sum(1 for a in after.values() if a["role"] == "decode")
     return {"de_loop_runqueue_wait_s": delta("decode", "loop_runqueue_wait_s") / max(1, decodes),
