@@ -87,6 +87,7 @@ class AgentsOptions:
     read_deadline_s: float = 600.0  # a read given up is recomputed: basic must not recompute
     prefill: int = 1
     decode: int = 2
+    split_read: bool = False  # dualpath and round_robin read a hit partly on each side
     offline: bool = True
     # Store every agent's first prompt (untimed, after the warm-up) before the timed run: the
     # agent's system and tool prompt, which real deployments keep cached. The timed run then
@@ -120,6 +121,7 @@ def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterCon
         compute_cap_mb_s=options.compute_cap_mb_s, read_deadline_s=options.read_deadline_s,
         policy="round_robin" if mode == "round_robin" else "dualpath",
         num_prefill=options.prefill, num_decode=options.decode,
+        split_read=options.split_read and mode in ("dualpath", "round_robin"),
         host_pool_blocks=options.host_pool_blocks,
         save_staging_blocks=options.save_staging_blocks)
 

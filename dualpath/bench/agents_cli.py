@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--online-modes", default="basic,dualpath",
                    help="modes whose online capacity is searched ('' for none)")
     p.add_argument("--offline-off", action="store_true", help="skip the offline runs")
+    p.add_argument("--split-read", action="store_true",
+                   help="dualpath and round_robin read one hit partly on each side (DESIGN §9)")
     p.add_argument("--cold-start", action="store_true",
                    help="time each agent's first prompt as a cold prefill (default: it is "
                    "stored beforehand, untimed, as a deployment keeps the system prompt)")
@@ -58,7 +60,7 @@ def command(args: argparse.Namespace) -> int:
         read_cap_mb_s=args.read_cap_mb_s, compute_cap_mb_s=args.compute_cap_mb_s,
         online_trials=args.online_trials, prime_first_turns=not args.cold_start,
         ttft_slo_s=args.ttft_slo_s, profile=args.profile, model=args.model, dtype=args.dtype,
-        block_size=args.block_size,
+        block_size=args.block_size, split_read=args.split_read or None,
         seed=args.seed, json_path=args.json or "", work_dir=args.dir)
     run_bench(options)
     return 0

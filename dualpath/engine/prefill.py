@@ -6,8 +6,14 @@ so reads overlap the compute of earlier requests. Requests whose reads are done 
 in arrival order under the compute quota (``scheduler/batch.py``, PAPER §5.5): whole requests
 while the predicted time fits, then the largest chunk of the next one; the rest of a chunked
 request goes into later batches. Without a cost model (no profile) each forward takes one whole
-request. The forward computes only the miss tokens; per request, ``PrefillHooks`` load its hit
-KV (first chunk) and forward each layer's new blocks to its DE buffer, overlapped with compute.
+request. The queue is in placement order (the router's wire ids: a DE-path request, which
+arrives once its DE buffer is filled, takes the place it was given), and a request still
+reading is passed over, not waited for, so a long read on this node's storage NIC does not
+idle the PE while other requests' KV is ready (PAPER §5.5 is silent on both; the simulator
+also passes over reads, queueing a request once its read is done).
+
+The forward computes only the miss tokens; per request, ``PrefillHooks`` load its hit KV
+(first chunk) and forward each layer's new blocks to its DE buffer, overlapped with compute.
 
 In the layerwise modes the device cache holds a window of layers (``prefill_layer_window``), so
 the same device-KV budget holds ``num_layers / window`` times the blocks and batches grow by as
@@ -138,8 +144,17 @@ class PrefillWorker:
                                "holds a layer window (it runs layerwise modes)")
         job = self._new_job(msg)
         job.waiting_slots = job.num_pe_read_blocks > 0
-        self._jobs.append(job)
+        self._enqueue(job)
         self.start_reads()
+
+    def _enqueue(self, job: _Job) -> None:
+        """Queue a job in placement order (the router numbers attempts as it places them): a
+        DE-path request arrives once its DE buffer is filled, and takes the place it was
+        given then, so its storage read overlaps its wait as a PE-path read does."""
+        at = len(self._jobs)
+        while at > 0 and self._jobs[at - 1].msg.req_id > job.msg.req_id:
+            at -= 1
+        self._jobs.insert(at, job)
 
     def _new_job(self, msg: Prefill) -> _Job:
         """A job and the leading hit blocks it reads here (no more than the pool holds: a
@@ -206,8 +221,8 @@ class PrefillWorker:
 
     @property
     def has_ready_job(self) -> bool:
-        """True when the oldest request can be computed now."""
-        return bool(self._jobs) and self._jobs[0].ready
+        """True when some accepted request can be computed now."""
+        return any(job.ready for job in self._jobs)
 
     @property
     def free_kv_blocks(self) -> int:
@@ -227,12 +242,9 @@ class PrefillWorker:
     def run_next(self) -> list[Message]:
         """Run one forward batch of ready requests; returns the messages to send."""
         out: list[Message] = []
-        ready = []
-        for job in self._jobs:  # FIFO: stop at the first request still reading
-            if not job.ready:
-                break
+        ready = [job for job in self._jobs if job.ready]  # FIFO, passing over reads in flight
+        for job in ready:
             out.extend(self._report_read(job))
-            ready.append(job)
         batch = self._pick(ready)
         try:
             out.extend(self._forward(batch))

@@ -87,3 +87,13 @@ def test_nic_rates_are_per_interval_and_a_late_sample_makes_no_spike():
     assert out["t_s"] == [1.0, 2.9, 4.0]
     assert max(out["nodes"]["0"]["snic_mb_s"]) < 32  # two NICs' worth at most, not 11
     assert abs(out["nodes"]["0"]["snic_busy"] - 1.0) < 1e-9  # bytes over the whole span
+
+
+def test_split_read_applies_to_the_modes_that_choose_a_path(tmp_path):
+    from dualpath.bench.agents import AgentsOptions, cluster_config
+
+    options = AgentsOptions(split_read=True)
+    assert cluster_config(options, "dualpath", tmp_path).split_read
+    assert cluster_config(options, "round_robin", tmp_path).split_read
+    assert not cluster_config(options, "basic", tmp_path).split_read
+    assert not cluster_config(AgentsOptions(), "dualpath", tmp_path).split_read
