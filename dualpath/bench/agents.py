@@ -56,6 +56,13 @@ from dualpath.bench.report import machine_profile
 from dualpath.config import ClusterConfig
 
 MODES = ("basic", "layerwise", "round_robin", "dualpath", "oracle")
+# A calibrated storage cap lets the prefill node's NIC alone read the timed run's hits in this
+# many times the oracle's JCT: basic is storage-bound (about 2x the compute-bound time, as the
+# paper's Basic is up to 1.87x slower than DualPath), and the three NICs of 1 PE + 2 DE can
+# read them in 2/3 of the oracle's time, as the paper's DualPath reads within its compute.
+STORAGE_BOUND = 2.0
+# The oracle moves no KV, so its caps do not matter; it runs under this one while calibrating.
+NOMINAL_CAP_MB_S = 1000.0
 VIAS = ("python", "http")
 
 
@@ -75,10 +82,10 @@ class AgentsOptions:
     trace_dir: str | None = None  # the traces folder (else $DUALPATH_TRACES_DIR)
     max_context: int = 8192
     model: str | None = None
-    # Storage-NIC read cap per node. 16 MB/s of float32 KV is ~350 tokens/s: basic is then
-    # storage-bound on the default workload (its prefill node's NIC ~95% busy), DESIGN §6;
-    # at 24 MB/s it was less so (basic 69 s, dualpath 55 s, oracle 41 s).
-    read_cap_mb_s: float = 16.0
+    # Storage-NIC read cap per node (MB/s). None: calibrated on this machine after the oracle's
+    # run, so that basic is storage-bound by the same margin on any CPU (DESIGN §6, see
+    # STORAGE_BOUND); a fixed value is the same bandwidth for a faster or slower compute.
+    read_cap_mb_s: float | None = None
     compute_cap_mb_s: float | None = None  # None: COMPUTE_PER_STORAGE x read_cap_mb_s
     dtype: str = "float32"  # bf16 matmul is 3x slower on CPUs without AVX512_BF16 (demo.py)
     block_size: int = 64
@@ -109,15 +116,18 @@ class AgentsOptions:
             raise ValueError(f"unknown modes {unknown}; known: {', '.join(MODES)}")
         if self.via not in VIAS:
             raise ValueError(f"--via must be one of {VIAS}, got {self.via!r}")
-        if not self.read_cap_mb_s > 0:
+        if self.read_cap_mb_s is not None and not self.read_cap_mb_s > 0:
             raise ValueError(f"--read-cap-mb-s must be > 0, got {self.read_cap_mb_s}")
+        if self.read_cap_mb_s is None and not (self.offline and "oracle" in self.modes):
+            raise ValueError("the storage cap is calibrated on the oracle's offline run: add "
+                             "oracle to --modes or give --read-cap-mb-s")
 
 
 def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterConfig:
     """The cluster of one mode: ``round_robin`` is ``dualpath`` with the round-robin scheduler."""
     return testbed_config(
         store, "dualpath" if mode == "round_robin" else mode, dtype=options.dtype,
-        block_size=options.block_size, read_cap_mb_s=options.read_cap_mb_s,
+        block_size=options.block_size, read_cap_mb_s=options.read_cap_mb_s or NOMINAL_CAP_MB_S,
         compute_cap_mb_s=options.compute_cap_mb_s, read_deadline_s=options.read_deadline_s,
         policy="round_robin" if mode == "round_robin" else "dualpath",
         num_prefill=options.prefill, num_decode=options.decode,
@@ -170,7 +180,8 @@ def offline_run(run: Any, options: AgentsOptions, mode: str, agents: list[list[A
     bar.update(task, description=f"{mode}: done")
     return {"mode": mode, "jct_s": jct, "records": records, "router": run.counters(),
             "engine_busy_s": busy,
-            "nics": utilization(samples, options.read_cap_mb_s, None, sampler.interval_s),
+            "nics": utilization(samples, options.read_cap_mb_s or NOMINAL_CAP_MB_S, None,
+                                sampler.interval_s),
             "config": asdict(cluster_config(options, mode, work / mode / "kv"))}
 
 
@@ -212,6 +223,24 @@ def expected_hit_rate(workload: Any, options: AgentsOptions) -> float:
     return hits / max(1, sum(t.prompt for traj in turns for t in traj))
 
 
+def timed_hit_bytes(workload: Any, options: AgentsOptions, model_dir: Path) -> int:
+    """Bytes of KV the timed run's hits read from storage (the same in every mode but oracle)."""
+    from dualpath.model.spec import load_spec, resolve_dtype, resolve_kv_dtype
+
+    spec = load_spec(model_dir)
+    kv_dtype = resolve_kv_dtype("auto", resolve_dtype(options.dtype, spec))
+    hits = sum(t.hit for traj in timed_sim_turns(workload, options) for t in traj)
+    return hits * spec.kv_bytes_per_token(kv_dtype)
+
+
+def calibrated_cap_mb_s(hit_bytes: int, oracle_jct_s: float) -> float:
+    """The storage cap per node at which one node's NIC reads ``hit_bytes`` in
+    :data:`STORAGE_BOUND` × the oracle's JCT."""
+    if not oracle_jct_s > 0:
+        raise ValueError(f"the oracle's JCT must be > 0 to calibrate, got {oracle_jct_s}")
+    return max(hit_bytes, 1) / (STORAGE_BOUND * oracle_jct_s) / 1e6
+
+
 def poisson_offsets(count: int, aps: float, seed: int) -> list[float]:
     """Arrival offsets (seconds) of ``count`` agents at ``aps`` agents per second."""
     rng, t, out = random.Random(seed), 0.0, []
@@ -241,20 +270,37 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
     console.print(_headline(options, workload, model_dir))
     work = Path(options.work_dir or tempfile.mkdtemp(prefix="dualpath-bench-agents-"))
     offline, online = [], []
+    calibration: dict[str, float] | None = None
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+            calibrate = options.read_cap_mb_s is None
             modes = list(options.modes if options.offline else ())
             modes += [m for m in options.online_modes if m not in modes]
+            if calibrate:  # the oracle first: its JCT sets the storage cap of the others
+                modes = ["oracle", *(m for m in modes if m != "oracle")]
             for mode in modes:
                 row, searched = run_mode(options, model_dir, mode, workload.agents, warmup,
                                          work, bar)
                 offline += [row] if row else []
                 online += [searched] if searched else []
+                if calibrate and mode == "oracle" and row:
+                    hit_bytes = timed_hit_bytes(workload, options, model_dir)
+                    options = replace(options, read_cap_mb_s=calibrated_cap_mb_s(
+                        hit_bytes, row["jct_s"]))
+                    calibration = {"storage_bound": STORAGE_BOUND, "oracle_jct_s": row["jct_s"],
+                                   "hit_mb": hit_bytes / 1e6,
+                                   "read_cap_mb_s": options.read_cap_mb_s}
+                    console.print(f"storage NICs calibrated: {options.read_cap_mb_s:.1f} MB/s "
+                                  f"per node ({hit_bytes / 1e6:,.0f} MB of hits read by one "
+                                  f"node in {STORAGE_BOUND:g} x the oracle's "
+                                  f"{row['jct_s']:.1f} s)")
     finally:
         if options.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     result = build_result(options, workload, model_dir.name, offline, online)
+    result["summary"]["read_cap_mb_s"] = options.read_cap_mb_s
+    result["summary"]["read_cap_calibration"] = calibration
     result["wall_s"] = time.perf_counter() - began
     result["date"] = datetime.date.today().isoformat()
     result["machine"] = machine_profile()
@@ -268,9 +314,11 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
 def _headline(options: AgentsOptions, workload: Any, model_dir: Path) -> str:
     n = len(workload.agents)
     turns = sum(map(len, workload.agents))
+    caps = (f"{options.read_cap_mb_s:g} MB/s per node" if options.read_cap_mb_s else
+            f"calibrated on the oracle ({STORAGE_BOUND:g} x its JCT to read the hits on one)")
     return (f"[bold]dualpath bench agents[/]: {workload.name}, {n} agents, {turns} turns, via "
             f"{options.via}; {model_dir.name} ({options.dtype}); {options.prefill} PE + "
-            f"{options.decode} DE; storage NICs {options.read_cap_mb_s:g} MB/s per node; "
+            f"{options.decode} DE; storage NICs {caps}; "
             f"modes {', '.join(options.modes) if options.offline else '-'}; online "
             f"{', '.join(options.online_modes) or '-'}")
 

@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=None, help="divide token counts by this")
     p.add_argument("--trace-dir", default=None,
                    help="traces folder (default: $DUALPATH_TRACES_DIR)")
-    p.add_argument("--read-cap-mb-s", type=float, default=None, help="storage NIC cap per node")
+    p.add_argument("--read-cap-mb-s", type=float, default=None,
+                   help="storage NIC cap per node, MB/s (default: calibrated on the oracle run)")
     p.add_argument("--compute-cap-mb-s", type=float, default=None,
                    help="compute NIC cap per engine (default 8x the storage cap)")
     p.add_argument("--online-trials", type=int, default=None, help="APS tried per mode")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
-from dualpath.bench.agents import poisson_offsets
+import pytest
+
+from dualpath.bench.agents import STORAGE_BOUND, poisson_offsets
 from dualpath.bench.agents_online import _next_aps, steady_stats
 from dualpath.bench.agents_run import serve_overrides
 from dualpath.cli import main
@@ -97,3 +99,29 @@ def test_split_read_applies_to_the_modes_that_choose_a_path(tmp_path):
     assert cluster_config(options, "round_robin", tmp_path).split_read
     assert not cluster_config(options, "basic", tmp_path).split_read
     assert not cluster_config(AgentsOptions(), "dualpath", tmp_path).split_read
+
+
+def test_without_a_cap_the_oracle_runs_first_and_sets_it(tiny_llama_dir, tmp_path):
+    out = tmp_path / "agents.json"
+    uncapped = [a for a in TINY if a not in ("--read-cap-mb-s", "5")]
+    assert main(["bench", "agents", *uncapped, "--model", str(tiny_llama_dir),
+                 "--modes", "basic,oracle", "--online-modes", "", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    s, cal = data["summary"], data["summary"]["read_cap_calibration"]
+    assert [row["mode"] for row in data["offline"]] == ["oracle", "basic"]
+    assert cal["oracle_jct_s"] == s["jct_s"]["oracle"]
+    one_node_s = cal["hit_mb"] / s["read_cap_mb_s"]  # the hits through the PE node's NIC alone
+    assert abs(one_node_s - STORAGE_BOUND * s["jct_s"]["oracle"]) < 1e-6
+    assert data["offline"][1]["config"]["storage"]["read_cap_mb_s"] == s["read_cap_mb_s"]
+    assert abs(sum(data["modes"]["basic"]["snic_read_mb"].values()) - cal["hit_mb"]) < 1.0
+
+
+def test_a_calibrated_cap_needs_the_oracle():
+    from dualpath.bench.agents import AgentsOptions, calibrated_cap_mb_s
+
+    with pytest.raises(ValueError, match="oracle"):
+        AgentsOptions(modes=("basic", "dualpath"))
+    AgentsOptions(modes=("basic", "dualpath"), read_cap_mb_s=16.0)  # a given cap needs none
+    assert calibrated_cap_mb_s(64_000_000, 16.0) == 64 / (STORAGE_BOUND * 16)
+    with pytest.raises(ValueError, match="JCT"):
+        calibrated_cap_mb_s(1, 0.0)
