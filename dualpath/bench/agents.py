@@ -19,8 +19,11 @@ it): computed once, its blocks are copied into later modes' and trials' stores.
   the store emptied and primed before each trial. The SLO is scaled for the testbed and
   stated in the result.
 
-Storage NICs are capped so that ``basic`` is storage-bound (DESIGN §6), compute NICs at 8× the
-storage cap (the paper's per-GPU ratio); each node's NIC rates are sampled every second. The
+Storage NICs are capped so that ``basic`` is storage-bound (DESIGN §6): unless a cap is given,
+the oracle runs first and its JCT calibrates the cap (one node's NIC reads the timed run's hits
+in :data:`STORAGE_BOUND` × that JCT), so the regime is the same on a faster or slower CPU.
+Compute NICs run at 8× the storage cap (the paper's per-GPU ratio); each node's NIC rates are
+sampled every second. The
 result (JSON with a top-level ``summary``, the resolved cluster config of every mode, every
 turn's record) and its plots are written by ``bench/agents_report.py``; the same workload is
 also run through the simulator (the testbed preset's settings, the very same trajectories)

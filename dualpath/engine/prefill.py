@@ -243,6 +243,9 @@ class PrefillWorker:
         """Run one forward batch of ready requests; returns the messages to send."""
         out: list[Message] = []
         ready = [job for job in self._jobs if job.ready]  # FIFO, passing over reads in flight
+        # A request being chunked (it holds PE cache blocks) goes on first: one placed before
+        # it whose read has just ended might find no cache room while it holds them.
+        ready.sort(key=lambda job: job.seq is None)
         for job in ready:
             out.extend(self._report_read(job))
         batch = self._pick(ready)

@@ -17,7 +17,8 @@ from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillWorker
 from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.host_pool import HostPool
-from dualpath.protocol import Prefill, Prefilled
+from dualpath.protocol import Failed, Prefill, Prefilled
+from dualpath.scheduler.batch import AttentionCostModel
 from dualpath.storage.client import ReadFuture
 
 BLOCK = 16
@@ -92,3 +93,22 @@ def test_requests_are_computed_in_placement_order(worker):
     while w.has_ready_job:
         order += _prefilled(w.run_next())
     assert order == [4, 5, 7]
+
+
+def test_a_request_being_chunked_goes_on_before_an_older_one_whose_read_ended(tiny_llama_dir):
+    """The PE cache holds one prompt. The oracle request starts (chunked: 20 tokens a forward)
+    while the older one still reads; when that read ends, the chunked one must finish first,
+    or the older one finds no cache room and fails."""
+    engine = LLMEngine(tiny_llama_dir, EngineConfig(dtype="float32", block_size=BLOCK,
+                                                    num_kv_blocks=4))
+    store = GatedStore()
+    pool = HostPool(engine.layout.full_block_bytes, 8, pin=False)
+    w = PrefillWorker(engine, pool, TrafficManager(None), store,  # type: ignore[arg-type]
+                      cost_model=AttentionCostModel(a=0.0, b=1.0), quota_ms=20.0)
+    w.accept(_prefill(1, mode="layerwise", read_path="pe", num_hit_blocks=2))
+    w.accept(_prefill(2))
+    assert w.run_next() == []  # the first 20 of request 2's 35 tokens
+    store.finish()
+    out = w.run_next()
+    assert not [m for m in out if isinstance(m, Failed)], out
+    assert _prefilled(out) == [2] and w.held_requests() == (1,)
