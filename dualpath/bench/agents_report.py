@@ -134,7 +134,7 @@ def offline_table(result: dict[str, Any]) -> Table:
     table = Table(box=box.SIMPLE_HEAD, title_justify="left", caption_justify="left",
                   title=f"[bold]bench agents, offline[/]: {w['name']}, {w['agents']} agents, "
                   f"{w['turns']} turns; {result['model']}; storage NIC "
-                  f"{result['caps_mb_s']['read']:g} MB/s per node; {m['cpu_model']}, "
+                  f"{result['caps_mb_s']['read']:.1f} MB/s per node; {m['cpu_model']}, "
                   f"{m['cpus']} cores",
                   caption="TTFT parts (means): queue / read / prefill / other; then transfer "
                   "to decode. Read: MB each node's storage NIC read (PE node first). Busy: "
