@@ -113,6 +113,12 @@ class AgentsOptions:
     work_dir: str | None = None
     profile: str | None = None  # a `dualpath profile` JSON: also predict with the simulator
 
+    @property
+    def applied_read_cap_mb_s(self) -> float:
+        """The cap a cluster runs under: the given or calibrated one, else (the oracle's
+        calibration run, which moves no KV) :data:`NOMINAL_CAP_MB_S`."""
+        return self.read_cap_mb_s or NOMINAL_CAP_MB_S
+
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes + self.online_modes if m not in MODES]
         if unknown:
@@ -130,7 +136,7 @@ def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterCon
     """The cluster of one mode: ``round_robin`` is ``dualpath`` with the round-robin scheduler."""
     return testbed_config(
         store, "dualpath" if mode == "round_robin" else mode, dtype=options.dtype,
-        block_size=options.block_size, read_cap_mb_s=options.read_cap_mb_s or NOMINAL_CAP_MB_S,
+        block_size=options.block_size, read_cap_mb_s=options.applied_read_cap_mb_s,
         compute_cap_mb_s=options.compute_cap_mb_s, read_deadline_s=options.read_deadline_s,
         policy="round_robin" if mode == "round_robin" else "dualpath",
         num_prefill=options.prefill, num_decode=options.decode,
@@ -183,8 +189,7 @@ def offline_run(run: Any, options: AgentsOptions, mode: str, agents: list[list[A
     bar.update(task, description=f"{mode}: done")
     return {"mode": mode, "jct_s": jct, "records": records, "router": run.counters(),
             "engine_busy_s": busy,
-            "nics": utilization(samples, options.read_cap_mb_s or NOMINAL_CAP_MB_S, None,
-                                sampler.interval_s),
+            "nics": utilization(samples, options.applied_read_cap_mb_s, None, sampler.interval_s),
             "config": asdict(cluster_config(options, mode, work / mode / "kv"))}
 
 
@@ -288,16 +293,8 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
                 offline += [row] if row else []
                 online += [searched] if searched else []
                 if calibrate and mode == "oracle" and row:
-                    hit_bytes = timed_hit_bytes(workload, options, model_dir)
-                    options = replace(options, read_cap_mb_s=calibrated_cap_mb_s(
-                        hit_bytes, row["jct_s"]))
-                    calibration = {"storage_bound": STORAGE_BOUND, "oracle_jct_s": row["jct_s"],
-                                   "hit_mb": hit_bytes / 1e6,
-                                   "read_cap_mb_s": options.read_cap_mb_s}
-                    console.print(f"storage NICs calibrated: {options.read_cap_mb_s:.1f} MB/s "
-                                  f"per node ({hit_bytes / 1e6:,.0f} MB of hits read by one "
-                                  f"node in {STORAGE_BOUND:g} x the oracle's "
-                                  f"{row['jct_s']:.1f} s)")
+                    options, calibration = _calibrate(options, workload, model_dir,
+                                                      row["jct_s"], console)
     finally:
         if options.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -312,6 +309,18 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
         write_report(result, options.json_path, console)
     console.print(f"bench agents took {result['wall_s']:.0f} s")
     return result
+
+
+def _calibrate(options: AgentsOptions, workload: Any, model_dir: Path, oracle_jct_s: float,
+               console: Console) -> tuple[AgentsOptions, dict[str, float]]:
+    """``options`` with the storage cap the oracle's JCT calibrates, and what it came from."""
+    hit_bytes = timed_hit_bytes(workload, options, model_dir)
+    cap = calibrated_cap_mb_s(hit_bytes, oracle_jct_s)
+    console.print(f"storage NICs calibrated: {cap:.1f} MB/s per node ({hit_bytes / 1e6:,.0f} MB "
+                  f"of hits read by one node in {STORAGE_BOUND:g} x the oracle's "
+                  f"{oracle_jct_s:.1f} s)")
+    return replace(options, read_cap_mb_s=cap), {
+        "storage_bound": STORAGE_BOUND, "oracle_jct_s": oracle_jct_s, "hit_mb": hit_bytes / 1e6}
 
 
 def _headline(options: AgentsOptions, workload: Any, model_dir: Path) -> str:
