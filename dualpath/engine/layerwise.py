@@ -9,8 +9,9 @@ the leading hit blocks from the PE host buffer and the rest from the DE buffer, 
 the PE-read blocks plus the miss blocks.
 
 **Overlap.** Every move is asynchronous, through the traffic manager's lanes: while layer i
-computes, layer i+1's load and layer i-1's send are in flight (on a CPU engine the traffic
-manager's dispatcher threads do the copies; on CUDA a copy stream with events).
+computes, the loads of layers i+1 .. i+W-1 (as many as the window has slots for) and layer
+i-1's send are in flight (on a CPU engine the traffic manager's dispatcher threads do the
+copies; on CUDA a copy stream with events).
 
 **Device-memory window.** A layerwise PE keeps only W layers of a forward's KV resident
 (``PagedKVCache`` with a layer window, default W = 2: the layer computing and the one loading);
@@ -137,10 +138,11 @@ class PrefillHooks(LayerHooks):
                     future.result()
             return
         if self._has_loads:
-            if layer_idx == 0:
-                self._loads[0] = self._start_load(0)
-            if layer_idx + 1 < self.num_layers:  # prefetch: in flight while this layer computes
-                self._loads[layer_idx + 1] = self._start_load(layer_idx + 1)
+            # prefetch: every later layer the window has a slot for loads while this one
+            # computes (a slot's load starts once its tenant's send has left)
+            for ahead in range(layer_idx, min(layer_idx + self.window, self.num_layers)):
+                if ahead not in self._loads:
+                    self._loads[ahead] = self._start_load(ahead)
             self._loads.pop(layer_idx).result()
         self._wait_slot_free(layer_idx)  # the compute writes into the slot
 

@@ -463,3 +463,24 @@ def test_layerwise_and_basic_compute_the_same_hidden_states(full, windowed):
     basic = _prefill(full, "basic", "pe")
     for read_path in READ_PATHS:
         assert torch.equal(_prefill(windowed, "layerwise", read_path).hidden, basic.hidden)
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_a_wider_window_prefetches_as_many_layers_as_it_has_slots(tiny_deep_dir, full,
+                                                                  read_path):
+    """With 3 slots, layers i+1 and i+2 are loading while layer i computes, layer i+3 not yet
+    (its slot is layer i's); the KV sent and the hidden states are those of a full cache."""
+    engine = _engine(tiny_deep_dir, 3)
+    assert engine.runner.cache.resident_layers == 3
+    run = _prefill(engine, "layerwise", read_path, send_s=SLOW_SEND_S)
+    _assert_every_layer_moved(run)
+    log = run.log
+    for i in range(run.num_layers - 2):
+        assert log.first("load_issued", i + 2) < log.first("compute_start", i), (
+            f"layer {i + 2}'s load is not in flight while layer {i} computes: {log.events}")
+    for i in range(run.num_layers - 3):
+        assert log.first("load_issued", i + 3) > log.first("compute_end", i), (
+            f"layer {i + 3}'s load is issued before layer {i} ends: {log.events}")
+    reference = _prefill(full, "layerwise", read_path)
+    assert torch.equal(run.hidden, reference.hidden)
+    assert torch.equal(run.de_buffer, reference.de_buffer)
