@@ -27,10 +27,18 @@ class EngineConfig:
     # kernels of model/kernels.py. False runs plain torch ops, the reference both are tested
     # against.
     cpu_kernels: bool = True
+    # An engine process's GIL switch interval (ms; Python's default is 5): how long a thread
+    # that wants the GIL waits for the thread holding it. Every KV move hands off between the
+    # compute thread and the traffic manager's dispatcher, grant and backend threads, several
+    # times per layer; at 5 ms each hand-off can cost a layer's compute (README: dualpath's
+    # offline JCT on 2 cores). None leaves Python's default.
+    gil_switch_ms: float | None = 0.5
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
+        if self.gil_switch_ms is not None and not self.gil_switch_ms > 0:
+            raise ValueError(f"gil_switch_ms must be > 0 (or None), got {self.gil_switch_ms}")
 
 
 @dataclass(frozen=True)

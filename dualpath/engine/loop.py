@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ class EngineProcess:
                  cluster_id: str = "") -> None:
         from dualpath.transfer.mooncake import MooncakeBackend
 
-        torch.set_num_threads(config.engine.threads)
+        apply_process_settings(config.engine)
         self.identity = identity
         self.engine = LLMEngine(model_dir, engine_config_for(config, identity.role))
         layout = self.engine.layout
@@ -275,6 +276,7 @@ class EngineProcess:
             if hasattr(self.worker, name):
                 values[name] = getattr(self.worker, name)
         values.update(loop_thread_schedstat())
+        values["gil_switch_ms"] = sys.getswitchinterval() * 1000
         return values
 
     def close(self) -> None:
@@ -282,6 +284,13 @@ class EngineProcess:
         self.storage.close()
         self.traffic.close()
         self.socket.close(0)
+
+
+def apply_process_settings(engine: EngineConfig) -> None:
+    """This engine process's torch threads and GIL switch interval."""
+    torch.set_num_threads(engine.threads)
+    if engine.gil_switch_ms is not None:
+        sys.setswitchinterval(engine.gil_switch_ms / 1000)
 
 
 def loop_thread_schedstat() -> dict[str, float]:

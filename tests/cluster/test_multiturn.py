@@ -110,13 +110,15 @@ def test_smollm2_all_paths_match_single_process(smollm2_dir, tmp_path):
 
 def test_quota_batching_and_chunking_keep_tokens(tiny_chaotic_dir, tmp_path):
     """A cost model of 1 ms per new token and a 40 ms quota: long prompts are chunked over
-    several forwards and short ones share a forward; tokens stay the single-process ones."""
+    several forwards and short ones share a forward; tokens stay the single-process ones.
+    Every engine process runs with the configured GIL switch interval."""
     import json
 
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"cost_model": {"a": 0.0, "b": 1.0, "c": 0.0},
                                    "summary": {"alpha_tokens": 1 << 40, "beta_tokens": 1 << 40}}))
-    engine_cfg = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=512)
+    engine_cfg = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=512,
+                              gil_switch_ms=0.7)
     convs = make_conversations(300, first_lengths=[45, 70, 101], append_lengths=[19, 13],
                                seed=5)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -134,7 +136,9 @@ def test_quota_batching_and_chunking_keep_tokens(tiny_chaotic_dir, tmp_path):
                 got, _ = cluster_outputs(cluster, convs, params, mode, read_path, served)
                 assert got == want, f"{mode}/{read_path} diverged under quota batching"
                 _check_computed(mode, read_path, served)
-            pe = next(m for m in cluster.metrics().values() if m["role"] == "prefill")
+            metrics = list(cluster.metrics().values())
+            pe = next(m for m in metrics if m["role"] == "prefill")
+            assert [m["gil_switch_ms"] for m in metrics] == pytest.approx([0.7] * len(metrics))
         # with a window, later chunks pull their earlier blocks back from the DE buffer
         assert pe["num_chunks"] > pe["num_prefilled"]  # some prompts took several forwards
         assert pe["num_forwards"] < pe["num_chunks"]  # some forwards carried several requests
