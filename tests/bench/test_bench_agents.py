@@ -125,3 +125,18 @@ def test_a_calibrated_cap_needs_the_oracle():
     assert calibrated_cap_mb_s(64_000_000, 16.0) == 64 / (STORAGE_BOUND * 16)
     with pytest.raises(ValueError, match="JCT"):
         calibrated_cap_mb_s(1, 0.0)
+
+
+def test_aps_ratio_is_a_lower_bound_when_basic_never_met_the_slo():
+    from dualpath.bench.agents_report import aps_ratio
+
+    def online(mode, capacity, trials):
+        return {"mode": mode, "capacity_aps": capacity,
+                "trials": [{"aps": aps, "meets_slo": met} for aps, met in trials]}
+
+    dualpath = online("dualpath", 0.4, [(0.25, True), (0.4, True)])
+    basic = online("basic", 0.1, [(0.125, False), (0.08, True)])
+    assert aps_ratio([basic, dualpath]) == {"aps_ratio_dualpath_vs_basic": 4.0}
+    missed = online("basic", None, [(0.125, False), (0.08, False)])
+    assert aps_ratio([missed, dualpath]) == {"aps_ratio_dualpath_vs_basic_at_least": 5.0}
+    assert aps_ratio([dualpath]) == {}
