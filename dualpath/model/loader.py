@@ -85,13 +85,27 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
 
+def _materialize_on_cpu(model: torch.nn.Module) -> None:
+    """Give every meta parameter and buffer uninitialized CPU memory (the checkpoint fills it).
+
+    ``Module.to_empty`` does the same through ``empty_like`` on meta tensors, whose reference
+    implementation imports torch's symbolic-shape machinery: a second of every engine start.
+    """
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=param.dtype)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
+        for name, buf in module.named_buffers(recurse=False):
+            setattr(module, name, torch.empty(buf.shape, dtype=buf.dtype))
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                spec: ModelSpec | None = None, device: str = "cpu") -> LlamaForCausalLM:
     """Build the model for ``model_dir``'s config and load its weights in ``dtype``."""
     spec = spec or load_spec(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(spec)
-    model = model.to_empty(device="cpu")
+    _materialize_on_cpu(model)
     load_weights(model, model_dir)
     model.to(dtype=dtype, device=device)
     return model.eval().requires_grad_(False)
