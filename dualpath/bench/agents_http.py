@@ -224,12 +224,14 @@ async def run_agent_http(client: httpx2.AsyncClient, turns: list[AgentTurn], *, 
                          extra: dict[str, Any] | None = None,
                          progress: Callable[[HttpTurnRecord], None] = _ignore,
                          stop_s: float | None = None,
-                         deadline_s: float | None = None) -> tuple[list[HttpTurnRecord],
-                                                                   list[int]]:
+                         deadline_s: float | None = None,
+                         on_send: Callable[[float], None] = _ignore) -> tuple[
+                             list[HttpTurnRecord], list[int]]:
     """One agent's turns in order, each as soon as the previous returned; its records and its
     context after the last turn served. No turn starts at or after ``stop_s`` (monotonic), and
     a turn still running at ``deadline_s`` is cut off and recorded as failed; after a failed
-    turn the agent stops. Turns are numbered from ``first_turn``."""
+    turn the agent stops. Turns are numbered from ``first_turn``; ``on_send`` gets the
+    ``time.monotonic()`` each is sent at."""
     context, records = list(context or []), []
     for index, turn in enumerate(turns, first_turn):
         if stop_s is not None and time.monotonic() >= stop_s:
@@ -241,6 +243,7 @@ async def run_agent_http(client: httpx2.AsyncClient, turns: list[AgentTurn], *, 
             records.append(_error_record(agent, index, submitted, 0, None, str(exc)))
             progress(records[-1])
             break
+        on_send(submitted)
         try:
             async with asyncio.timeout_at(_loop_time(deadline_s)):
                 record = await post_turn(client, prompt, turn.gen, model=model, agent=agent,
@@ -264,27 +267,74 @@ async def run_agents_http(base_url: str, agents: list[list[AgentTurn]], *, model
                           start_offsets_s: list[float] | None = None,
                           progress: Callable[[HttpTurnRecord], None] = _ignore,
                           timeout_s: float = 3600.0,
-                          extra: dict[str, Any] | None = None) -> list[list[HttpTurnRecord]]:
+                          extra: dict[str, Any] | None = None,
+                          cut_after_s: float | None = None) -> list[list[HttpTurnRecord]]:
     """Replay every agent's turns through ``base_url`` (the server's root, e.g.
     ``http://127.0.0.1:8000``); per agent, its :class:`HttpTurnRecord` list.
 
     Agent i starts ``start_offsets_s[i]`` seconds after the call (default: all at once) and
     runs its turns back to back. ``extra`` is merged into every request body (e.g.
     ``{"dualpath": {"mode": "basic"}}``); ``progress`` gets each record as it is made. Turns
-    still running ``timeout_s`` after the call are cut off and recorded as failed.
+    still running ``timeout_s`` after the call are cut off and recorded as failed. With
+    ``cut_after_s``, the replay ends once every turn sent up to that many seconds after the
+    call has returned (agents keep sending until then); the turns then in flight are
+    cancelled, unrecorded (the server aborts a request whose client went away).
     """
     offsets = start_offsets_s if start_offsets_s is not None else [0.0] * len(agents)
     if len(offsets) != len(agents):
         raise ValueError(f"{len(offsets)} start offsets for {len(agents)} agents")
     start = time.monotonic()
     deadline = start + timeout_s
+    window = _CutWindow(len(agents), start, cut_after_s)
+
+    def note(record: HttpTurnRecord) -> None:
+        window.records[record.agent].append(record)
+        progress(record)
 
     async def agent_run(client: httpx2.AsyncClient, index: int) -> list[HttpTurnRecord]:
-        await asyncio.sleep(max(0.0, start + offsets[index] - time.monotonic()))
-        records, _ = await run_agent_http(client, agents[index], model=model, agent=index,
-                                          extra=extra, progress=progress,
-                                          stop_s=deadline, deadline_s=deadline)
-        return records
+        try:
+            await asyncio.sleep(max(0.0, start + offsets[index] - time.monotonic()))
+            records, _ = await run_agent_http(client, agents[index], model=model, agent=index,
+                                              extra=extra, progress=note, stop_s=deadline,
+                                              deadline_s=deadline,
+                                              on_send=lambda t: window.sent(index, t))
+            return records
+        finally:
+            window.measured(index)
 
     async with open_client(base_url, api_key, timeout_s, max(1, len(agents))) as client:
-        return list(await asyncio.gather(*(agent_run(client, i) for i in range(len(agents)))))
+        tasks = [asyncio.create_task(agent_run(client, i)) for i in range(len(agents))]
+        if cut_after_s is None:
+            return list(await asyncio.gather(*tasks))
+        await window.all_measured.wait()
+        for task in tasks:
+            task.cancel()
+        for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                raise outcome
+        return window.records
+
+
+class _CutWindow:
+    """Which agents still have a turn running that was sent by the cut (``cut_after_s`` after
+    ``start``, monotonic); the records made so far, per agent."""
+
+    def __init__(self, agents: int, start: float, cut_after_s: float | None) -> None:
+        self.start, self.cut_after_s = start, cut_after_s
+        self.records: list[list[HttpTurnRecord]] = [[] for _ in range(agents)]
+        self.pending = set(range(agents))
+        self.all_measured = asyncio.Event()
+        if not agents:
+            self.all_measured.set()
+
+    def sent(self, agent: int, sent_s: float) -> None:
+        """Agent ``agent`` sent a turn at ``sent_s``: past the cut, all its measured turns
+        have returned (an agent's turns go one at a time)."""
+        if self.cut_after_s is not None and sent_s - self.start > self.cut_after_s:
+            self.measured(agent)
+
+    def measured(self, agent: int) -> None:
+        """Agent ``agent`` has no turn sent by the cut still running."""
+        self.pending.discard(agent)
+        if not self.pending:
+            self.all_measured.set()

@@ -14,6 +14,12 @@ multiplies the APS by :data:`STEP` while every trial met the SLO, divides by it 
 and then bisects (geometrically) between the highest APS that met it and the lowest that did
 not. The capacity is :func:`dualpath.sim.online.aps_capacity` over the trials (the
 simulator's own rule: interpolated where the mean TTFT crosses the SLO).
+
+A trial ends once every turn submitted by the last arrival has returned (``cut_after_s``):
+later turns are outside the window, and the agents' remaining turns, a few turn latencies
+of draining, would only add time; the agents keep submitting until then, so the measured
+turns see the same load, and what is in flight at the cut is aborted. ``span_s`` runs to
+the cut.
 """
 
 from __future__ import annotations
@@ -82,7 +88,9 @@ def search_capacity(run: Any, mode: str, agents: list[list[AgentTurn]], options:
         prime(run, options, agents, bar, task, mode)
         offsets = poisson_offsets(len(agents), aps, options.seed + i)
         bar.update(task, description=f"{mode}: online at {aps:.3f} APS")
-        records, span = run.run(agents, offsets, lambda: bar.advance(task), options.timeout_s)
+        records, span = run.run(agents, offsets, lambda: bar.advance(task), options.timeout_s,
+                                cut_after_s=max(offsets))
+        bar.update(task, completed=(i + 1) * sum(map(len, agents)))  # unmeasured turns cut
         stats = steady_stats(records, offsets)
         trials.append({"mode": mode, "aps": aps, "span_s": span, **stats,
                        "meets_slo": stats["ttft_s"] is not None and stats["ttft_s"] <= slo,

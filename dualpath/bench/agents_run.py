@@ -94,10 +94,13 @@ class PythonRun:
             time.sleep(0.2)
 
     def run(self, agents: list[list[AgentTurn]], offsets_s: list[float] | None,
-            progress: Any, timeout_s: float) -> tuple[list[dict[str, Any]], float]:
-        """Every agent to its last turn; the records and the JCT (seconds)."""
+            progress: Any, timeout_s: float,
+            cut_after_s: float | None = None) -> tuple[list[dict[str, Any]], float]:
+        """Every agent to its last turn (or until every turn submitted by ``cut_after_s``
+        returned: :func:`run_turns`); the records and the JCT (seconds)."""
         row = run_turns(self.cluster, agents, self.submit_mode, progress, timeout_s,
-                        label="bench agents", start_offsets_s=offsets_s)
+                        label="bench agents", start_offsets_s=offsets_s,
+                        cut_after_s=cut_after_s)
         records = [python_record(a, t, r) for a, recs in enumerate(row["records"])
                    for t, r in enumerate(recs)]
         return records, row["jct_s"]
@@ -212,14 +215,16 @@ class HttpRun:
         time.sleep(1.0)
 
     def run(self, agents: list[list[AgentTurn]], offsets_s: list[float] | None,
-            progress: Any, timeout_s: float) -> tuple[list[dict[str, Any]], float]:
-        """Every agent to its last turn through the API; the records and the JCT."""
+            progress: Any, timeout_s: float,
+            cut_after_s: float | None = None) -> tuple[list[dict[str, Any]], float]:
+        """Every agent to its last turn through the API (or until every turn sent by
+        ``cut_after_s`` returned: :func:`run_agents_http`); the records and the JCT."""
         from dualpath.bench.agents_http import run_agents_http
 
         began = time.monotonic()
         per_agent = asyncio.run(run_agents_http(
             self.base_url, agents, model=self.model, start_offsets_s=offsets_s,
-            progress=lambda _: progress(), timeout_s=timeout_s))
+            progress=lambda _: progress(), timeout_s=timeout_s, cut_after_s=cut_after_s))
         jct = time.monotonic() - began
         records = [http_record(r, began) for recs in per_agent for r in recs]
         failed = [r for r in records if r["error"]]

@@ -68,29 +68,54 @@ class TurnRecord:
 
 
 class _Agent:
-    """One agent's trajectory: submits turn after turn, records when it finished."""
+    """One agent's trajectory: submits turn after turn, records when it finished.
+
+    With ``cut_after_s``, ``done`` is set once the agent submits a turn more than that many
+    seconds after ``began`` (every earlier turn has returned: turns go one at a time); it goes on
+    submitting until :meth:`stop` aborts the turn in flight.
+    """
 
     def __init__(self, cluster: LocalCluster, turns: list[AgentTurn], mode: str,
                  done: threading.Event, progress: Any, context: list[int] | None = None,
-                 began: float = 0.0) -> None:
+                 began: float = 0.0, cut_after_s: float | None = None) -> None:
         self.cluster, self.turns, self.mode = cluster, turns, mode
         self.done, self.progress, self.began = done, progress, began
+        self.cut_after_s = cut_after_s
         self.context: list[int] = list(context or [])  # prompt + output of the last turn
         self.turn = 0
         self.records: list[TurnRecord] = []
         self.token_times: dict[int, list[float]] = {}  # turn -> arrival time of each token
         self.finished_at: float | None = None
+        self.done_at: float | None = None  # when ``done`` was set
         self.error: BaseException | None = None
+        self._lock = threading.RLock()  # a future done at submit calls back in this thread
+        self._future: Any = None  # the turn in flight
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Submit nothing more and abort the turn in flight (its result is ignored)."""
+        with self._lock:
+            self._stopped, future = True, self._future
+        if future is not None and not future.done():
+            self.cluster.abort(future)
+
+    def _set_done(self) -> None:
+        self.done_at = time.perf_counter()
+        self.done.set()
 
     def start(self) -> None:
         """Submit the first turn (a turn that cannot be built ends the agent with its error)."""
         try:
-            self._submit()
+            with self._lock:
+                self._submit()
         except Exception as exc:  # reported by run_turns
             self.error = exc
-            self.done.set()
+            self._set_done()
 
     def _submit(self) -> None:
+        """Submit the next turn (``_lock`` held)."""
+        if self._stopped:
+            return
         turn = self.turns[self.turn]
         if turn.keep is not None and turn.keep > len(self.context):
             raise DualPathError(f"turn {self.turn} keeps {turn.keep} tokens of a "
@@ -99,9 +124,14 @@ class _Agent:
         self.prompt = kept + turn.new
         self.submitted = time.perf_counter()
         params = SamplingParams(max_tokens=turn.gen, ignore_eos=True)
-        future = self.cluster.submit(self.prompt, params, mode=self.mode,
-                                     on_tokens=lambda t, n=self.turn: self._streamed(n, t))
-        future.add_done_callback(self._returned)
+        past_cut = (self.cut_after_s is not None
+                    and self.submitted - self.began > self.cut_after_s)
+        self._future = self.cluster.submit(
+            self.prompt, params, mode=self.mode,
+            on_tokens=lambda t, n=self.turn: self._streamed(n, t))
+        if past_cut and not self.done.is_set():
+            self._set_done()
+        self._future.add_done_callback(self._returned)
 
     def _streamed(self, turn: int, tokens: tuple[int, ...]) -> None:
         """Note when turn ``turn``'s tokens arrived (tokens come in order, per turn)."""
@@ -109,6 +139,12 @@ class _Agent:
         self.token_times.setdefault(turn, []).extend([now] * len(tokens))
 
     def _returned(self, future: Any) -> None:
+        with self._lock:
+            if not self._stopped:
+                self._record(future)
+
+    def _record(self, future: Any) -> None:
+        """Record a returned turn and submit the next (``_lock`` held)."""
         try:
             out = future.result()
             now = time.perf_counter()
@@ -124,12 +160,12 @@ class _Agent:
             self.turn += 1
             if self.turn == len(self.turns):
                 self.finished_at = time.perf_counter()
-                self.done.set()
+                self._set_done()
                 return
             self._submit()
         except Exception as exc:  # reported by run_turns
             self.error = exc
-            self.done.set()
+            self._set_done()
 
 
 def make_trajectories(agents: int, turns: int, first: int, append: int, vocab: int,
@@ -147,19 +183,24 @@ def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
               progress: Any = lambda: None, timeout_s: float = 3600.0,
               label: str = "bench cluster",
               contexts: list[list[int]] | None = None,
-              start_offsets_s: list[float] | None = None) -> dict[str, Any]:
+              start_offsets_s: list[float] | None = None,
+              cut_after_s: float | None = None) -> dict[str, Any]:
     """Run every agent to its last turn, each turn as soon as its previous one returned;
     ``contexts`` are the agents' contexts before their first turn here (default: empty);
     agent i starts ``start_offsets_s[i]`` seconds after the run (default: all at once).
+    With ``cut_after_s``, the run ends once every turn submitted up to that many seconds
+    after its start has returned: agents keep submitting until then (the load does not
+    change), and the turns then in flight are aborted, unrecorded.
 
-    Returns the mode, the JCT (until the last agent's last turn), the turn count, the prompt,
-    hit and computed token totals, every agent's :class:`TurnRecord` list (``records``) and
-    its context after its last turn (``contexts``: prompt and generated tokens).
+    Returns the mode, the JCT (until the last agent's last turn, or the cut), the turn count,
+    the prompt, hit and computed token totals, every agent's :class:`TurnRecord` list
+    (``records``) and its context after its last recorded turn (``contexts``: prompt and
+    generated tokens).
     """
     events = [threading.Event() for _ in agents]
     starts = contexts if contexts is not None else [[] for _ in agents]
     start = time.perf_counter()
-    runs = [_Agent(cluster, turns, mode, ev, progress, context, start)
+    runs = [_Agent(cluster, turns, mode, ev, progress, context, start, cut_after_s)
             for turns, ev, context in zip(agents, events, starts, strict=True)]
     timers = [threading.Timer(offset, run.start)
               for run, offset in zip(runs, start_offsets_s or [0.0] * len(runs), strict=True)]
@@ -171,10 +212,12 @@ def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
             for timer in timers:
                 timer.cancel()
             raise DualPathError(f"{label}: {mode} did not finish in {timeout_s:.0f} s")
+    for run in runs:
+        run.stop()
     errors = [a.error for a in runs if a.error is not None]
     if errors:
         raise DualPathError(f"{label}: {mode}: a request failed: {errors[0]}")
-    ends = [a.finished_at for a in runs if a.finished_at is not None]
+    ends = [a.done_at for a in runs if a.done_at is not None]
     records = [a.records for a in runs]
     flat = [r for recs in records for r in recs]
     return {"mode": mode, "agents": len(runs), "jct_s": max(ends) - start, "turns": len(flat),

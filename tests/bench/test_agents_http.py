@@ -162,3 +162,43 @@ def test_a_turn_still_running_at_the_deadline_is_cut_off(served):
     while cluster.router.counters()["requests"]:
         assert time.monotonic() < deadline, cluster.router.counters()
         time.sleep(0.05)
+
+
+def _cut_agents() -> tuple[list[list[AgentTurn]], list[float]]:
+    """A short turn at once, and an agent whose one long turn starts after the cut (0.3 s)."""
+    g = torch.Generator().manual_seed(14)
+    short = [AgentTurn(_random_ids(g, FIRST), GEN)]
+    long_turn = [AgentTurn(_random_ids(g, FIRST), 1024 - FIRST)]
+    return [short, long_turn], [0.0, 0.4]
+
+
+def _drained(cluster: LocalCluster) -> None:
+    deadline = time.monotonic() + 10  # the cut turn is aborted on the engines
+    while cluster.router.counters()["requests"]:
+        assert time.monotonic() < deadline, cluster.router.counters()
+        time.sleep(0.05)
+
+
+def test_a_cut_replay_keeps_the_turns_sent_by_the_cut_and_cancels_the_rest(served):
+    url, cluster = served
+    agents, offsets = _cut_agents()
+    results = asyncio.run(run_agents_http(url, agents, model=MODEL, start_offsets_s=offsets,
+                                          timeout_s=120, cut_after_s=0.3))
+    [kept], cut = results
+    assert kept.ok and kept.generated_tokens == GEN
+    assert cut == []  # sent at 0.4 s, in flight when the last turn sent by 0.3 s returned
+    _drained(cluster)
+
+
+def test_a_cut_run_of_the_python_api_ends_once_the_measured_turns_returned(served):
+    from dualpath.bench.cluster import run_turns
+
+    _, cluster = served
+    agents, offsets = _cut_agents()
+    row = run_turns(cluster, agents, "dualpath", timeout_s=120, start_offsets_s=offsets,
+                    cut_after_s=0.3)
+    [kept], cut = row["records"]
+    assert kept.submitted_s <= 0.3 and kept.latency_s > 0
+    assert cut == [] and row["turns"] == 1
+    assert 0.4 <= row["jct_s"] < 5  # the cut came when the late agent's turn was sent
+    _drained(cluster)
