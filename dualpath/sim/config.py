@@ -161,9 +161,9 @@ class SimConfig:
         return step_s
 
     def testbed_cpu_share(self) -> float:
-        """Testbed: the core share of one engine when all the cluster's engines run."""
+        """Testbed: the core share of one engine (:meth:`TestbedProfile.cpu_share`)."""
         assert self.testbed is not None
-        return self.testbed.cpu_share(self.prefill_nodes + self.decode_nodes)
+        return self.testbed.cpu_share(self.prefill_nodes)
 
     def kv_capacity_tokens(self, role_nodes: int) -> int:
         """KV tokens one GPU holds after its share of the weights (EP over ``role_nodes``

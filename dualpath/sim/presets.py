@@ -302,7 +302,8 @@ def testbed(profile: str, agents: tuple[int, ...] = (4, 8), progress: Progress |
 
     As on the real engines, Basic reads each request's KV as soon as it is placed (overlapping
     earlier requests' compute) and loads it whole before its forward (``basic_prefetch``); the
-    engines, one per node, share the profiled machine's cores (compute slowed accordingly);
+    prefill engines, one per node, share the profiled machine's cores (compute slowed
+    accordingly; ``TestbedProfile.cpu_share``);
     each node's reads are served in FIFO order, as our storage client serves them.
     """
     from dualpath.sim.profiles import testbed_profile

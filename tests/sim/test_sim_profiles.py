@@ -95,3 +95,17 @@ def test_testbed_preset_compares_with_a_real_benchmark(tmp_path):
         run_preset("testbed", profile=str(profile), agents=(8,), real=str(real))
     with pytest.raises(ValueError, match="bench cluster"):
         run_preset("testbed", profile=str(profile), agents=(4,), real=str(tmp_path / "x"))
+
+
+def test_testbed_prefill_engines_split_the_cores_and_decode_engines_do_not_count():
+    from dataclasses import replace
+
+    from dualpath.sim.config import SimConfig
+    from dualpath.sim.profiles import TestbedProfile
+
+    testbed = TestbedProfile(prefill_tokens_per_s=1000.0, read_tokens_per_s=100.0,
+                             cost_model=(1e-4, 0.5, 2.0), decode_step_ms=(20.0, 2.0), cpus=2)
+    one_pe = SimConfig(testbed=testbed, prefill_nodes=1, decode_nodes=2)
+    assert one_pe.prefill_cost().b == 0.5 and one_pe.decode_step_s(1) == pytest.approx(0.022)
+    four_pe = replace(one_pe, prefill_nodes=4)  # two forwards to a core
+    assert four_pe.prefill_cost().b == 1.0 and four_pe.decode_step_s(1) == pytest.approx(0.044)
