@@ -291,21 +291,20 @@ async def run_agents_http(base_url: str, agents: list[list[AgentTurn]], *, model
         window.records[record.agent].append(record)
         progress(record)
 
-    async def agent_run(client: httpx2.AsyncClient, index: int) -> list[HttpTurnRecord]:
+    async def agent_run(client: httpx2.AsyncClient, index: int) -> None:
         try:
             await asyncio.sleep(max(0.0, start + offsets[index] - time.monotonic()))
-            records, _ = await run_agent_http(client, agents[index], model=model, agent=index,
-                                              extra=extra, progress=note, stop_s=deadline,
-                                              deadline_s=deadline,
-                                              on_send=lambda t: window.sent(index, t))
-            return records
+            await run_agent_http(client, agents[index], model=model, agent=index, extra=extra,
+                                 progress=note, stop_s=deadline, deadline_s=deadline,
+                                 on_send=lambda t: window.sent(index, t))
         finally:
             window.measured(index)
 
     async with open_client(base_url, api_key, timeout_s, max(1, len(agents))) as client:
         tasks = [asyncio.create_task(agent_run(client, i)) for i in range(len(agents))]
         if cut_after_s is None:
-            return list(await asyncio.gather(*tasks))
+            await asyncio.gather(*tasks)
+            return window.records
         await window.all_measured.wait()
         for task in tasks:
             task.cancel()
@@ -317,7 +316,7 @@ async def run_agents_http(base_url: str, agents: list[list[AgentTurn]], *, model
 
 class _CutWindow:
     """Which agents still have a turn running that was sent by the cut (``cut_after_s`` after
-    ``start``, monotonic); the records made so far, per agent."""
+    ``start``, monotonic); every record made so far, per agent (the replay's result)."""
 
     def __init__(self, agents: int, start: float, cut_after_s: float | None) -> None:
         self.start, self.cut_after_s = start, cut_after_s

@@ -90,11 +90,15 @@ def _materialize_on_cpu(model: torch.nn.Module) -> None:
 
     ``Module.to_empty`` does the same through ``empty_like`` on meta tensors, whose reference
     implementation imports torch's symbolic-shape machinery: a second of every engine start.
+    A parameter two modules share (tied weights) stays shared.
     """
+    made: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            empty = torch.empty(param.shape, dtype=param.dtype)
-            setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
+            if id(param) not in made:
+                empty = torch.empty(param.shape, dtype=param.dtype)
+                made[id(param)] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+            setattr(module, name, made[id(param)])
         for name, buf in module.named_buffers(recurse=False):
             setattr(module, name, torch.empty(buf.shape, dtype=buf.dtype))
 
