@@ -55,7 +55,7 @@ from dualpath.bench.agents_nics import utilization
 from dualpath.bench.agents_run import HttpRun, PythonRun
 from dualpath.bench.cluster import AgentTurn, testbed_config
 from dualpath.bench.demo import warmup_turns
-from dualpath.bench.report import machine_profile
+from dualpath.bench.report import host_cpu_shares, host_cpu_ticks, machine_profile
 from dualpath.config import ClusterConfig
 
 MODES = ("basic", "layerwise", "round_robin", "dualpath", "oracle")
@@ -182,15 +182,26 @@ def offline_run(run: Any, options: AgentsOptions, mode: str, agents: list[list[A
     prime(run, options, agents, bar, task, mode)
     bar.update(task, description=f"{mode}: offline")
     sampler = run.sampler().start()
-    busy_before = run.busy_s()
+    busy_before, ticks_before = run.busy_s(), host_cpu_ticks()
     records, jct = run.run(agents, None, lambda: bar.advance(task), options.timeout_s)
     samples = sampler.stop()
-    busy = {k: v - busy_before.get(k, 0.0) for k, v in run.busy_s().items()}
+    spent = seconds_spent(busy_before, run.busy_s())
+    host_cpu = host_cpu_shares(ticks_before, host_cpu_ticks())
     bar.update(task, description=f"{mode}: done")
     return {"mode": mode, "jct_s": jct, "records": records, "router": run.counters(),
-            "engine_busy_s": busy,
+            "engine_busy_s": {name: s["busy_s"] for name, s in spent.items()},
+            "engine_loop_s": {name: {k: v for k, v in s.items() if k != "busy_s"}
+                              for name, s in spent.items()},
+            "host_cpu": host_cpu,
             "nics": utilization(samples, options.applied_read_cap_mb_s, None, sampler.interval_s),
             "config": asdict(cluster_config(options, mode, work / mode / "kv"))}
+
+
+def seconds_spent(before: dict[str, dict[str, float]],
+                  after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per engine, each time counter's growth from ``before`` to ``after``."""
+    return {name: {k: v - before.get(name, {}).get(k, 0.0) for k, v in counters.items()}
+            for name, counters in after.items()}
 
 
 def prime(run: Any, options: AgentsOptions, agents: list[list[AgentTurn]], bar: Progress,

@@ -55,7 +55,27 @@ def mode_figures(row: dict[str, Any]) -> dict[str, Any]:
         "retried_turns": sum(r.get("attempts", 1) > 1 for r in records),
         # seconds each engine spent in forwards (PE) or decode steps (DE) / JCT
         "engine_busy": {e: s / row["jct_s"] for e, s in row.get("engine_busy_s", {}).items()},
+        "prefill_time_s": prefill_time(row),
+        "host_cpu": row.get("host_cpu"),
     }
+
+
+def prefill_time(row: dict[str, Any]) -> dict[str, float] | None:
+    """Where the prefill engines' forward time went in the timed run, summed over them:
+    ``forwards_s`` (their wall time), the loop thread's ``on_cpu_s`` and ``waiting_for_core_s``
+    (runnable, no core free: Linux schedstat) and ``layer_waits_s`` (blocked on layerwise loads
+    and sends). On a small testbed the engines and the NIC emulation share the cores, so this
+    says how much of a mode's gap to the oracle is the machine rather than the mechanism. The
+    loop's counters include its time between forwards (small while it is busy). None without
+    the counters (``--via http``)."""
+    busy, loops = row.get("engine_busy_s", {}), row.get("engine_loop_s", {})
+    names = [e for e in busy if e.startswith("pe") and "loop_cpu_s" in loops.get(e, {})]
+    if not names:
+        return None
+    return {"forwards_s": sum(busy[e] for e in names),
+            "on_cpu_s": sum(loops[e]["loop_cpu_s"] for e in names),
+            "waiting_for_core_s": sum(loops[e].get("loop_runqueue_wait_s", 0.0) for e in names),
+            "layer_waits_s": sum(loops[e].get("layer_wait_s_total", 0.0) for e in names)}
 
 
 def simulate_same(profile: str, sim_turns: list[list[Any]], modes: tuple[str, ...],
@@ -119,7 +139,11 @@ def build_result(options: Any, workload: Any, model: str, offline: list[dict[str
                                "hit_rate": {m: f["hit_rate"] for m, f in modes.items()},
                                "expected_hit_rate": expected_hit_rate(workload, options),
                                "snic_busy": {m: f["snic_busy"] for m, f in modes.items()},
-                               "mean_ttft_s": {m: f["mean_ttft_s"] for m, f in modes.items()}}
+                               "mean_ttft_s": {m: f["mean_ttft_s"] for m, f in modes.items()},
+                               "prefill_time_s": {m: f["prefill_time_s"] for m, f in modes.items()
+                                                  if f["prefill_time_s"]},
+                               "host_cpu_steal_frac": {m: f["host_cpu"]["steal_frac"]
+                                                       for m, f in modes.items() if f["host_cpu"]}}
     capacity = {o["mode"]: o["capacity_aps"] for o in online}
     if online:
         summary["online_capacity_aps"] = capacity
@@ -202,6 +226,13 @@ def print_report(result: dict[str, Any], console: Console) -> None:
                                           "aps_ratio_dualpath_vs_basic_at_least") if k in s]
     lines.append(f"hit rate measured {', '.join(f'{m} {v:.1%}' for m, v in s['hit_rate'].items())}"
                  f"; expected {s['expected_hit_rate']:.1%}")
+    for mode, t in s.get("prefill_time_s", {}).items():
+        steal = s.get("host_cpu_steal_frac", {}).get(mode)
+        lines.append(f"PE forwards, {mode}: {t['forwards_s']:.1f} s; its loop on a core "
+                     f"{t['on_cpu_s']:.1f} s, waiting for one {t['waiting_for_core_s']:.1f} s, "
+                     f"for layer loads/sends {t['layer_waits_s']:.1f} s"
+                     + (f"; the hypervisor stole {steal:.0%} of the host's CPU"
+                        if steal is not None else ""))
     if "simulator" in s:
         sim = s["simulator"]
         lines.append("simulator on the same workload: " + ", ".join(

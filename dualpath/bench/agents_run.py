@@ -109,15 +109,26 @@ class PythonRun:
         """A NIC sampler over the engines' counters."""
         return NicSampler(lambda: cluster_node_bytes(self.cluster.metrics()))
 
-    def busy_s(self) -> dict[str, float]:
-        """Per engine, seconds spent in forwards (PE) or decode steps (DE) so far."""
-        return {name: float(m.get("forward_s_total") or m.get("step_s_total") or 0.0)
-                for name, m in self.cluster.metrics().items()}
+    def busy_s(self) -> dict[str, dict[str, float]]:
+        """Per engine, seconds so far: in forwards (PE) or decode steps (DE), ``busy_s``; its
+        loop thread on a CPU, ``loop_cpu_s``, and runnable but waiting for one,
+        ``loop_runqueue_wait_s`` (where the kernel keeps schedstat)."""
+        return {name: engine_seconds(m) for name, m in self.cluster.metrics().items()}
 
     def counters(self) -> dict[str, Any]:
         """The router's counters (retries, drops)."""
         assert self.cluster.router is not None
         return self.cluster.router.counters()
+
+
+def engine_seconds(metrics: dict[str, Any]) -> dict[str, float]:
+    """An engine's cumulative time counters (see ``PythonRun.busy_s``) from its metrics."""
+    out = {"busy_s": float(metrics.get("forward_s_total") or metrics.get("step_s_total") or 0.0)}
+    out.update({k: float(metrics[k]) for k in LOOP_KEYS if metrics.get(k) is not None})
+    return out
+
+
+LOOP_KEYS = ("loop_cpu_s", "loop_runqueue_wait_s", "layer_wait_s_total")
 
 
 def _free_port() -> int:
@@ -237,7 +248,7 @@ class HttpRun:
         """A NIC sampler over the server's ``/metrics`` page."""
         return NicSampler(lambda: prometheus_node_bytes(self._metrics()), interval_s=2.0)
 
-    def busy_s(self) -> dict[str, float]:
+    def busy_s(self) -> dict[str, dict[str, float]]:
         """Not on ``/metrics``: nothing."""
         return {}
 

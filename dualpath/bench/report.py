@@ -49,6 +49,34 @@ def machine_profile() -> dict[str, Any]:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
+CPU_TIME_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def host_cpu_ticks(stat_path: str = "/proc/stat") -> dict[str, int]:
+    """The whole machine's CPU time so far, in clock ticks per ``CPU_TIME_FIELDS`` kind (Linux
+    ``/proc/stat``; empty where it cannot be read)."""
+    try:
+        with open(stat_path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return {}
+    if not fields or fields[0] != "cpu":
+        return {}
+    return {k: int(v) for k, v in zip(CPU_TIME_FIELDS, fields[1:], strict=False)}
+
+
+def host_cpu_shares(before: dict[str, int], after: dict[str, int]) -> dict[str, float] | None:
+    """Between two ``host_cpu_ticks``: the fraction of the machine's CPU time that was busy
+    (user, system, interrupts) and stolen by the hypervisor (``steal``: time the guest was
+    runnable but another guest had the physical core). None without both readings."""
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    total = sum(delta.values())
+    if not before or total <= 0:
+        return None
+    busy = sum(delta.get(k, 0) for k in ("user", "nice", "system", "irq", "softirq"))
+    return {"busy_frac": busy / total, "steal_frac": delta.get("steal", 0) / total}
+
+
 def write_json(path: str | Path, result: dict[str, Any]) -> Path:
     """Write ``result`` (must hold a ``summary``) as indented JSON; returns the path."""
     if "summary" not in result:

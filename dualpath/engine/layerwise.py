@@ -30,6 +30,7 @@ holds a full block ``[layers, tokens, bytes]`` (the storage layout).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
@@ -129,13 +130,14 @@ class PrefillHooks(LayerHooks):
         self._moves = plan.mode != "oracle"
         self._has_loads = self._moves and bool(plan.host_loads() or plan.de_loads())
         self._on_cuda = cache.data.is_cuda
+        self.wait_s = 0.0  # the forward's time blocked on this request's loads and sends
 
     # -- hooks --------------------------------------------------------------------------------
     def before_layer(self, layer_idx: int) -> None:
         if self.plan.mode == "basic":
             if layer_idx == 0 and self._has_loads:
                 for future in [self._start_load(i) for i in range(self.num_layers)]:
-                    future.result()
+                    self._wait(future)
             return
         if self._has_loads:
             # prefetch: every later layer the window has a slot for loads while this one
@@ -143,7 +145,7 @@ class PrefillHooks(LayerHooks):
             for ahead in range(layer_idx, min(layer_idx + self.window, self.num_layers)):
                 if ahead not in self._loads:
                     self._loads[ahead] = self._start_load(ahead)
-            self._loads.pop(layer_idx).result()
+            self._wait(self._loads.pop(layer_idx))
         self._wait_slot_free(layer_idx)  # the compute writes into the slot
 
     def after_layer(self, layer_idx: int) -> None:
@@ -158,7 +160,7 @@ class PrefillHooks(LayerHooks):
                 self._sends[i] = self._start_forward(i)
         errors = []
         for future in self._sends.values():
-            if (exc := future.exception()) is not None:
+            if (exc := self._wait(future, raises=False)) is not None:
                 errors.append(exc)
         self._sends.clear()
         if errors:
@@ -179,7 +181,18 @@ class PrefillHooks(LayerHooks):
     def _wait_slot_free(self, layer_idx: int) -> None:
         tenant = self._slot_tenant(layer_idx)
         if tenant is not None:
-            tenant.result()
+            self._wait(tenant)
+
+    def _wait(self, future: Future[None], raises: bool = True) -> BaseException | None:
+        """Block until ``future`` settles, counting the time in ``wait_s``; its error raised
+        (``raises``) or returned."""
+        if not future.done():
+            started_s = time.perf_counter()
+            wait([future])
+            self.wait_s += time.perf_counter() - started_s
+        if raises:
+            future.result()
+        return future.exception()
 
     def _start_load(self, layer_idx: int) -> Future[None]:
         """Layer ``layer_idx``'s context KV into its slot, once the slot's tenant has left."""

@@ -270,8 +270,8 @@ class EngineProcess:
         values.update({f"storage_{k}": v for k, v in self.storage.metrics().items()})
         for name in ("num_prefilled", "num_forwards", "num_chunks", "num_hit_tokens",
                      "num_computed_tokens", "num_saved_blocks", "num_saves_dropped",
-                     "num_finish_waits_cut",
-                     "num_waits", "num_steps", "step_s_total", "forward_s_total",
+                     "num_finish_waits_cut", "num_waits", "num_steps", "step_s_total",
+                     "forward_s_total", "layer_wait_s_total",
                      "max_forward_hit_tokens"):
             if hasattr(self.worker, name):
                 values[name] = getattr(self.worker, name)

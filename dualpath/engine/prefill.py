@@ -128,6 +128,7 @@ class PrefillWorker:
         self.num_hit_tokens = 0
         self.num_computed_tokens = 0
         self.forward_s_total = 0.0  # wall time of forwards, the step hook included
+        self.layer_wait_s_total = 0.0  # of it, blocked on layer loads and sends (layerwise)
         self.max_forward_hit_tokens = 0  # most hit tokens one forward held in device memory
         # Called inside each forward with its computed token count, e.g. the EP traffic
         # generator's exchange (the forward waits for it, as MoE dispatch/combine would).
@@ -325,6 +326,7 @@ class PrefillWorker:
         self.on_step(sum(bsz for _, bsz in batch))
         ended_s = time.monotonic()
         self.forward_s_total += ended_s - started_s
+        self.layer_wait_s_total += sum(part.wait_s for part in parts)
         for job, _ in batch:
             job.first_forward_s = job.first_forward_s or started_s
             job.last_forward_end_s = ended_s

@@ -10,6 +10,7 @@ import pytest
 from dualpath.bench.agents import STORAGE_BOUND, poisson_offsets
 from dualpath.bench.agents_online import _next_aps, steady_stats
 from dualpath.bench.agents_run import serve_overrides
+from dualpath.bench.report import host_cpu_shares, host_cpu_ticks
 from dualpath.cli import main
 from dualpath.config import ClusterConfig, StorageConfig
 
@@ -35,6 +36,13 @@ def test_every_mode_offline_and_an_online_search(tiny_llama_dir, tmp_path):
                 if modes["basic"]["roles"][n] == "decode"]
     assert modes["basic"]["snic_read_mb"]["0"] > 0 and de_reads == [0, 0]  # PE node only
     assert sum(modes["oracle"]["snic_read_mb"].values()) == 0
+    pe_time = s["prefill_time_s"]  # where the PE's forward time went, from its own counters
+    assert pe_time["basic"]["layer_waits_s"] > 0  # basic loads every layer before computing
+    assert pe_time["oracle"]["layer_waits_s"] == 0  # the oracle moves nothing
+    assert all(t["forwards_s"] > 0 and t["on_cpu_s"] > 0 and t["waiting_for_core_s"] >= 0
+               for t in pe_time.values())
+    assert all(0 <= v <= 1 for v in s["host_cpu_steal_frac"].values())
+    assert set(s["host_cpu_steal_frac"]) == set(s["jct_s"])
     parts = modes["dualpath"]["ttft_breakdown_s"]
     assert parts["prefill_s"] > 0 and parts["read_s"] > 0
     (online,) = data["online"]
@@ -140,3 +148,15 @@ def test_aps_ratio_is_a_lower_bound_when_basic_never_met_the_slo():
     missed = online("basic", None, [(0.125, False), (0.08, False)])
     assert aps_ratio([missed, dualpath]) == {"aps_ratio_dualpath_vs_basic_at_least": 5.0}
     assert aps_ratio([dualpath]) == {}
+
+
+def test_host_cpu_shares_count_busy_and_stolen_ticks(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 1 2 3\n")
+    before = host_cpu_ticks(str(stat))
+    assert before["steal"] == 40 and before["idle"] == 800
+    stat.write_text("cpu  160 0 70 900 10 0 0 110 0 0\n")  # +60 user +20 sys +100 idle +70 steal
+    shares = host_cpu_shares(before, host_cpu_ticks(str(stat)))
+    assert shares == pytest.approx({"busy_frac": 80 / 250, "steal_frac": 70 / 250})
+    assert host_cpu_ticks(str(tmp_path / "missing")) == {}
+    assert host_cpu_shares({}, before) is None  # no first reading: no figure
