@@ -226,12 +226,14 @@ class DecodeWorker:
         return self._end_copies()
 
     def _copy_in(self, slots: list[int], table: list[int]) -> list[Future[None]]:
-        """Host buffer -> device cache, block by block, on the NIC's KV-load lane."""
+        """Host buffer -> device cache, block by block, on the NIC's KV-load lane (one
+        submission)."""
         data = self.engine.runner.cache.data
         layer_major = self._layer_major(slots).view(data.dtype)
         layer_major = layer_major.view(data.shape[0], len(slots), *data.shape[2:])
-        return [self.traffic.submit_copy(data[:, block], layer_major[:, b], Lane.KV_LOAD)
-                for b, block in enumerate(table[: len(slots)])]  # the table has room to grow
+        pairs = [(data[:, block], layer_major[:, b])
+                 for b, block in enumerate(table[: len(slots)])]  # the table has room to grow
+        return [self.traffic.submit_copies(pairs, Lane.KV_LOAD)]
 
     def _end_copies(self) -> list[Message]:
         """Start the sequences whose copy-in ended; free their buffers."""

@@ -199,12 +199,11 @@ class PrefillHooks(LayerHooks):
         plan, after = self.plan, self._slot_tenant(layer_idx)
         futures = []
         host = plan.host_loads()
-        if host:  # PE host buffer -> device (one CNIC-assisted copy per hit block)
+        if host:  # PE host buffer -> device (CNIC-assisted copies, one submission a layer)
             assert self.host_pool is not None
-            futures += [self.traffic.submit_copy(
-                self._cache_view(layer_idx, plan.pe_blocks[j]),
-                self._host_view(plan.pe_slots[j], layer_idx), Lane.KV_LOAD, "h2d", after=after)
-                for j in host]
+            pairs = [(self._cache_view(layer_idx, plan.pe_blocks[j]),
+                      self._host_view(plan.pe_slots[j], layer_idx)) for j in host]
+            futures.append(self.traffic.submit_copies(pairs, Lane.KV_LOAD, "h2d", after=after))
         remote = plan.de_loads()
         if remote:  # DE host buffer -> device over the compute network
             segments = [(self.addrs.layer_block(layer_idx, plan.pe_blocks[j]),

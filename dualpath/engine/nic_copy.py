@@ -8,7 +8,8 @@ dtype (or plain buffers), else a slice along the leading dimension (``data[:, bl
 paged cache). On CUDA the dispatcher thread issues ``copy_(non_blocking=True)`` on a dedicated
 stream per device, after an event recorded on the submitter's stream at submit time (so the
 copy sees the compute that produced its source), and waits on an event of its own before it
-counts the piece done.
+counts the piece done. Pieces smaller than a chunk (the blocks of one layer) share a work
+item (``group_pieces``): one queue turn, and on CUDA one event, for the group.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def _contiguous(dst: Any, src: Any) -> bool:
 
 def _tensor_pieces(dst: Any, src: Any, chunk_bytes: int) -> list[Piece]:
     nbytes = int(dst.nbytes)
+    if nbytes <= chunk_bytes and dst.shape == src.shape:
+        return [(dst, src, nbytes)]  # one piece as it is (e.g. a layer block)
     if dst.dtype == src.dtype and _contiguous(dst, src) and dst.dim() and src.dim():
         import torch
 
@@ -99,6 +102,28 @@ def tensor_context(dst: Any, src: Any) -> TensorContext | None:
                          torch.is_grad_enabled())
 
 
+def one_device(pairs: list[tuple[Any, Any]]) -> None:
+    """Raise ``ValueError`` unless every tensor of ``pairs`` touching CUDA is on one device
+    (a submission's copies share one copy stream and one ready event)."""
+    devices = {t.device for pair in pairs for t in pair if is_tensor(t) and t.is_cuda}
+    if len(devices) > 1:
+        raise ValueError(f"one submission's copies span devices {sorted(map(str, devices))}")
+
+
+def group_pieces(pieces: list[Piece], chunk_bytes: int) -> list[list[Piece]]:
+    """Consecutive pieces in groups of at most ``chunk_bytes`` (a larger piece stays alone):
+    one NIC work item each."""
+    groups: list[list[Piece]] = []
+    group_bytes = chunk_bytes
+    for piece in pieces:
+        if group_bytes + piece[2] > chunk_bytes:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(piece)
+        group_bytes += piece[2]
+    return groups
+
+
 class PieceCopier:
     """Runs pieces: host copies inline, CUDA copies on a dedicated stream per device.
 
@@ -108,16 +133,19 @@ class PieceCopier:
     def __init__(self) -> None:
         self._streams: dict[Any, Any] = {}
 
-    def copy(self, dst: Any, src: Any, ctx: TensorContext | None) -> None:
-        """Copy one piece; returns once its bytes have landed."""
+    def copy_all(self, pieces: list[Piece], ctx: TensorContext | None) -> None:
+        """Copy ``pieces`` in order; returns once all their bytes have landed (on CUDA: one
+        wait for the submitter's stream, one for the copy stream)."""
         if ctx is None:
-            dst[:] = src
+            for dst, src, _ in pieces:
+                dst[:] = src
             return
         import torch
 
         with torch.inference_mode(ctx.inference), torch.set_grad_enabled(ctx.grad):
             if ctx.device is None:
-                dst.copy_(src)
+                for dst, src, _ in pieces:
+                    dst.copy_(src)
                 return
             stream = self._streams.get(ctx.device)
             if stream is None:
@@ -125,7 +153,8 @@ class PieceCopier:
             with torch.cuda.stream(stream):
                 if ctx.ready is not None:
                     stream.wait_event(ctx.ready)
-                dst.copy_(src, non_blocking=True)
+                for dst, src, _ in pieces:
+                    dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)
         done.synchronize()

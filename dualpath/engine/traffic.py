@@ -48,7 +48,13 @@ from typing import Any, Literal
 
 from dualpath.config import TrafficConfig
 from dualpath.engine.nic_chunks import coalesce, split_chunks, validated
-from dualpath.engine.nic_copy import PieceCopier, copy_pieces, tensor_context
+from dualpath.engine.nic_copy import (
+    PieceCopier,
+    copy_pieces,
+    group_pieces,
+    one_device,
+    tensor_context,
+)
 from dualpath.engine.nic_grant_client import GrantClient, PendingGrant
 from dualpath.engine.nic_grants import GrantServer
 from dualpath.engine.nic_queues import NicDirection, direction_metrics
@@ -140,17 +146,31 @@ class TrafficManager:
         memory); by default KV saves are device → host and everything else host → device.
         ``after`` as for ``submit``. Raises ``ValueError`` at once for mismatched sizes.
         """
+        return self.submit_copies([(dst, src)], lane, direction, after)
+
+    def submit_copies(self, pairs: Sequence[tuple[Any, Any]], lane: Lane,
+                      direction: CopyDirection | None = None,
+                      after: Future[Any] | None = None) -> Future[None]:
+        """``submit_copy`` of several ``(dst, src)`` pairs as one submission: one future.
+
+        Small pieces of consecutive pairs share a NIC work item of at most the lane's chunk
+        (e.g. the blocks of one layer), so a layer of many blocks costs a few queue turns, not
+        one per block. Tensor pairs must be on one device. Empty ``pairs`` complete at once.
+        """
         lane = Lane(lane)
         direction = direction or ("d2h" if lane is Lane.KV_SAVE else "h2d")
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
         side = _NIC_SIDE[direction]
-        pieces, _nbytes = copy_pieces(dst, src, self.config.lane_chunk_bytes(lane.value))
-        ctx = tensor_context(dst, src)
+        chunk_bytes = self.config.lane_chunk_bytes(lane.value)
+        pieces = [p for dst, src in pairs for p in copy_pieces(dst, src, chunk_bytes)[0]]
+        one_device(list(pairs))
+        ctx = tensor_context(*pairs[0]) if pairs else None
         copier = self._copiers[side]
-        sub = Submission(len(pieces))
-        items: list[Work] = [CopyWork(sub, lane, n, partial(copier.copy, d, s, ctx))
-                             for d, s, n in pieces]
+        groups = group_pieces(pieces, chunk_bytes)
+        sub = Submission(len(groups))
+        items: list[Work] = [CopyWork(sub, lane, sum(n for _, _, n in g),
+                                      partial(copier.copy_all, g, ctx)) for g in groups]
         self._live.accept(sub, after, partial(self._dirs[side].put, items))
         return sub.future
 

@@ -165,7 +165,7 @@ class RecordingBackend(TransferBackend):
 class RecordingTraffic(TrafficManager):
     """A real traffic manager that logs each KV load and send by layer.
 
-    ``load_issued``/``send_issued``: when the hooks call ``submit``/``submit_copy``;
+    ``load_issued``/``send_issued``: when the hooks call ``submit``/``submit_copies``;
     ``load_done``/``send_done``: when a layer's last byte has moved, logged before the future
     the hooks wait on completes. With ``gate`` on, the load of layer i+1 cannot complete before
     layer i has started computing (``gate_timeout`` is logged when that never happens).
@@ -190,16 +190,17 @@ class RecordingTraffic(TrafficManager):
             after = _both(after, self._gate(layer))
         return super().submit(kind, peer, segments, lane, after=after)
 
-    def submit_copy(self, dst: Any, src: Any, lane: Lane,
-                    direction: CopyDirection | None = None,
-                    after: Future[None] | None = None) -> Future[None]:
+    def submit_copies(self, pairs: Sequence[tuple[Any, Any]], lane: Lane,
+                      direction: CopyDirection | None = None,
+                      after: Future[None] | None = None) -> Future[None]:
         if lane is not Lane.KV_LOAD:
-            return super().submit_copy(dst, src, lane, direction, after=after)
-        touched = self.layers.host_copy(dst.data_ptr(), src.data_ptr(), dst.nbytes)
-        ((layer, block),) = touched  # one copy moves one layer block
-        self._issue("load", layer, {block}, 0)
-        inner = super().submit_copy(dst, src, lane, direction,
-                                    after=_both(after, self._gate(layer)))
+            return super().submit_copies(pairs, lane, direction, after=after)
+        touched = set().union(*(self.layers.host_copy(dst.data_ptr(), src.data_ptr(), dst.nbytes)
+                                for dst, src in pairs))
+        (layer,) = {layer for layer, _ in touched}  # one submission moves one layer
+        self._issue("load", layer, {block for _, block in touched}, 0)
+        inner = super().submit_copies(pairs, lane, direction,
+                                      after=_both(after, self._gate(layer)))
         return _then(inner, lambda: self._copied(layer))
 
     def _issue(self, what: str, layer: int, blocks: set[int], nbytes: int) -> None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dualpath.config import TrafficConfig
-from dualpath.engine.nic_copy import copy_pieces
+from dualpath.engine.nic_copy import copy_pieces, group_pieces
+from dualpath.engine.nic_queues import NicDirection
 from dualpath.engine.traffic import TrafficManager
 from dualpath.errors import TransferError
 from dualpath.transfer.base import Segment, TransferBackend
@@ -138,6 +139,46 @@ def test_copy_pieces_are_at_most_a_chunk_and_cover_the_copy(shape, index):
     for d, s, _ in pieces:
         d.copy_(s)
     assert torch.equal(dst, src)
+
+
+def test_group_pieces_fills_work_items_up_to_a_chunk_in_order():
+    pieces = [(i, i, n) for i, n in enumerate([100, 100, 60, 300, 40, 256, 1])]
+    groups = group_pieces(pieces, 256)  # type: ignore[arg-type]
+    assert [[p[0] for p in g] for g in groups] == [[0, 1], [2], [3], [4], [5], [6]]
+    assert all(sum(n for *_, n in g) <= 256 or len(g) == 1 for g in groups)
+    assert group_pieces([], 256) == []
+
+
+def test_submit_copies_moves_many_blocks_in_few_work_items(monkeypatch):
+    queued: list[int] = []
+    put = NicDirection.put
+
+    def counting_put(self: NicDirection, items: Sequence) -> None:
+        queued.extend(item.nbytes for item in items)
+        put(self, items)
+
+    monkeypatch.setattr(NicDirection, "put", counting_put)
+    cache = torch.zeros(3, 20, 25)  # [layers, blocks, floats]: a layer block is 100 bytes
+    host = torch.arange(20 * 3 * 25, dtype=torch.float32).view(20, 75)  # slots [layers × 25]
+    slots = list(range(19, -1, -1))  # descending, as a host pool hands them out
+    pairs = [(cache[1, b], host[slot, 25:50]) for b, slot in enumerate(slots)]
+    with TrafficManager(None, TrafficConfig(chunk_bytes=1000)) as tm:
+        tm.submit_copies(pairs, Lane.KV_LOAD, "h2d").result(5)
+        assert tm.metrics()["h2d_bytes"] == 2000
+        assert tm.submit_copies([], Lane.KV_LOAD).done()
+    for b, slot in enumerate(slots):
+        assert torch.equal(cache[1, b], host[slot, 25:50])
+    assert cache[0].eq(0).all() and cache[2].eq(0).all()
+    assert queued == [1000, 1000]  # 20 blocks of 100 bytes: two chunk-sized work items
+
+
+def test_submit_copies_of_a_bad_pair_fails_at_once_and_moves_nothing():
+    dst = [bytearray(10), bytearray(10)]
+    with TrafficManager(None, TrafficConfig()) as tm:
+        with pytest.raises(ValueError):
+            tm.submit_copies([(dst[0], b"x" * 10), (dst[1], b"x" * 11)], Lane.KV_LOAD)
+        assert tm.metrics()["h2d_bytes"] == 0
+    assert dst == [bytearray(10), bytearray(10)]
 
 
 def test_copies_are_paced_by_the_cap_of_their_side():
