@@ -226,8 +226,8 @@ class DecodeWorker:
         return self._end_copies()
 
     def _copy_in(self, slots: list[int], table: list[int]) -> list[Future[None]]:
-        """Host buffer -> device cache, block by block, on the NIC's KV-load lane (one
-        submission)."""
+        """Host buffer -> device cache, every block in one submission, on the NIC's KV-load
+        lane."""
         data = self.engine.runner.cache.data
         layer_major = self._layer_major(slots).view(data.dtype)
         layer_major = layer_major.view(data.shape[0], len(slots), *data.shape[2:])

@@ -103,8 +103,11 @@ def tensor_context(dst: Any, src: Any) -> TensorContext | None:
 
 
 def one_device(pairs: list[tuple[Any, Any]]) -> None:
-    """Raise ``ValueError`` unless every tensor of ``pairs`` touching CUDA is on one device
-    (a submission's copies share one copy stream and one ready event)."""
+    """Raise ``ValueError`` unless ``pairs`` are all tensor copies or all buffer copies, their
+    CUDA tensors on one device (a submission's copies share one context: one copy stream and
+    one ready event)."""
+    if len({is_tensor(dst) for dst, _ in pairs}) > 1:
+        raise ValueError("one submission's copies mix tensors and buffers")
     devices = {t.device for pair in pairs for t in pair if is_tensor(t) and t.is_cuda}
     if len(devices) > 1:
         raise ValueError(f"one submission's copies span devices {sorted(map(str, devices))}")

@@ -177,6 +177,9 @@ def test_submit_copies_of_a_bad_pair_fails_at_once_and_moves_nothing():
     with TrafficManager(None, TrafficConfig()) as tm:
         with pytest.raises(ValueError):
             tm.submit_copies([(dst[0], b"x" * 10), (dst[1], b"x" * 11)], Lane.KV_LOAD)
+        with pytest.raises(ValueError, match="mix"):
+            tm.submit_copies([(dst[0], b"x" * 10), (torch.zeros(4), torch.ones(4))],
+                             Lane.KV_LOAD)
         assert tm.metrics()["h2d_bytes"] == 0
     assert dst == [bytearray(10), bytearray(10)]
 
