@@ -102,7 +102,7 @@ def tensor_context(dst: Any, src: Any) -> TensorContext | None:
                          torch.is_grad_enabled())
 
 
-def one_device(pairs: list[tuple[Any, Any]]) -> None:
+def one_copy_context(pairs: list[tuple[Any, Any]]) -> None:
     """Raise ``ValueError`` unless ``pairs`` are all tensor copies or all buffer copies, their
     CUDA tensors on one device (a submission's copies share one context: one copy stream and
     one ready event)."""

@@ -52,7 +52,7 @@ from dualpath.engine.nic_copy import (
     PieceCopier,
     copy_pieces,
     group_pieces,
-    one_device,
+    one_copy_context,
     tensor_context,
 )
 from dualpath.engine.nic_grant_client import GrantClient, PendingGrant
@@ -164,7 +164,7 @@ class TrafficManager:
         side = _NIC_SIDE[direction]
         chunk_bytes = self.config.lane_chunk_bytes(lane.value)
         pieces = [p for dst, src in pairs for p in copy_pieces(dst, src, chunk_bytes)[0]]
-        one_device(list(pairs))
+        one_copy_context(list(pairs))
         ctx = tensor_context(*pairs[0]) if pairs else None
         copier = self._copiers[side]
         groups = group_pieces(pieces, chunk_bytes)
