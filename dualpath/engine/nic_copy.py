@@ -102,15 +102,17 @@ def tensor_context(dst: Any, src: Any) -> TensorContext | None:
                          torch.is_grad_enabled())
 
 
-def one_copy_context(pairs: list[tuple[Any, Any]]) -> None:
-    """Raise ``ValueError`` unless ``pairs`` are all tensor copies or all buffer copies, their
-    CUDA tensors on one device (a submission's copies share one context: one copy stream and
-    one ready event)."""
+def submission_context(pairs: list[tuple[Any, Any]]) -> TensorContext | None:
+    """The one context a submission's copies share (one copy stream, one ready event), taken
+    from a pair that touches CUDA if any; None for buffer copies. Raises ``ValueError`` when
+    ``pairs`` mix tensors and buffers or span CUDA devices. Call on the submitter's thread."""
     if len({is_tensor(dst) for dst, _ in pairs}) > 1:
         raise ValueError("one submission's copies mix tensors and buffers")
-    devices = {t.device for pair in pairs for t in pair if is_tensor(t) and t.is_cuda}
+    on_cuda = [pair for pair in pairs if any(is_tensor(t) and t.is_cuda for t in pair)]
+    devices = {t.device for pair in on_cuda for t in pair if t.is_cuda}
     if len(devices) > 1:
         raise ValueError(f"one submission's copies span devices {sorted(map(str, devices))}")
+    return tensor_context(*(on_cuda or pairs)[0]) if pairs else None
 
 
 def group_pieces(pieces: list[Piece], chunk_bytes: int) -> list[list[Piece]]:

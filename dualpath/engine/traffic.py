@@ -48,13 +48,7 @@ from typing import Any, Literal
 
 from dualpath.config import TrafficConfig
 from dualpath.engine.nic_chunks import coalesce, split_chunks, validated
-from dualpath.engine.nic_copy import (
-    PieceCopier,
-    copy_pieces,
-    group_pieces,
-    one_copy_context,
-    tensor_context,
-)
+from dualpath.engine.nic_copy import PieceCopier, copy_pieces, group_pieces, submission_context
 from dualpath.engine.nic_grant_client import GrantClient, PendingGrant
 from dualpath.engine.nic_grants import GrantServer
 from dualpath.engine.nic_queues import NicDirection, direction_metrics
@@ -155,7 +149,8 @@ class TrafficManager:
 
         Small pieces of consecutive pairs share a NIC work item of at most the lane's chunk
         (e.g. the blocks of one layer), so a layer of many blocks costs a few queue turns, not
-        one per block. Tensor pairs must be on one device. Empty ``pairs`` complete at once.
+        one per block. The pairs are all tensors (CUDA ones on one device) or all buffers:
+        ``ValueError`` otherwise. Empty ``pairs`` complete at once.
         """
         lane = Lane(lane)
         direction = direction or ("d2h" if lane is Lane.KV_SAVE else "h2d")
@@ -164,8 +159,7 @@ class TrafficManager:
         side = _NIC_SIDE[direction]
         chunk_bytes = self.config.lane_chunk_bytes(lane.value)
         pieces = [p for dst, src in pairs for p in copy_pieces(dst, src, chunk_bytes)[0]]
-        one_copy_context(list(pairs))
-        ctx = tensor_context(*pairs[0]) if pairs else None
+        ctx = submission_context(list(pairs))
         copier = self._copiers[side]
         groups = group_pieces(pieces, chunk_bytes)
         sub = Submission(len(groups))
