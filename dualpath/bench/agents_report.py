@@ -56,6 +56,7 @@ def mode_figures(row: dict[str, Any]) -> dict[str, Any]:
         # seconds each engine spent in forwards (PE) or decode steps (DE) / JCT
         "engine_busy": {e: s / row["jct_s"] for e, s in row.get("engine_busy_s", {}).items()},
         "prefill_time_s": prefill_time(row),
+        "engine_thread_wakeups": thread_wakeups(row),
         "host_cpu": row.get("host_cpu"),
     }
 
@@ -63,11 +64,12 @@ def mode_figures(row: dict[str, Any]) -> dict[str, Any]:
 def prefill_time(row: dict[str, Any]) -> dict[str, float] | None:
     """Where the prefill engines' forward time went in the timed run, summed over them:
     ``forwards_s`` (their wall time), the loop thread's ``on_cpu_s`` and ``waiting_for_core_s``
-    (runnable, no core free: Linux schedstat) and ``layer_waits_s`` (blocked on layerwise loads
-    and sends). On a small testbed the engines and the NIC emulation share the cores, so this
-    says how much of a mode's gap to the oracle is the machine rather than the mechanism. The
-    loop's counters include its time between forwards (small while it is busy). None without
-    the counters (``--via http``)."""
+    (runnable, no core free: Linux schedstat), how often it was preempted (``loop_preemptions``,
+    a count) and ``layer_waits_s`` (blocked on layerwise loads and sends). On a small testbed
+    the engines and the NIC emulation share the cores, so this says how much of a mode's gap
+    to the oracle is the machine rather than the mechanism. The loop's counters include its
+    time between forwards (small while it is busy). None without the counters (``--via
+    http``)."""
     busy, loops = row.get("engine_busy_s", {}), row.get("engine_loop_s", {})
     names = [e for e in busy if e.startswith("pe") and "loop_cpu_s" in loops.get(e, {})]
     if not names:
@@ -75,7 +77,17 @@ def prefill_time(row: dict[str, Any]) -> dict[str, float] | None:
     return {"forwards_s": sum(busy[e] for e in names),
             "on_cpu_s": sum(loops[e]["loop_cpu_s"] for e in names),
             "waiting_for_core_s": sum(loops[e].get("loop_runqueue_wait_s", 0.0) for e in names),
+            "loop_preemptions": sum(loops[e].get("loop_preemptions", 0.0) for e in names),
             "layer_waits_s": sum(loops[e].get("layer_wait_s_total", 0.0) for e in names)}
+
+
+def thread_wakeups(row: dict[str, Any]) -> float | None:
+    """How many times the threads of every engine woke up in the timed run (voluntary context
+    switches, ``engine/sched_counters.py``): the hand-offs of moving KV between threads and
+    processes, which on a small testbed preempt the forwards. None without the counters."""
+    counts = [c["thread_wakeups"] for c in row.get("engine_loop_s", {}).values()
+              if "thread_wakeups" in c]
+    return sum(counts) if counts else None
 
 
 def simulate_same(profile: str, sim_turns: list[list[Any]], modes: tuple[str, ...],
@@ -142,6 +154,9 @@ def build_result(options: Any, workload: Any, model: str, offline: list[dict[str
                                "mean_ttft_s": {m: f["mean_ttft_s"] for m, f in modes.items()},
                                "prefill_time_s": {m: f["prefill_time_s"] for m, f in modes.items()
                                                   if f["prefill_time_s"]},
+                               "engine_thread_wakeups": {
+                                   m: f["engine_thread_wakeups"] for m, f in modes.items()
+                                   if f["engine_thread_wakeups"] is not None},
                                "host_cpu_steal_frac": {m: f["host_cpu"]["steal_frac"]
                                                        for m, f in modes.items() if f["host_cpu"]}}
     capacity = {o["mode"]: o["capacity_aps"] for o in online}
@@ -228,9 +243,13 @@ def print_report(result: dict[str, Any], console: Console) -> None:
                  f"; expected {s['expected_hit_rate']:.1%}")
     for mode, t in s.get("prefill_time_s", {}).items():
         steal = s.get("host_cpu_steal_frac", {}).get(mode)
+        wakeups = s.get("engine_thread_wakeups", {}).get(mode)
         lines.append(f"PE forwards, {mode}: {t['forwards_s']:.1f} s; its loop on a core "
-                     f"{t['on_cpu_s']:.1f} s, waiting for one {t['waiting_for_core_s']:.1f} s, "
-                     f"for layer loads/sends {t['layer_waits_s']:.1f} s"
+                     f"{t['on_cpu_s']:.1f} s, waiting for one {t['waiting_for_core_s']:.1f} s "
+                     f"(preempted {t.get('loop_preemptions', 0):,.0f} times), for layer "
+                     f"loads/sends {t['layer_waits_s']:.1f} s"
+                     + (f"; the engines' threads woke {wakeups:,.0f} times"
+                        if wakeups is not None else "")
                      + (f"; the hypervisor stole {steal:.0%} of the host's CPU"
                         if steal is not None else ""))
     if "simulator" in s:

@@ -112,7 +112,8 @@ class PythonRun:
     def busy_s(self) -> dict[str, dict[str, float]]:
         """Per engine, seconds so far: in forwards (PE) or decode steps (DE), ``busy_s``; its
         loop thread on a CPU, ``loop_cpu_s``, and runnable but waiting for one,
-        ``loop_runqueue_wait_s`` (where the kernel keeps schedstat)."""
+        ``loop_runqueue_wait_s`` (where the kernel keeps schedstat); counts too: the loop's
+        ``loop_preemptions`` and the process's ``thread_wakeups`` (``sched_counters``)."""
         return {name: engine_seconds(m) for name, m in self.cluster.metrics().items()}
 
     def counters(self) -> dict[str, Any]:
@@ -128,7 +129,8 @@ def engine_seconds(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-LOOP_KEYS = ("loop_cpu_s", "loop_runqueue_wait_s", "layer_wait_s_total")
+LOOP_KEYS = ("loop_cpu_s", "loop_runqueue_wait_s", "layer_wait_s_total", "loop_preemptions",
+             "thread_wakeups")
 
 
 def _free_port() -> int:

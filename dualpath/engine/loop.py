@@ -37,6 +37,7 @@ from dualpath.engine.ep_traffic import EpPeer, EpTraffic, ep_metrics_off
 from dualpath.engine.join import Advertised
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillWorker
+from dualpath.engine.sched_counters import loop_thread_counters, process_wakeups
 from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import (
@@ -275,7 +276,8 @@ class EngineProcess:
                      "max_forward_hit_tokens"):
             if hasattr(self.worker, name):
                 values[name] = getattr(self.worker, name)
-        values.update(loop_thread_schedstat())
+        values.update(loop_thread_counters())
+        values.update(process_wakeups())
         values["gil_switch_ms"] = sys.getswitchinterval() * 1000
         return values
 
@@ -291,18 +293,6 @@ def apply_process_settings(engine: EngineConfig) -> None:
     torch.set_num_threads(engine.threads)
     if engine.gil_switch_ms is not None:
         sys.setswitchinterval(engine.gil_switch_ms / 1000)
-
-
-def loop_thread_schedstat() -> dict[str, float]:
-    """The calling thread's time on a CPU and runnable but waiting for one (seconds, Linux
-    schedstat; empty where the kernel does not keep it): on a small testbed, how much the
-    engine loop's compute waits behind the emulated NIC's threads and the other engines."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            run_ns, wait_ns, _ = (int(v) for v in f.read().split())
-    except (OSError, ValueError):
-        return {}
-    return {"loop_cpu_s": run_ns / 1e9, "loop_runqueue_wait_s": wait_ns / 1e9}
 
 
 def _ep_traffic(traffic: TrafficManager, config: ClusterConfig, engine: EngineConfig,

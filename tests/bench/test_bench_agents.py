@@ -41,6 +41,10 @@ def test_every_mode_offline_and_an_online_search(tiny_llama_dir, tmp_path):
     assert pe_time["oracle"]["layer_waits_s"] == 0  # the oracle moves nothing
     assert all(t["forwards_s"] > 0 and t["on_cpu_s"] > 0 and t["waiting_for_core_s"] >= 0
                for t in pe_time.values())
+    assert all(t["loop_preemptions"] >= 0 for t in pe_time.values())
+    # moving KV hands chunks between threads (here 775-986 wakeups); the oracle moves none (80)
+    wakeups = s["engine_thread_wakeups"]
+    assert wakeups["basic"] > wakeups["oracle"] > 0 and wakeups["dualpath"] > wakeups["oracle"]
     assert all(0 <= v <= 1 for v in s["host_cpu_steal_frac"].values())
     assert set(s["host_cpu_steal_frac"]) == set(s["jct_s"])
     parts = modes["dualpath"]["ttft_breakdown_s"]
