@@ -5,7 +5,9 @@ blocks from storage into them (through this node's storage NIC). When the PE has
 rest, ``Decode`` copies the buffer into the paged cache, frees the slots and joins the running
 batch. Every full block the sequence completes beyond what storage already holds — the prompt
 tail and generated tokens — is gathered into a staging slot and written to storage; a trailing
-partial block is not stored (the next turn recomputes it).
+partial block is not stored (the next turn recomputes it). A gather holds a reference on its
+device block until it has read it, so the block is never handed to another request first, even
+when the capped NIC runs the copy long after the sequence ended.
 
 Nothing here fails for lack of room: an ``AllocBuffer`` that finds no contiguous run, or a
 ``Decode`` that finds no free KV blocks, waits (FIFO) until earlier requests free theirs; a block
@@ -21,7 +23,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -316,7 +318,8 @@ class DecodeWorker:
     # -- persistence ----------------------------------------------------------------------------
     def _save_new_blocks(self, active: _Active) -> None:
         """Write each newly completed full block (still in the cache: blocks of a sequence
-        finished in this step are reused only by a later step)."""
+        finished in this step are handed out only by a later step, and each gather holds its
+        block until it has read it)."""
         seq = active.seq
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= active.num_saved_blocks:
@@ -336,12 +339,14 @@ class DecodeWorker:
             slot = self.host_pool.alloc(1)[0]
             self._staging_in_use += 1
             key = space.key(hashes[k], hashes[k - 1] if k else None)
-            copied = self._gather(seq.block_table[k], slot)
-            if seq.is_finished:  # its blocks are handed out again after this step
-                wait([copied])
+            block = seq.block_table[k]
+            # the copy's own reference: however the sequence ends before the copy has run
+            # (finish, abort, preemption), the block is not handed out again under it
+            self.engine.pool.hold([block])
+            copied = self._gather(block, slot)
             active.num_saving += 1
             copied.add_done_callback(
-                lambda f, s=slot, key=key, a=active: self._write_saved(f, s, key, a))
+                lambda f, s=slot, key=key, a=active, b=block: self._write_saved(f, s, key, a, b))
             active.num_saved_blocks = k + 1
 
     def _gather(self, block: int, slot: int) -> Future[None]:
@@ -353,8 +358,10 @@ class DecodeWorker:
         return self.traffic.submit_copy(dst, data[:, block], Lane.KV_SAVE)
 
     def _write_saved(self, copied: Future[None], slot: int, key: object,
-                     active: _Active) -> None:
-        """Once staged, store the block (runs on the traffic manager's thread)."""
+                     active: _Active, block: int) -> None:
+        """Once staged, let the device block go and store the staged copy (runs on the
+        traffic manager's thread; the loop drops the block's reference in ``drain_events``)."""
+        self._events.put(("gathered", block))
         if copied.exception() is not None:
             self._events.put(("saved", (slot, copied, active)))
             return
@@ -393,6 +400,9 @@ class DecodeWorker:
             if kind == "read":
                 req_id, first, future = payload  # type: ignore[misc]
                 out.extend(self._read_done(req_id, first, future))
+            elif kind == "gathered":  # a save has read its device block
+                self.engine.pool.free([payload])  # type: ignore[list-item]
+                out.extend(self._start_decodes())
             else:
                 slot, future, active = payload  # type: ignore[misc]
                 self.host_pool.free([slot])

@@ -3,6 +3,10 @@
 A block is *in use* while its reference count is positive. A freed block that holds a full,
 hashed block of tokens stays findable by its hash until it is handed out again; free blocks
 are reused least-recently-freed first, so recently used prefixes survive longest.
+
+Anything that still reads a block after its sequence may end — a queued device → host save —
+takes a reference of its own (``hold``) and drops it (``free``) when it is done: whatever ends
+the sequence (finish, abort, preemption), the block is not handed out again under the read.
 """
 
 from __future__ import annotations
@@ -60,6 +64,16 @@ class BlockPool:
                 del self._free[block]
             self.ref_counts[block] += 1
         return blocks
+
+    def hold(self, blocks: Sequence[int]) -> None:
+        """Take one more reference on each block — in use, or freed and not yet handed out
+        again (its contents are still what was last written) — released by ``free``."""
+        for block in blocks:
+            if not 0 <= block < self.num_blocks:
+                raise ValueError(f"block {block} out of range [0, {self.num_blocks})")
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
 
     def register(self, block: int, block_hash: bytes) -> None:
         """Record that ``block`` now holds the full block named ``block_hash``."""

@@ -280,3 +280,27 @@ def test_reusing_a_prefix_refreshes_its_eviction_order():
     assert sorted(pool.allocate(2)) == sorted(blocks_b)
     assert pool.match_prefix(hashes_b) == []
     assert pool.match_prefix(hashes_a) == blocks_a
+
+
+def test_a_held_block_is_not_handed_out_until_the_hold_ends():
+    """A block freed by its sequence while a save still reads it stays out of the free list."""
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    pool.hold([blocks[1]])  # a queued save of block 1
+    pool.free(blocks)  # the sequence ends
+    assert pool.num_free_blocks == 2
+    assert blocks[1] not in pool.allocate(2)
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(1)
+    pool.free([blocks[1]])  # the save has read it
+    assert pool.allocate(1) == [blocks[1]]
+
+
+def test_hold_takes_a_freed_block_back_before_it_is_handed_out():
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1)
+    pool.free([block])
+    pool.hold([block])  # the sequence finished in this step; its last block is saved now
+    assert pool.num_free_blocks == 1 and block not in pool.allocate(1)
+    with pytest.raises(ValueError):
+        pool.hold([5])
