@@ -209,6 +209,9 @@ class Prefill(Message):
     top_p: float = 1.0
     seed: int | None = None
     num_pe_read_blocks: int = 0  # split read: the PE reads this many leading hit blocks
+    # a stream moved off a lost decode engine: the last this-many of ``prompt_ids`` are output
+    # tokens already streamed, and the token sampled here is output token number this-many
+    num_prior_outputs: int = 0
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,10 @@ class Decode(Message):
     oracle: bool = False  # timing upper bound: no buffer copy-in, nothing persisted
     stop: tuple[str, ...] = ()  # stop strings
     min_tokens: int = 0  # no EOS or stop string ends the request before this many tokens
+    # a stream moved off a lost decode engine: the last this-many of ``prompt_ids`` are output
+    # tokens already streamed; stop rules, ``max_tokens`` and seeded draws count them, and this
+    # engine streams from ``first_token`` on (which it drops if they already ended the request)
+    num_prior_outputs: int = 0
 
 
 @dataclass(frozen=True)

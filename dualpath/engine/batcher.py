@@ -45,7 +45,7 @@ class Batcher:
 
     def check_fits(self, seq: Sequence) -> None:
         """``RequestError`` if prompt + max_tokens could never fit in the whole KV cache."""
-        max_tokens = seq.num_tokens + seq.params.max_tokens
+        max_tokens = len(seq.prompt_ids) + seq.params.max_tokens  # outputs count in max_tokens
         if self._blocks_for(max_tokens) > self.pool.num_blocks:
             raise RequestError(
                 f"prompt + max_tokens = {max_tokens} tokens exceeds the KV cache "

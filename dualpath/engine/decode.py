@@ -201,6 +201,9 @@ class DecodeWorker:
         """Move the assembled prompt KV into the cache and start decoding (or wait for room)."""
         if msg.req_id not in self._buffers:
             return [Failed(msg.req_id, "no prompt buffer for this request")]
+        if not 0 <= msg.num_prior_outputs < len(msg.prompt_ids):
+            return [Failed(msg.req_id, f"{msg.num_prior_outputs} prior outputs of "
+                                       f"{len(msg.prompt_ids)} tokens")]
         self._pending_decodes.append(msg)
         out = self._start_decodes()
         self.num_waits += msg in self._pending_decodes  # it waits for device KV blocks
@@ -215,8 +218,10 @@ class DecodeWorker:
             params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature,
                                     top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos,
                                     stop=tuple(msg.stop), min_tokens=msg.min_tokens)
+            num_prompt = len(msg.prompt_ids) - msg.num_prior_outputs  # the rest: moved outputs
             try:
-                seq = self.engine.reserve_prefilled(list(msg.prompt_ids), params)
+                seq = self.engine.reserve_prefilled(list(msg.prompt_ids[:num_prompt]), params,
+                                                    list(msg.prompt_ids[num_prompt:]))
             except OutOfBlocksError:
                 break  # running sequences free blocks as they finish
             self._pending_decodes.popleft()
@@ -251,8 +256,12 @@ class DecodeWorker:
                 continue
             seq = copy.seq
             self.engine.start_prefilled(seq, copy.msg.first_token)
+            # the router streamed the PE's first token itself, except for a moved stream:
+            # then this engine streams from it on (or drops it, see ``start_prefilled``)
+            num_streamed = copy.msg.num_prior_outputs or 1
             self._active[seq.seq_id] = _Active(req_id, seq, copy.msg.num_stored_blocks,
-                                               persist=not copy.msg.oracle)
+                                               persist=not copy.msg.oracle,
+                                               num_streamed=num_streamed)
             out.extend(self._after_step([seq] if seq.is_finished else []))
         return out + self._start_allocs()
 

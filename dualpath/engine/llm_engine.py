@@ -77,22 +77,30 @@ class LLMEngine:
         self.batcher.add(seq)
         return seq
 
-    def reserve_prefilled(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def reserve_prefilled(self, prompt_ids: list[int], params: SamplingParams,
+                          prior_output_ids: list[int] | None = None) -> Sequence:
         """Allocate cache blocks for a prompt whose KV is computed elsewhere (the decode
         engine's entry); the sequence does not run until ``start_prefilled``
-        (``OutOfBlocksError`` when there is no room)."""
-        seq = Sequence(list(prompt_ids), params)
+        (``OutOfBlocksError`` when there is no room). ``prior_output_ids``: output tokens an
+        earlier engine generated (their KV comes with the prompt's); they count as this
+        sequence's outputs for stop rules, ``max_tokens`` and seeded draws."""
+        seq = Sequence(list(prompt_ids), params, output_ids=list(prior_output_ids or ()))
         self.batcher.check_fits(seq)
-        seq.block_table = self.pool.allocate(-(-(len(prompt_ids) + 1) // self.config.block_size))
+        seq.block_table = self.pool.allocate(-(-(seq.num_tokens + 1) // self.config.block_size))
         return seq
 
     def start_prefilled(self, seq: Sequence, first_token: int) -> None:
-        """The reserved sequence's prompt KV is in its blocks: run it from ``first_token``
-        (which may already finish it)."""
-        seq.num_computed_tokens = len(seq.prompt_ids)
+        """The reserved sequence's KV (prompt and prior outputs) is in its blocks: run it from
+        ``first_token`` (which may already finish it). Prior outputs that already met a stop
+        rule (their engine was lost before it said so) finish it without ``first_token``."""
+        seq.num_computed_tokens = seq.num_tokens
         seq.status = SeqStatus.RUNNING
         self.batcher.running.append(seq)
         self.batcher.publish_blocks(seq)
+        ended = self._finish_reason(seq, seq.output_ids[-1]) if seq.output_ids else None
+        if ended is not None:
+            self.batcher.finish(seq, ended)
+            return
         self._append(seq, first_token)
 
     def release_reserved(self, seq: Sequence) -> None:

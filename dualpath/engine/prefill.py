@@ -366,7 +366,8 @@ class PrefillWorker:
         logits = engine.runner.logits(hidden[[row for _, row in done]], fp32=False)
         tokens = engine.sampler.sample(logits, [s.params for s in seqs],  # type: ignore[union-attr]
                                        [s.seq_id for s in seqs],  # type: ignore[union-attr]
-                                       num_outputs=[0] * len(seqs))  # the first output token
+                                       # the first output token (of this attempt)
+                                       num_outputs=[job.msg.num_prior_outputs for job, _ in done])
         out: list[Message] = []
         for (job, _), token in zip(done, tokens, strict=True):
             assert job.seq is not None

@@ -291,6 +291,10 @@ class Router:
                     listener(tokens)
                 except Exception:  # a caller's bug must not stop the router
                     log.exception("router: a token listener failed")
+        for req_id in effects.lookups:  # a moved request: its stream's blocks are stored now
+            req = self.state.requests.get(req_id)
+            if req is not None:
+                self._apply(self.state.resume(req_id, self._hit_blocks(req), self._clock()))
         for req_id, result in effects.done:
             self._listeners.pop(req_id, None)
             self._remember_oracle(req_id, result)
@@ -350,8 +354,8 @@ class Router:
         that cannot be asked counts as holding nothing."""
         if req.mode == Mode.RECOMPUTE:
             return 0
-        max_hit = (len(req.prompt_ids) - 1) // self.block_size
-        keys = self.key_space.keys(req.prompt_ids[: max_hit * self.block_size])
+        max_hit = (len(req.kv_ids) - 1) // self.block_size
+        keys = self.key_space.keys(req.kv_ids[: max_hit * self.block_size])
         if req.mode == Mode.ORACLE:
             return next((i for i, key in enumerate(keys) if key not in self._oracle_blocks),
                         len(keys))

@@ -15,10 +15,15 @@ Membership: whenever an engine joins, rejoins or is lost, every registered engin
 other's compute-NIC grant address and EP receive buffer.
 
 Faults: a request whose engine is lost before decoding started is placed again (up to
-``MAX_ATTEMPTS``); one decoding on a lost DE fails with a clear error; one decoding while its
-PE is lost goes on. A request aborted while its PE may still write into the DE buffer waits in
-DRAINING until the PE lets go; where the PE never confirms (it was lost) the DE keeps the
-buffer for a quarantine, so the buffer is never reused under a live writer.
+``MAX_ATTEMPTS``); one decoding while its PE is lost goes on. One whose DE is lost (or fails it)
+while decoding *moves*: it is placed again (MOVING, then QUEUED once its hit is looked up anew:
+``Effects.lookups`` → ``resume``) with its prompt plus the tokens already streamed as the KV to
+assemble — their full blocks, persisted as they were generated, are hits — and the new DE
+samples from the next output index with the same seed, so the caller's stream goes on without a
+repeated or missing token; after ``MAX_ATTEMPTS`` placements it fails with a clear error.
+A request aborted while its PE may still write into the DE buffer waits in DRAINING until the
+PE lets go; where the PE never confirms (it was lost) the DE keeps the buffer for a quarantine,
+so the buffer is never reused under a live writer.
 """
 
 from __future__ import annotations
@@ -147,6 +152,19 @@ class RouterState:
         self._schedule(out)
         return out
 
+    def resume(self, req_id: int, num_hit_blocks: int, now_s: float) -> Effects:
+        """Queue a moved request again with its hit (over ``kv_ids``) looked up anew."""
+        out = Effects()
+        self._now_s = now_s
+        req = self.requests.get(req_id)
+        if req is None or req.phase != Phase.MOVING:
+            return out  # aborted meanwhile
+        most = (len(req.kv_ids) - 1) // self.capacity.block_size  # compute >= 1 token
+        req.num_hit_blocks = min(num_hit_blocks, most, self.capacity.host_pool_blocks)
+        self._enqueue(req)
+        self._schedule(out)
+        return out
+
     def lose(self, name: str, reason: str) -> Effects:
         """An engine is gone (its process exited, or it stopped answering)."""
         out = Effects()
@@ -243,7 +261,7 @@ class RouterState:
             if req.phase == Phase.DECODING and name == req.pe:
                 continue  # its prefill is done: it decodes on a live DE
             if req.phase == Phase.DECODING:
-                self._end(req, out, RequestFailed(f"{reason} while decoding the request"))
+                self._move(req, out, reason)
             else:
                 self._retry(req, out, reason)
 
@@ -290,7 +308,7 @@ class RouterState:
         """Hand on the tokens from index ``first`` that the caller does not have yet."""
         new = tokens[max(0, req.num_streamed - first):] if first <= req.num_streamed else ()
         if new:
-            req.num_streamed += len(new)
+            req.output_ids.extend(new)
             out.stream(req.req_id, tuple(new))
 
     def _buffer_ready(self, req: RequestState, msg: BufferReady, out: Effects) -> None:
@@ -303,10 +321,11 @@ class RouterState:
         req.phase = Phase.PREFILLING
         req.marks["buffer_ready"] = self._now_s
         p, de = req.params, self.engines[req.de].info
-        out.send(req.pe, Prefill(req.wire_id, req.prompt_ids, req.num_hit_blocks, req.path,
+        out.send(req.pe, Prefill(req.wire_id, req.kv_ids, req.num_hit_blocks, req.path,
                                  de.endpoint, msg.buffer_addr, _pe_mode(req.mode),
                                  p.temperature, p.top_p, p.seed,
-                                 num_pe_read_blocks=req.num_pe_read_blocks))
+                                 num_pe_read_blocks=req.num_pe_read_blocks,
+                                 num_prior_outputs=req.num_prior_outputs))
 
     def _prefilled(self, req: RequestState, msg: Prefilled, out: Effects) -> None:
         req.num_hit_blocks = msg.num_hit_blocks
@@ -321,11 +340,13 @@ class RouterState:
         h.pe_load, h.pe_pool_blocks, h.de_buffer_blocks = False, 0, 0
         req.phase = Phase.DECODING
         p = req.params
-        out.send(req.de, Decode(req.wire_id, req.prompt_ids, msg.first_token, msg.num_hit_blocks,
+        out.send(req.de, Decode(req.wire_id, req.kv_ids, msg.first_token, msg.num_hit_blocks,
                                 p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos,
                                 oracle=req.mode == Mode.ORACLE, stop=p.stop,
-                                min_tokens=p.min_tokens))
-        self._stream(req, 0, (msg.first_token,), out)  # the time to first token ends here
+                                min_tokens=p.min_tokens,
+                                num_prior_outputs=req.num_prior_outputs))
+        if not req.num_prior_outputs:  # a moved stream's DE streams it (or drops it)
+            self._stream(req, 0, (msg.first_token,), out)  # the time to first token ends here
 
     def _finished(self, req: RequestState, msg: Finished, out: Effects) -> None:
         req.marks.setdefault("first_decode", self._now_s)
@@ -339,7 +360,9 @@ class RouterState:
         out.finish(req.req_id, result)
 
     def _failed(self, req: RequestState, engine: str, error: str, out: Effects) -> None:
-        if req.phase == Phase.DECODING:
+        if req.phase == Phase.DECODING and engine == req.de:
+            self._move(req, out, f"{engine}: {error}")
+        elif req.phase == Phase.DECODING:
             self._end(req, out, RequestFailed(f"{engine}: {error}"))
         else:
             self._retry(req, out, f"{engine}: {error}", pe_let_go=engine == req.pe)
@@ -349,7 +372,7 @@ class RouterState:
         req.phase = Phase.QUEUED
         req.unseen.clear()
         req.pe = req.de = req.path = ""
-        self.scheduler.submit(PendingRequest(req.req_id, len(req.prompt_ids),
+        self.scheduler.submit(PendingRequest(req.req_id, len(req.kv_ids),
                                              self._read_tokens(req)))
 
     def _schedule(self, out: Effects) -> None:
@@ -371,9 +394,9 @@ class RouterState:
         req.phase = Phase.BUFFERING
         self._hold(req)
         self.decisions.append((req.req_id, req.pe, req.de, req.path, req.num_hit_blocks))
-        num_blocks = -(-len(req.prompt_ids) // self.capacity.block_size)
+        num_blocks = -(-len(req.kv_ids) // self.capacity.block_size)
         de_reads = req.num_hit_blocks if req.path != ReadPath.PE and req.reads else 0
-        out.send(req.de, AllocBuffer(req.wire_id, req.prompt_ids, num_blocks, de_reads,
+        out.send(req.de, AllocBuffer(req.wire_id, req.kv_ids, num_blocks, de_reads,
                                      read_from_block=req.num_pe_read_blocks))
 
     def _choose_path(self, req: RequestState, a: Assignment) -> str:
@@ -407,7 +430,7 @@ class RouterState:
         _count(de, req, +1)
         h.pe_load = h.de_load = True
         h.de_kv_tokens = len(req.prompt_ids) + req.params.max_tokens
-        h.de_buffer_blocks = -(-len(req.prompt_ids) // self.capacity.block_size)
+        h.de_buffer_blocks = -(-len(req.kv_ids) // self.capacity.block_size)
         de.kv_tokens += h.de_kv_tokens
         de.buffer_blocks += h.de_buffer_blocks
         if req.path == ReadPath.PE and req.reads:
@@ -439,9 +462,24 @@ class RouterState:
         self._by_wire.pop(req.wire_id, None)
         self._enqueue(req)
 
+    def _move(self, req: RequestState, out: Effects, reason: str) -> None:
+        """Its DE is gone or failed it while decoding: continue the stream on another DE from
+        the KV of the prompt and the tokens streamed so far (see the module docstring)."""
+        if req.attempts >= MAX_ATTEMPTS:
+            self._end(req, out, RequestFailed(
+                f"{reason} while decoding the request (after {req.attempts} attempts)"))
+            return
+        self._tell_engines(req, out, pe_let_go=True)  # decoding: only the DE holds it
+        self._release(req)
+        self._by_wire.pop(req.wire_id, None)
+        req.num_prior_outputs = req.num_streamed
+        req.phase = Phase.MOVING
+        req.pe = req.de = req.path = ""
+        out.lookup(req.req_id)
+
     def _end(self, req: RequestState, out: Effects, error: DualPathError) -> None:
         """Complete a request with an error, freeing what it holds on live engines."""
-        if req.phase == Phase.QUEUED:
+        if req.phase in (Phase.QUEUED, Phase.MOVING):
             self.scheduler.cancel(req.req_id)
             self._forget(req)
         elif req.phase == Phase.PREFILLING and req.pe in self.engines and req.de in self.engines:
@@ -533,7 +571,7 @@ class RouterState:
 
 def _count(load: Load, req: RequestState, sign: int) -> None:
     load.seq += sign
-    load.tok += sign * len(req.prompt_ids)
+    load.tok += sign * len(req.kv_ids)
 
 
 def _pe_mode(mode: Mode) -> str:

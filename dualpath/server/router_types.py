@@ -40,6 +40,7 @@ class Phase(StrEnum):
     PREFILLING = "prefilling"
     DECODING = "decoding"
     DRAINING = "draining"  # ended for the caller; the PE may still write the DE buffer
+    MOVING = "moving"  # its decode engine was lost: its hit is looked up anew, then re-placed
 
 
 class RequestFailed(DualPathError):
@@ -147,13 +148,27 @@ class RequestState:
     num_pe_read_blocks: int = 0  # a split read: leading hit blocks the PE reads
     attempts: int = 0
     num_computed_tokens: int = 0
-    num_streamed: int = 0  # output tokens handed to the caller
+    output_ids: list[int] = field(default_factory=list)  # output tokens handed to the caller
+    # of them, those an earlier attempt generated: the stream moved off a lost decode engine,
+    # and this attempt continues from its KV (prompt + these tokens)
+    num_prior_outputs: int = 0
     holds: Holds = field(default_factory=Holds)
     unseen: dict[str, int] = field(default_factory=dict)  # engine -> heartbeats without it
     # router clock (seconds) at submitted, dispatched (the last attempt), buffer_ready,
     # prefilled and first_decode (the DE's first tokens); the PE's own durations (Prefilled)
     marks: dict[str, float] = field(default_factory=dict)
     pe_timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_streamed(self) -> int:
+        """Output tokens handed to the caller."""
+        return len(self.output_ids)
+
+    @property
+    def kv_ids(self) -> tuple[int, ...]:
+        """The tokens whose KV this attempt assembles: the prompt, then earlier attempts'
+        outputs."""
+        return self.prompt_ids + tuple(self.output_ids[: self.num_prior_outputs])
 
     @property
     def reads(self) -> bool:
@@ -192,6 +207,8 @@ class Effects:
     sends: list[tuple[str, Message]] = field(default_factory=list)
     done: list[tuple[int, ClusterOutput | DualPathError]] = field(default_factory=list)
     streamed: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # req, new tokens
+    # requests to place again once their hit is looked up anew (``RouterState.resume``)
+    lookups: list[int] = field(default_factory=list)
 
     def send(self, engine: str, msg: Message) -> None:
         """Queue a message to an engine."""
@@ -200,6 +217,10 @@ class Effects:
     def stream(self, req_id: int, tokens: tuple[int, ...]) -> None:
         """Hand a request's next output tokens to its caller."""
         self.streamed.append((req_id, tokens))
+
+    def lookup(self, req_id: int) -> None:
+        """Look up a request's hit again (its ``kv_ids`` grew), then ``resume`` it."""
+        self.lookups.append(req_id)
 
     def finish(self, req_id: int, result: ClusterOutput | DualPathError) -> None:
         """Complete a request for its caller."""

@@ -94,9 +94,12 @@ class EngineModel:
             read = [ReadDone(msg.req_id, msg.num_hit_blocks)] if reads else []
             computed = len(msg.prompt_ids) - msg.num_hit_blocks * BLOCK
             return [*read, Prefilled(msg.req_id, 7, msg.num_hit_blocks, computed)]
-        if isinstance(msg, Decode):
-            return [Tokens(((msg.req_id, 1, (8,)),)), Finished(msg.req_id, (msg.first_token, 8, 9),
-                                                               "length")]
+        if isinstance(msg, Decode):  # a moved stream's outputs start with the prior ones
+            prior = msg.prompt_ids[len(msg.prompt_ids) - msg.num_prior_outputs:]
+            outputs = (*prior, msg.first_token, 8, 9)
+            first = msg.num_prior_outputs or 1  # the router streamed the first one itself
+            return [Tokens(((msg.req_id, first, outputs[first:-1]),)),
+                    Finished(msg.req_id, outputs, "length")]
         if isinstance(msg, Abort):
             return [Aborted(msg.req_id)]
         return []
@@ -108,11 +111,15 @@ def run_to_quiet(state: RouterState, model: EngineModel, done: dict, sends: list
     while sends:
         engine, msg = sends.pop(0)
         for reply in model.answer(engine, msg):
-            apply(state.on_message(engine, reply, now), done, sends)
+            apply(state.on_message(engine, reply, now), done, sends, state)
 
 
-def apply(effects, done: dict, sends: list) -> None:
+def apply(effects, done: dict, sends: list, state: RouterState | None = None) -> None:
     sends.extend(effects.sends)
+    for req_id in effects.lookups:  # a moved request: every block its DE stored is a hit
+        assert state is not None, "a request moved where the test did not expect it"
+        kv_ids = state.requests[req_id].kv_ids
+        apply(state.resume(req_id, (len(kv_ids) - 1) // BLOCK, 0.0), done, sends, state)
     for req_id, tokens in effects.streamed:
         assert req_id not in done, f"request {req_id} streamed after it completed"
         STREAMED.setdefault(req_id, []).extend(tokens)
@@ -131,7 +138,7 @@ def apply(effects, done: dict, sends: list) -> None:
 def test_a_request_flows_through_both_engines_and_releases_everything():
     state, model, done, sends = make_state(), EngineModel(), {}, []
     hello_all(state)
-    apply(state.submit(request(1, hit_blocks=2), 0.0), done, sends)
+    apply(state.submit(request(1, hit_blocks=2), 0.0), done, sends, state)
     assert state.counters()["read_queue_tokens"] == 2 * BLOCK
     run_to_quiet(state, model, done, sends, 0.0)
     out = done[1]
@@ -143,7 +150,7 @@ def test_a_request_flows_through_both_engines_and_releases_everything():
 def test_a_request_that_can_never_fit_is_refused_at_once():
     state, done, sends = make_state(kv_tokens=256), {}, []
     hello_all(state)
-    apply(state.submit(request(1, n=300, hit_blocks=0), 0.0), done, sends)
+    apply(state.submit(request(1, n=300, hit_blocks=0), 0.0), done, sends, state)
     assert isinstance(done[1], RequestError) and "KV cache" in str(done[1])
     state2, done2 = make_state(pool=8, staging=4), {}
     apply(state2.submit(request(2, n=5 * BLOCK, hit_blocks=0, max_tokens=1), 0.0), done2, [])
@@ -154,14 +161,14 @@ def test_a_request_that_can_never_fit_is_refused_at_once():
 def test_a_request_decoding_survives_its_prefill_engines_loss():
     state, model, done, sends = make_state(), EngineModel(), {}, []
     hello_all(state)
-    apply(state.submit(request(1), 0.0), done, sends)
+    apply(state.submit(request(1), 0.0), done, sends, state)
     while sends and not isinstance(sends[0][1], Decode):
         engine, msg = sends.pop(0)
         for reply in model.answer(engine, msg):
-            apply(state.on_message(engine, reply, 0.0), done, sends)
+            apply(state.on_message(engine, reply, 0.0), done, sends, state)
     req = state.requests[1]
     assert req.phase == Phase.DECODING
-    apply(state.lose(req.pe, "killed"), done, sends)
+    apply(state.lose(req.pe, "killed"), done, sends, state)
     assert 1 not in done
     run_to_quiet(state, model, done, sends, 0.0)
     assert isinstance(done[1], ClusterOutput)
@@ -171,29 +178,80 @@ def test_a_request_decoding_survives_its_prefill_engines_loss():
 def test_a_request_whose_decode_engine_is_lost_before_decoding_is_placed_again():
     state, model, done, sends = make_state(), EngineModel(), {}, []
     hello_all(state)
-    apply(state.submit(request(1), 0.0), done, sends)
+    apply(state.submit(request(1), 0.0), done, sends, state)
     first_de = state.requests[1].de
     sends.clear()  # the AllocBuffer went to an engine that is about to die
     model.alive.discard(first_de)
-    apply(state.lose(first_de, "killed"), done, sends)
+    apply(state.lose(first_de, "killed"), done, sends, state)
     run_to_quiet(state, model, done, sends, 0.0)
     out = done[1]
     assert isinstance(out, ClusterOutput) and out.decode_engine != first_de
     assert out.num_attempts == 2 and zero(state) == {}
 
 
-def test_a_request_decoding_on_a_lost_decode_engine_fails_clearly():
-    state, model, done, sends = make_state(), EngineModel(), {}, []
-    hello_all(state)
-    apply(state.submit(request(1), 0.0), done, sends)
+def _to_decoding(state: RouterState, model: EngineModel, done: dict, sends: list) -> str:
+    """Deliver messages until the request's Decode is next; returns its DE."""
     while not isinstance(sends[0][1], Decode):
         engine, msg = sends.pop(0)
         for reply in model.answer(engine, msg):
-            apply(state.on_message(engine, reply, 0.0), done, sends)
-    de = state.requests[1].de
-    apply(state.lose(de, "killed"), done, sends)
-    assert isinstance(done[1], RequestFailed) and "decoding" in str(done[1])
+            apply(state.on_message(engine, reply, 0.0), done, sends, state)
+    return state.requests[1].de
+
+
+def test_a_stream_whose_decode_engine_is_lost_moves_to_another_and_goes_on():
+    """The new attempt assembles the prompt plus the streamed token, looks its hit up anew,
+    samples from output index 1 and streams on: no repeated or missing token."""
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1, n=47), 0.0), done, sends, state)
+    de = _to_decoding(state, model, done, sends)
+    assert STREAMED[1] == [7]
+    sends.clear()
+    model.alive.discard(de)
+    effects = state.lose(de, "killed")
+    assert effects.lookups == [1] and state.requests[1].phase == Phase.MOVING
+    apply(effects, done, sends, state)
+    req = state.requests[1]
+    assert req.kv_ids == (*range(3, 50), 7) and req.num_hit_blocks == 2  # 48 tokens: 2 blocks
+    alloc = next(m for _, m in sends if isinstance(m, AllocBuffer))
+    assert alloc.prompt_ids == req.kv_ids and alloc.num_blocks == 3
+    while sends:
+        engine, msg = sends.pop(0)
+        if isinstance(msg, Prefill | Decode):
+            assert msg.prompt_ids == req.kv_ids and msg.num_prior_outputs == 1
+        for reply in model.answer(engine, msg):
+            apply(state.on_message(engine, reply, 0.0), done, sends, state)
+    out = done[1]
+    assert isinstance(out, ClusterOutput) and out.decode_engine != de
+    assert out.output_ids == [7, 7, 8, 9] and out.num_attempts == 2
     assert zero(state) == {}
+
+
+def test_a_stream_that_keeps_losing_its_decode_engine_fails_clearly():
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends, state)
+    for _ in range(MAX_ATTEMPTS):
+        de = _to_decoding(state, model, done, sends)
+        sends.clear()
+        apply(state.on_message(de, Failed(state.requests[1].wire_id, "decode step failed"), 0.0),
+              done, sends, state)
+    assert isinstance(done[1], RequestFailed) and "decoding" in str(done[1])
+    assert f"after {MAX_ATTEMPTS} attempts" in str(done[1])
+    run_to_quiet(state, model, done, sends, 0.0)
+    assert zero(state) == {}
+
+
+def test_a_request_aborted_while_it_moves_is_not_placed_again():
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends, state)
+    de = _to_decoding(state, model, done, sends)
+    moved = state.lose(de, "killed")
+    apply(state.abort(1, "client left"), done, sends, state)
+    assert isinstance(done[1], RequestAborted)
+    assert state.resume(1, 2, 0.0).sends == [] and 1 not in state.requests
+    assert moved.lookups == [1] and zero(state) == {}
 
 
 def test_silent_engines_are_lost_and_hear_so_when_they_speak_again():
@@ -201,7 +259,7 @@ def test_silent_engines_are_lost_and_hear_so_when_they_speak_again():
     hello_all(state, now=0.0)
     for name, _, _ in ENGINES[1:]:
         state.on_message(name, Heartbeat(name, 10, 10, 0), 4.0)
-    apply(state.tick(6.0), done, sends)
+    apply(state.tick(6.0), done, sends, state)
     assert "pe0" not in state.engines and "pe1" in state.engines
     effects = state.on_message("pe0", Heartbeat("pe0", 10, 10, 0), 7.0)
     assert effects.sends == [("pe0", HeartbeatAck(known=False))]
@@ -212,18 +270,18 @@ def test_silent_engines_are_lost_and_hear_so_when_they_speak_again():
 def test_aborting_during_prefill_keeps_the_buffer_until_the_prefill_engine_lets_go():
     state, model, done, sends = make_state(), EngineModel(), {}, []
     hello_all(state)
-    apply(state.submit(request(1), 0.0), done, sends)
+    apply(state.submit(request(1), 0.0), done, sends, state)
     engine, alloc = sends.pop(0)
     for reply in model.answer(engine, alloc):
-        apply(state.on_message(engine, reply, 0.0), done, sends)
+        apply(state.on_message(engine, reply, 0.0), done, sends, state)
     assert isinstance(sends[0][1], Prefill)
     sends.clear()  # the PE is computing
-    apply(state.abort(1, "client left"), done, sends)
+    apply(state.abort(1, "client left"), done, sends, state)
     assert isinstance(done[1], RequestAborted)
     pe, de = state.draining[next(iter(state.draining))].pe, engine
     assert sends == [(pe, Abort(alloc.req_id))]  # the DE is not told yet
     assert state.counters()["buffer_blocks"] > 0
-    apply(state.on_message(pe, Aborted(alloc.req_id), 0.0), done, sends)
+    apply(state.on_message(pe, Aborted(alloc.req_id), 0.0), done, sends, state)
     assert sends[-1] == (de, Abort(alloc.req_id))
     assert zero(state) == {}
 
@@ -231,10 +289,10 @@ def test_aborting_during_prefill_keeps_the_buffer_until_the_prefill_engine_lets_
 def test_a_failing_engine_costs_attempts_then_a_clear_error():
     state, done, sends = make_state(), {}, []
     hello_all(state)
-    apply(state.submit(request(1), 0.0), done, sends)
+    apply(state.submit(request(1), 0.0), done, sends, state)
     for _ in range(MAX_ATTEMPTS):
         engine, msg = next((e, m) for e, m in reversed(sends) if isinstance(m, AllocBuffer))
-        apply(state.on_message(engine, Failed(msg.req_id, "disk on fire"), 0.0), done, sends)
+        apply(state.on_message(engine, Failed(msg.req_id, "disk on fire"), 0.0), done, sends, state)
     assert isinstance(done[1], RequestFailed) and "disk on fire" in str(done[1])
     assert zero(state) == {}
 
@@ -242,26 +300,26 @@ def test_a_failing_engine_costs_attempts_then_a_clear_error():
 def test_messages_of_an_earlier_attempt_cannot_move_a_later_one():
     state, model, done, sends = make_state(), EngineModel(), {}, []
     hello_all(state)
-    apply(state.submit(request(1), 0.0), done, sends)
+    apply(state.submit(request(1), 0.0), done, sends, state)
     engine, first = sends.pop(0)
-    apply(state.on_message(engine, Failed(first.req_id, "transient"), 0.0), done, sends)
+    apply(state.on_message(engine, Failed(first.req_id, "transient"), 0.0), done, sends, state)
     late = model.answer(engine, first)[0]  # the first attempt's BufferReady, arriving late
     before = state.dropped_messages
-    apply(state.on_message(engine, late, 0.0), done, sends)
+    apply(state.on_message(engine, late, 0.0), done, sends, state)
     assert state.dropped_messages == before + 1 and state.requests[1].phase == Phase.BUFFERING
 
 
 def test_heartbeats_correct_a_lost_message():
     state, model, done, sends = make_state(), EngineModel(), {}, []
     hello_all(state)
-    apply(state.submit(request(1), 0.0), done, sends)
+    apply(state.submit(request(1), 0.0), done, sends, state)
     engine, lost = sends.pop(0)  # the AllocBuffer never arrives
     for beat in range(3):
         busy = Heartbeat(engine, 1, 1, 0, (), loop_age_s=4.0)  # a busy loop proves nothing
-        apply(state.on_message(engine, busy, 0.1 * beat), done, sends)
+        apply(state.on_message(engine, busy, 0.1 * beat), done, sends, state)
     assert state.requests[1].wire_id == lost.req_id and state.drift[engine] == 1
     for beat in range(3):
-        apply(state.on_message(engine, Heartbeat(engine, 1, 1, 0, ()), 1 + beat), done, sends)
+        apply(state.on_message(engine, Heartbeat(engine, 1, 1, 0, ()), 1 + beat), done, sends, state)
     assert state.corrected == 1 and state.requests[1].wire_id != lost.req_id
     sends[:] = [(e, m) for e, m in sends if not isinstance(m, HeartbeatAck)]
     run_to_quiet(state, model, done, sends, 4.0)
@@ -308,7 +366,7 @@ def test_the_survivors_hear_the_peer_list_when_an_engine_is_lost_or_silent():
 def test_a_rejoining_engine_is_announced_once_and_other_messages_announce_nothing():
     state, done, sends = make_state(), {}, []
     hello_all(state)
-    apply(state.submit(request(1), 0.0), done, sends)
+    apply(state.submit(request(1), 0.0), done, sends, state)
     assert peers_sent(state.on_message("de2", Heartbeat("de2", 1, 1, 0), 0.5)) == {}
     engine, alloc = sends.pop(0)
     reply = BufferReady(alloc.req_id, 4096, alloc.num_blocks, 0)
@@ -354,7 +412,7 @@ def test_random_faults_never_raise_and_always_end_at_zero(seed):
             req = request(submitted, n=rng.randint(1, 120), hit_blocks=rng.randint(0, 6),
                           mode=rng.choice(list(Mode)), max_tokens=rng.randint(1, 300),
                           path=rng.choice(list(ReadPath)))
-            apply(state.submit(req, now), done, sends)
+            apply(state.submit(req, now), done, sends, state)
         elif action < 0.5 and sends:
             engine, msg = sends.pop(rng.randrange(len(sends)))
             inbox.extend((engine, reply) for reply in model.answer(engine, msg))
@@ -362,7 +420,7 @@ def test_random_faults_never_raise_and_always_end_at_zero(seed):
             engine, msg = inbox.pop(rng.randrange(len(inbox)))
             if rng.random() < 0.1:
                 inbox.append((engine, msg))  # duplicated
-            apply(state.on_message(engine, msg, now), done, sends)
+            apply(state.on_message(engine, msg, now), done, sends, state)
         elif action < 0.84:
             junk = rng.choice([Failed(rng.randint(0, 99), "junk"), Aborted(rng.randint(0, 99)),
                                Finished(rng.randint(0, 99), (1,), "stop"),
@@ -370,33 +428,33 @@ def test_random_faults_never_raise_and_always_end_at_zero(seed):
                                Prefilled(rng.randint(0, 99), 1, 0, 1),
                                ReadDone(rng.randint(0, 99), 0),
                                Tokens(((rng.randint(0, 99), 0, (7,)),))])
-            apply(state.on_message(rng.choice(ENGINES)[0], junk, now), done, sends)
+            apply(state.on_message(rng.choice(ENGINES)[0], junk, now), done, sends, state)
         elif action < 0.88:
             name = rng.choice(ENGINES)[0]
             model.alive.discard(name)
-            apply(state.lose(name, "killed"), done, sends)
+            apply(state.lose(name, "killed"), done, sends, state)
         elif action < 0.92:
             name, role, node = rng.choice(ENGINES)
             model.alive.add(name)
-            apply(state.on_message(name, Hello(name, role, node, "ep"), now), done, sends)
+            apply(state.on_message(name, Hello(name, role, node, "ep"), now), done, sends, state)
         elif action < 0.96 and submitted:
-            apply(state.abort(rng.randint(1, submitted), "cancelled"), done, sends)
+            apply(state.abort(rng.randint(1, submitted), "cancelled"), done, sends, state)
         else:
             for name, _, _ in ENGINES:
                 if name in model.alive and rng.random() < 0.8:
-                    apply(state.on_message(name, Heartbeat(name, 1, 1, 0), now), done, sends)
-            apply(state.tick(now), done, sends)
+                    apply(state.on_message(name, Heartbeat(name, 1, 1, 0), now), done, sends, state)
+            apply(state.tick(now), done, sends, state)
         _check_non_negative(state)
     # every engine back, every message delivered, whatever remains aborted
     for name, role, node in ENGINES:
         if name not in state.engines:
             model.alive.add(name)
-            apply(state.on_message(name, Hello(name, role, node, "ep"), now), done, sends)
+            apply(state.on_message(name, Hello(name, role, node, "ep"), now), done, sends, state)
     for engine, msg in inbox:
-        apply(state.on_message(engine, msg, now), done, sends)
+        apply(state.on_message(engine, msg, now), done, sends, state)
     run_to_quiet(state, model, done, sends, now)
     for req_id in list(state.requests):
-        apply(state.abort(req_id, "end of test"), done, sends)
+        apply(state.abort(req_id, "end of test"), done, sends, state)
     run_to_quiet(state, model, done, sends, now)
     assert sorted(done) == list(range(1, submitted + 1))
     assert zero(state) == {}
@@ -416,7 +474,7 @@ def test_the_output_says_where_the_time_to_first_token_went():
     and the PE's own durations add up to the TTFT; the rest is 'other'."""
     state, done, sends = make_state(), {}, []
     hello_all(state)
-    apply(state.submit(request(1, hit_blocks=2, path=ReadPath.DE), 1.0), done, sends)
+    apply(state.submit(request(1, hit_blocks=2, path=ReadPath.DE), 1.0), done, sends, state)
     (de, alloc), = sends
     sends.clear()
     apply(state.on_message(de, BufferReady(alloc.req_id, 4096, alloc.num_blocks, 2), 3.0),
@@ -424,9 +482,9 @@ def test_the_output_says_where_the_time_to_first_token_went():
     (pe, _), = sends
     sends.clear()
     prefilled = Prefilled(alloc.req_id, 7, 2, 8, wait_s=0.5, read_s=0.0, forward_s=2.0)
-    apply(state.on_message(pe, prefilled, 7.0), done, sends)
-    apply(state.on_message(de, Tokens(((alloc.req_id, 1, (8,)),)), 7.5), done, sends)
-    apply(state.on_message(de, Finished(alloc.req_id, (7, 8, 9), "length"), 8.0), done, sends)
+    apply(state.on_message(pe, prefilled, 7.0), done, sends, state)
+    apply(state.on_message(de, Tokens(((alloc.req_id, 1, (8,)),)), 7.5), done, sends, state)
+    apply(state.on_message(de, Finished(alloc.req_id, (7, 8, 9), "length"), 8.0), done, sends, state)
     t = done[1].timings
     assert t["ttft_s"] == 6.0 and t["queue_s"] == 0.5 and t["read_s"] == 2.0
     assert t["prefill_s"] == 2.0 and t["other_s"] == 1.5 and t["transfer_s"] == 0.5
