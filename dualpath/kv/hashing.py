@@ -2,7 +2,9 @@
 
 Block k's hash covers the parent hash and the block's token ids, so equal hashes mean equal
 prefixes. Hashes are blake2b digests seeded with the model identity and KV layout, never
-Python's salted ``hash()``. A ``BlockKey`` carries model id, layout id, block size and hash.
+Python's salted ``hash()``. A ``BlockKey`` carries model id, layout id, block size and hash,
+and may carry its parent's hash and its own token ids: stores keep both with the block, so a
+stored chain can be walked back to its root and recomputed (``dualpath store verify``).
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ class BlockKey:
     """Names one stored full block: model, KV layout, block size and the chained hash.
 
     ``parent`` (the previous block's hash, ``None`` for the first block) rides along so stores
-    can keep their contents prefix-closed; it takes no part in equality.
+    can keep their contents prefix-closed; ``token_ids`` (the block's own ``block_size`` token
+    ids, ``None`` when unknown) ride along so a stored block can be recomputed and audited.
+    Neither takes part in equality.
     """
 
     model_id: str
@@ -72,6 +76,7 @@ class BlockKey:
     block_size: int
     block_hash: bytes
     parent: bytes | None = field(default=None, compare=False)
+    token_ids: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_id(self.model_id, "model id")
@@ -79,6 +84,9 @@ class BlockKey:
         _check_block_size(self.block_size)
         if not isinstance(self.block_hash, bytes) or len(self.block_hash) != DIGEST_BYTES:
             raise InvalidKeyError(f"block hash must be {DIGEST_BYTES} bytes")
+        if self.token_ids is not None and (not isinstance(self.token_ids, tuple)
+                                           or len(self.token_ids) != self.block_size):
+            raise InvalidKeyError(f"token ids must be a tuple of {self.block_size} ids")
 
     @property
     def hex(self) -> str:
@@ -122,15 +130,24 @@ class KeySpace:
         """The seed of every chain in this key space."""
         return f"{self.model_id}|{self.layout_id}|{self.block_size}"
 
-    def key(self, block_hash: bytes, parent: bytes | None) -> BlockKey:
-        """The key of one block given its hash and its parent's hash."""
-        return BlockKey(self.model_id, self.layout_id, self.block_size, block_hash, parent)
+    def key(self, block_hash: bytes, parent: bytes | None,
+            token_ids: tuple[int, ...] | None = None) -> BlockKey:
+        """The key of one block given its hash, its parent's hash and (optionally) its own
+        ``block_size`` token ids, which a store keeps with the block for audits."""
+        return BlockKey(self.model_id, self.layout_id, self.block_size, block_hash, parent,
+                        token_ids)
 
-    def keys_for_hashes(self, hashes: Sequence[bytes]) -> list[BlockKey]:
-        """Keys of a chain of block hashes (block 0 first)."""
+    def keys_for_hashes(self, hashes: Sequence[bytes],
+                        token_ids: Sequence[int] | None = None) -> list[BlockKey]:
+        """Keys of a chain of block hashes (block 0 first); with the chain's ``token_ids``,
+        each key carries its block's."""
         parents: list[bytes | None] = [None, *hashes][: len(hashes)]
-        return [self.key(h, p) for h, p in zip(hashes, parents, strict=True)]
+        bs = self.block_size
+        return [self.key(h, p, None if token_ids is None
+                         else tuple(token_ids[k * bs : (k + 1) * bs]))
+                for k, (h, p) in enumerate(zip(hashes, parents, strict=True))]
 
     def keys(self, token_ids: Sequence[int]) -> list[BlockKey]:
-        """Keys of every full block of ``token_ids``."""
-        return self.keys_for_hashes(extend_block_hashes([], token_ids, self.block_size, self.seed))
+        """Keys of every full block of ``token_ids``, each carrying its block's token ids."""
+        hashes = extend_block_hashes([], token_ids, self.block_size, self.seed)
+        return self.keys_for_hashes(hashes, token_ids)

@@ -2,15 +2,20 @@
 
 A backend stores one object per full block under its ``BlockKey``. Reads that fail for any
 cache reason (missing, truncated, corrupt, wrong header) are *misses*, reported per block and
-counted, never raised: the caller recomputes those tokens. ``StorageError`` is for misuse
-(bad keys, wrong buffer sizes) and for a store that cannot work at all.
+counted, never raised: the caller recomputes those tokens. A damaged block (``corrupt``) is
+removed so the next save rewrites it; a block that a transient error kept from being read
+(``read_errors``: too many open files, an I/O error, no memory) is left alone. ``StorageError``
+is for misuse (bad keys, wrong buffer sizes) and for a store that cannot work at all.
+
+Audits (``storage/verify.py``) also list the stored blocks and read one with what the store
+keeps beside it (its parent hash and token ids), without counting it as a use.
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dualpath.errors import StorageError
@@ -37,8 +42,9 @@ def as_buffer(obj: Any) -> memoryview:
 class StorageStats:
     """Thread-safe counters of one store (what metrics export)."""
 
-    FIELDS = ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "blocks_written",
-              "writes_skipped", "write_errors", "blocks_evicted", "blocks_deleted")
+    FIELDS = ("hits", "misses", "corrupt", "read_errors", "bytes_read", "bytes_written",
+              "blocks_written", "writes_skipped", "write_errors", "blocks_evicted",
+              "blocks_deleted")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -88,6 +94,18 @@ class StorageBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release worker threads and files (idempotent)."""
+
+    def stored_keys(self) -> Iterator[BlockKey]:
+        """The key of every stored block, in no set order (parent and token ids unset: see
+        ``read_block``); ``StorageError`` where the backend cannot list its blocks."""
+        raise StorageError(f"{type(self).__name__} cannot list its blocks")
+
+    def read_block(self, key: BlockKey, buffer: Any = None) -> BlockKey | None:
+        """The key of ``key``'s block as stored, with its parent hash and token ids (None
+        where it holds none), or None when the block is absent or damaged; with a buffer, the
+        block's verified payload is read into it too. For audits: nothing is counted, made
+        more recent or removed."""
+        raise StorageError(f"{type(self).__name__} cannot read a block for an audit")
 
     def _check_batch(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[Parts]:
         """Each block's buffer as parts (a buffer, or a scatter list of them) of a block's size."""

@@ -281,7 +281,8 @@ class StorageClient:
         stats = self.backend.stats.snapshot()
         with self._lock:
             errors = dict(self._errors)
-        # a backend that catches its own write failures counts them itself (fs does)
+        # a backend that catches its own read and write failures counts them itself (fs does)
+        errors["read_errors"] += stats.pop("read_errors", 0)
         errors["write_errors"] += stats.pop("write_errors", 0)
         out.update(stats)
         out.update(errors)

@@ -21,17 +21,19 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from dualpath.errors import InvalidKeyError
 from dualpath.kv.hashing import BlockKey, checked_key
 from dualpath.kv.layout import KVLayout
 from dualpath.storage.base import Parts, StorageBackend
 from dualpath.storage.block_file import (
     HEADER_BYTES,
     BadBlockFile,
+    BlockHeader,
     check_header,
     checksum,
     pack_header,
@@ -123,6 +125,27 @@ class FsStore(StorageBackend):
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
+    def stored_keys(self) -> Iterator[BlockKey]:
+        """Every block file's key (found by its path: ``root/model/layout/bs<N>/xx/yy/hash``)."""
+        for model in _subdirs(self.root):
+            for layout in _subdirs(model):
+                for size in _subdirs(layout):
+                    for shard in _subdirs(size):
+                        for sub in _subdirs(shard):
+                            yield from _keys_in(sub, model.name, layout.name, size.name)
+
+    def read_block(self, key: BlockKey, buffer: Any = None) -> BlockKey | None:
+        path = self._path_str(key)
+        try:
+            if buffer is None:
+                header = self._read_header(path, key)
+            else:
+                header = self._read_verified(path, key, self._check_batch([key], [buffer])[0])
+        except (OSError, BadBlockFile):
+            return None
+        return BlockKey(key.model_id, key.layout_id, key.block_size, key.block_hash,
+                        header.parent, header.token_ids)
+
     # -- reads -------------------------------------------------------------------------------
     def _read_one(self, key: BlockKey, parts: Parts) -> bool:
         path = self._path_str(key)
@@ -131,15 +154,31 @@ class FsStore(StorageBackend):
         except FileNotFoundError:
             self.stats.add(misses=1)
             return False
-        except (OSError, BadBlockFile):
+        except BadBlockFile:  # damaged: remove it, so the next save rewrites it
             self.stats.add(misses=1, corrupt=1)
             self._unlink(path)
+            return False
+        except OSError:  # the system's error, not the file's: a miss that leaves it alone
+            self.stats.add(misses=1, read_errors=1)
             return False
         self.stats.add(hits=1, bytes_read=self.block_bytes)
         self._touch(path)  # a read is a use
         return True
 
-    def _read_verified(self, path: str, key: BlockKey, parts: Parts) -> None:
+    def _read_header(self, path: str, key: BlockKey) -> BlockHeader:
+        """The checked header of the block file at ``path`` (its payload unread)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            header = unpack_header(os.pread(fd, HEADER_BYTES, 0))
+        finally:
+            os.close(fd)
+        check_header(header, key.name, self.layout)
+        if size != self._file_bytes:
+            raise BadBlockFile(f"a file of {size} bytes, a block's is {self._file_bytes}")
+        return header
+
+    def _read_verified(self, path: str, key: BlockKey, parts: Parts) -> BlockHeader:
         header_buf = self._header_buffer()
         direct = self.o_direct and all(p.nbytes % ALIGN == 0 and _address(p) % ALIGN == 0
                                        for p in parts)
@@ -156,6 +195,7 @@ class FsStore(StorageBackend):
         check_header(header, key.name, self.layout)
         if checksum(parts[0] if len(parts) == 1 else parts) != header.checksum:
             raise BadBlockFile("checksum mismatch")
+        return header
 
     def _header_buffer(self) -> mmap.mmap:
         buf = getattr(self._local, "header", None)
@@ -174,7 +214,7 @@ class FsStore(StorageBackend):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             header = pack_header(key.name, key.parent, self.layout,
-                                 parts[0] if len(parts) == 1 else parts)
+                                 parts[0] if len(parts) == 1 else parts, key.token_ids)
             self._write_file(tmp, header, parts)
             os.replace(tmp, path)
             if self.fsync:
@@ -245,6 +285,30 @@ def _preadv_file(path: str, buffers: list[Any], extra_flags: int) -> int:
         return os.preadv(fd, buffers, 0)  # a truncated file reads short
     finally:
         os.close(fd)
+
+
+def _subdirs(folder: Path) -> list[Path]:
+    """The folders in ``folder`` (none if it is gone), skipping hidden ones."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    return sorted(Path(e.path) for e in entries
+                  if not e.name.startswith(".") and e.is_dir(follow_symlinks=False))
+
+
+def _keys_in(folder: Path, model_id: str, layout_id: str, size: str) -> Iterator[BlockKey]:
+    """The keys of the block files in one shard folder (names that are not keys: skipped)."""
+    try:
+        names = sorted(e.name for e in os.scandir(folder) if e.name.endswith(SUFFIX))
+    except OSError:
+        return
+    for name in names:
+        try:
+            yield BlockKey(model_id, layout_id, int(size.removeprefix("bs")),
+                           bytes.fromhex(name[: -len(SUFFIX)]))
+        except (ValueError, InvalidKeyError):
+            continue  # a temp file (hidden, ".tmp"), or not one of ours
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dualpath.kv.hashing import BlockKey
@@ -17,6 +17,7 @@ class MemoryStore(StorageBackend):
     def __init__(self, block_bytes: int, capacity_bytes: int | None = None) -> None:
         super().__init__(block_bytes)
         self._blocks: dict[bytes, bytes] = {}  # by block hash (seeded by model and layout)
+        self._keys: dict[bytes, BlockKey] = {}  # each block's key as saved (parent, token ids)
         self._index = PrefixLRUIndex(capacity_bytes)
         self._lock = threading.Lock()
 
@@ -58,6 +59,7 @@ class MemoryStore(StorageBackend):
                     self.stats.add(writes_skipped=1)
                     continue
                 self._blocks[key.block_hash] = b"".join(parts)
+                self._keys[key.block_hash] = key
                 self._index.add(key.block_hash, key.parent, self.block_bytes)
                 self._evict()
             self.stats.add(blocks_written=1, bytes_written=self.block_bytes)
@@ -68,13 +70,34 @@ class MemoryStore(StorageBackend):
             removed = 0
             for key in keys:
                 if self._blocks.pop(key.block_hash, None) is not None:
+                    del self._keys[key.block_hash]
                     self._index.remove(key.block_hash)
                     removed += 1
         self.stats.add(blocks_deleted=removed)
         return removed
 
+    def stored_keys(self) -> Iterator[BlockKey]:
+        with self._lock:
+            keys = list(self._keys.values())
+        for key in keys:
+            yield BlockKey(key.model_id, key.layout_id, key.block_size, key.block_hash)
+
+    def read_block(self, key: BlockKey, buffer: Any = None) -> BlockKey | None:
+        parts = None if buffer is None else self._check_batch([key], [buffer])[0]
+        with self._lock:
+            data = self._blocks.get(key.block_hash)
+            stored = self._keys.get(key.block_hash)
+        if data is None or stored is None or stored != key:
+            return None
+        offset = 0
+        for part in parts or ():
+            part[:] = data[offset : offset + part.nbytes]
+            offset += part.nbytes
+        return stored
+
     def _evict(self) -> None:
         victims = self._index.victims()
         for block_hash in victims:
             del self._blocks[block_hash]
+            del self._keys[block_hash]
         self.stats.add(blocks_evicted=len(victims))

@@ -12,7 +12,9 @@ the payload, under the key ``<prefix>/<model>/<layout>/bs<size>/<hash hex>``. A 
 header and the caller's buffer (or its scatter list) as the parts of one object; a read lands
 the header in a scratch buffer and the payload straight in the caller's buffers (no staging
 copy), and is verified like a file: a wrong size, header or checksum is a miss and the object
-is removed so the next save rewrites it.
+is removed so the next save rewrites it; a read that the master or a transfer failed is a miss
+that leaves the object alone (``read_errors``). The header carries the block's token ids like a
+file's, but Mooncake cannot list its objects: an audit of this store is given its keys.
 
 Clients find each other by P2P handshake (no etcd, no HTTP metadata server: mooncake 0.3.13
 supports ``P2PHANDSHAKE`` for the store too); TCP needs no registered buffers. Measured here
@@ -44,6 +46,7 @@ from dualpath.storage.base import Parts, StorageBackend
 from dualpath.storage.block_file import (
     HEADER_BYTES,
     BadBlockFile,
+    BlockHeader,
     check_header,
     checksum,
     pack_header,
@@ -145,15 +148,10 @@ class MooncakeStore(StorageBackend):
         names = [self.object_key(k) for k in keys]
         if not names:
             return []
-        if not self._usable():
-            self.stats.add(misses=len(names))
+        if not self._usable():  # the master is down: misses, and the blocks stay
+            self.stats.add(misses=len(names), read_errors=len(names))
             return [False] * len(names)
-        headers = [memoryview(bytearray(HEADER_BYTES)) for _ in names]
-        targets = [[header, *parts] for header, parts in zip(headers, views, strict=True)]
-        with self._registered(targets):
-            codes = self._call("batch_get_into_multi_buffers", names,
-                               [[_address_of(p) for p in t] for t in targets],
-                               [[p.nbytes for p in t] for t in targets])
+        headers, codes = self._get(names, views)
         return [self._verify(name, key, header, parts, code) for name, key, header, parts, code
                 in zip(names, keys, headers, views, codes, strict=True)]
 
@@ -173,7 +171,8 @@ class MooncakeStore(StorageBackend):
         stored = [True] * len(names)
         if todo:
             sources = [[memoryview(pack_header(keys[i].name, keys[i].parent, self.layout,
-                                               _payload(views[i]))), *views[i]] for i in todo]
+                                               _payload(views[i]), keys[i].token_ids)),
+                        *views[i]] for i in todo]
             with self._registered(sources):
                 codes = self._call("batch_put_from_multi_buffers", [names[i] for i in todo],
                                    [[_address_of(p) for p in s] for s in sources],
@@ -202,7 +201,45 @@ class MooncakeStore(StorageBackend):
         if client is not None:
             client.close()
 
+    def read_block(self, key: BlockKey, buffer: Any = None) -> BlockKey | None:
+        """The block as stored (see ``StorageBackend.read_block``). Mooncake cannot list its
+        objects, so an audit of this store needs the keys it is to check."""
+        parts = (self._check_batch([key], [buffer])[0] if buffer is not None
+                 else [memoryview(bytearray(self.block_bytes))])
+        name = self.object_key(key)
+        if not self._usable():
+            return None
+        (header,), (code,) = self._get([name], [parts])
+        try:
+            found = self._checked(key, header, parts, code)
+        except BadBlockFile:
+            return None
+        return BlockKey(key.model_id, key.layout_id, key.block_size, key.block_hash,
+                        found.parent, found.token_ids)
+
     # -- helpers -----------------------------------------------------------------------------
+    def _get(self, names: list[str], views: list[Parts]) -> tuple[list[memoryview], list[int]]:
+        """Read each object: its header into a scratch buffer, its payload into its parts;
+        the headers and Mooncake's result codes (the bytes read, or an error)."""
+        headers = [memoryview(bytearray(HEADER_BYTES)) for _ in names]
+        targets = [[header, *parts] for header, parts in zip(headers, views, strict=True)]
+        with self._registered(targets):
+            codes = self._call("batch_get_into_multi_buffers", names,
+                               [[_address_of(p) for p in t] for t in targets],
+                               [[p.nbytes for p in t] for t in targets])
+        return headers, codes
+
+    def _checked(self, key: BlockKey, header: memoryview, parts: Parts,
+                 code: int) -> BlockHeader:
+        """The header of a block read back whole and valid; ``BadBlockFile`` otherwise."""
+        if code != self._object_bytes:
+            raise BadBlockFile(f"read returned {code}")
+        found = unpack_header(header)
+        check_header(found, key.name, self.layout)
+        if checksum(_payload(parts)) != found.checksum:
+            raise BadBlockFile("checksum mismatch")
+        return found
+
     def _absent(self, names: list[str]) -> list[int]:
         """Indices of the names not stored yet (a name repeated in the batch: its first)."""
         present = self._call("batch_is_exist", names)
@@ -218,15 +255,11 @@ class MooncakeStore(StorageBackend):
                 code: int) -> bool:
         """Whether one block read back whole and valid; counts it and removes a bad object."""
         try:
-            if code != self._object_bytes:
-                raise BadBlockFile(f"read returned {code}")
-            found = unpack_header(header)
-            check_header(found, key.name, self.layout)
-            if checksum(_payload(parts)) != found.checksum:
-                raise BadBlockFile("checksum mismatch")
+            self._checked(key, header, parts, code)
         except BadBlockFile:
             damaged = code >= 0 or self._damaged(name, code)
-            self.stats.add(misses=1, corrupt=int(damaged))
+            failed = not damaged and code != OBJECT_NOT_FOUND  # the master or a transfer
+            self.stats.add(misses=1, corrupt=int(damaged), read_errors=int(failed))
             if damaged:
                 self._call("batch_remove", [name], True)
             return False

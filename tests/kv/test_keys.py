@@ -81,6 +81,33 @@ def test_every_other_field_takes_part_in_equality():
     assert base != BlockKey(MODEL, LAYOUT.layout_id, 16, bytes(DIGEST_BYTES))
 
 
+def test_keys_carry_their_blocks_token_ids():
+    keys = SPACE.keys(TOKENS)
+    for k, key in enumerate(keys):
+        assert key.token_ids == tuple(TOKENS[16 * k : 16 * (k + 1)])
+    hashes = [key.block_hash for key in keys]
+    assert [k.token_ids for k in SPACE.keys_for_hashes(hashes)] == [None] * 5
+    assert SPACE.keys_for_hashes(hashes, TOKENS) == keys
+
+
+def test_key_takes_the_token_ids_the_decode_engine_passes():
+    keys = SPACE.keys(TOKENS)
+    key = SPACE.key(keys[1].block_hash, keys[0].block_hash, token_ids=tuple(TOKENS[16:32]))
+    assert key.token_ids == keys[1].token_ids and key.parent == keys[0].block_hash
+
+
+def test_token_ids_take_no_part_in_equality():
+    key = SPACE.keys(TOKENS)[0]
+    bare = BlockKey(MODEL, LAYOUT.layout_id, 16, key.block_hash)
+    assert bare == key and hash(bare) == hash(key)
+
+
+@pytest.mark.parametrize("ids", [tuple(range(15)), tuple(range(17)), list(range(16)), ()])
+def test_block_key_rejects_token_ids_that_are_not_one_blocks(ids):
+    with pytest.raises(InvalidKeyError):
+        BlockKey(MODEL, LAYOUT.layout_id, 16, HASH, None, ids)
+
+
 def test_keys_are_frozen():
     key = SPACE.keys(TOKENS)[0]
     with pytest.raises(AttributeError):

@@ -1,4 +1,5 @@
-"""The block file format: a 4 KiB header naming key, layout and payload, then the payload."""
+"""The block file format: a 4 KiB header naming key, layout, payload and the block's token ids,
+then the payload."""
 
 import os
 
@@ -13,6 +14,7 @@ from dualpath.storage.block_file import (
     BlockHeader,
     check_header,
     checksum,
+    max_header_tokens,
     pack_header,
     unpack_header,
 )
@@ -23,7 +25,7 @@ PAYLOAD = memoryview(os.urandom(LAYOUT.full_block_bytes))
 
 
 def _header(key=KEYS[1], layout=LAYOUT, payload=PAYLOAD) -> bytes:
-    return pack_header(key.name, key.parent, layout, payload)
+    return pack_header(key.name, key.parent, layout, payload, key.token_ids)
 
 
 def test_header_is_exactly_4k():
@@ -38,8 +40,41 @@ def test_round_trip():
     assert header == BlockHeader(
         key_name=KEYS[1].name, parent=KEYS[0].block_hash, num_layers=4, tokens=16,
         bytes_per_token_per_layer=LAYOUT.bytes_per_token_per_layer, dtype="float16",
-        payload_bytes=LAYOUT.full_block_bytes, checksum=checksum(PAYLOAD))
+        payload_bytes=LAYOUT.full_block_bytes, checksum=checksum(PAYLOAD),
+        token_ids=tuple(range(16, 32)))
     check_header(header, KEYS[1].name, LAYOUT)  # no exception
+
+
+def test_a_block_saved_without_token_ids_holds_none():
+    raw = pack_header(KEYS[1].name, KEYS[1].parent, LAYOUT, PAYLOAD)
+    assert unpack_header(raw).token_ids is None
+    check_header(unpack_header(raw), KEYS[1].name, LAYOUT)
+
+
+def test_token_ids_that_do_not_fit_or_are_not_uint32_are_left_out():
+    room = max_header_tokens(KEYS[1].name)
+    assert 900 < room < 1000  # ~950 tokens per block fit in the 4 KiB header
+    assert len(unpack_header(pack_header("k", None, LAYOUT, PAYLOAD, range(room))).token_ids
+               ) == room
+    assert unpack_header(pack_header(KEYS[1].name, None, LAYOUT, PAYLOAD,
+                                     range(room + 1))).token_ids is None
+    assert unpack_header(pack_header("k", None, LAYOUT, PAYLOAD, [-1] * 16)).token_ids is None
+    assert unpack_header(pack_header("k", None, LAYOUT, PAYLOAD, [2**32] * 16)).token_ids is None
+
+
+@pytest.mark.parametrize("where", ["parent", "token id"])
+def test_a_flipped_parent_or_token_id_fails_the_header_checksum(where):
+    raw = bytearray(_header())
+    name_end = 70 + 12 + len(KEYS[1].name)  # fixed fields, token count and checksum, name
+    raw[52 + 3 if where == "parent" else name_end + 5] ^= 0x01  # parent: bytes 52-67
+    with pytest.raises(BadBlockFile, match="checksum"):
+        unpack_header(raw)
+
+
+def test_check_header_rejects_token_ids_of_another_block_size():
+    raw = pack_header(KEYS[1].name, KEYS[1].parent, LAYOUT, PAYLOAD, range(8))
+    with pytest.raises(BadBlockFile, match="token ids"):
+        check_header(unpack_header(raw), KEYS[1].name, LAYOUT)
 
 
 def test_first_block_has_no_parent():
@@ -96,7 +131,8 @@ def test_unpack_rejects_bad_magic():
         unpack_header(raw)
 
 
-@pytest.mark.parametrize(("offset", "value"), [(4, b"\x02\x00"), (6, b"\x00\x08")])
+@pytest.mark.parametrize(("offset", "value"),
+                         [(4, b"\x01\x00"), (4, b"\x03\x00"), (6, b"\x00\x08")])
 def test_unpack_rejects_other_version_or_header_size(offset, value):
     raw = bytearray(_header())
     raw[offset : offset + 2] = value

@@ -186,9 +186,15 @@ def _zero_header(path: Path) -> None:
         f.write(bytes(HEADER_BYTES))
 
 
+def _version_1(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.seek(4)
+        f.write(b"\x01\x00")
+
+
 DAMAGE = {"flipped payload byte": _flip_payload_byte, "flipped checksum": _flip_header_checksum,
           "truncated": _truncate, "header only": _truncate_to_header, "empty": _empty_file,
-          "bad magic": _bad_magic, "zeroed header": _zero_header}
+          "bad magic": _bad_magic, "zeroed header": _zero_header, "version 1": _version_1}
 
 
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
@@ -275,6 +281,93 @@ def test_a_missing_file_is_a_plain_miss(store):
     assert out[:2] == data[:2]
     assert (store.stats["misses"], store.stats["corrupt"]) == (1, 0)
     assert store.exists_prefix(keys) == 2
+
+
+def _failing_reads(monkeypatch, call: str, code: int) -> None:
+    """Make ``os.open`` of a block file for reading, or every ``os.preadv``, fail with
+    ``code``, as a process out of descriptors (EMFILE), memory or a flaky disk (EIO) does."""
+    real = getattr(os, call)
+
+    def failing(*args, **kwargs):
+        if call == "preadv" or (str(args[0]).endswith(".kvb") and not args[1] & os.O_WRONLY):
+            raise OSError(code, os.strerror(code))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, call, failing)
+
+
+@pytest.mark.parametrize("call", ["open", "preadv"])
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.EIO, errno.ENOMEM],
+                         ids=errno.errorcode.get)
+def test_a_read_error_is_a_miss_that_keeps_the_block(store, monkeypatch, call, code):
+    keys, data = _keys(2), _payloads(2)
+    store.put_from(keys, data)
+    with monkeypatch.context() as patch:
+        _failing_reads(patch, call, code)
+        assert store.get_into(keys, _empty(2)) == [False, False]
+    assert all(store.path_for(k).exists() for k in keys)  # not taken for damage
+    out = _empty(2)
+    assert store.get_into(keys, out) == [True, True]  # the error has passed: hits
+    assert out == data
+    assert (store.stats["misses"], store.stats["read_errors"], store.stats["corrupt"]) == (2, 2, 0)
+
+
+def test_the_client_counts_a_stores_read_errors_apart_from_damage(root, monkeypatch):
+    from dualpath.storage.client import StorageClient
+
+    keys, data = _keys(3), _payloads(3)
+    with FsStore(root, SMALL) as store:
+        store.put_from(keys, data)
+        _flip_payload_byte(store.path_for(keys[2]))
+        client = StorageClient(store, SMALL.block_size)
+        with monkeypatch.context() as patch:
+            _failing_reads(patch, "preadv", errno.EIO)
+            assert client.read(keys[:2], _empty(2)) == [False, False]
+        assert client.read(keys, _empty(3)) == [True, True, False]
+        metrics = client.metrics()
+        client.close()
+    assert (metrics["read_errors"], metrics["corrupt"], metrics["hits"]) == (2, 1, 2)
+
+
+# -- audits ----------------------------------------------------------------------------------------
+
+
+def test_stored_keys_lists_every_block_file_and_nothing_else(store, root):
+    keys = _keys(3) + _keys(2, salt=1, model="other")
+    store.put_from(keys, _payloads(5))
+    (root / "m" / "stray.txt").write_text("not a block")
+    shard = store.path_for(keys[0]).parent
+    (shard / ".half-written.tmp").write_bytes(b"")
+    (shard / "not-hex.kvb").write_bytes(b"")
+    assert sorted(store.stored_keys(), key=lambda k: k.name) == sorted(keys, key=lambda k: k.name)
+    assert all(k.parent is None and k.token_ids is None for k in store.stored_keys())
+
+
+def test_read_block_gives_parent_and_token_ids_and_leaves_the_block_as_it_was(store):
+    keys, data = _keys(2), _payloads(2)
+    store.put_from(keys, data)
+    path = store.path_for(keys[1])
+    os.utime(path, ns=(1, 1))
+    out = _empty(1)
+    found = store.read_block(keys[1], out[0])
+    assert out[0] == data[1]
+    assert (found.parent, found.token_ids) == (keys[0].block_hash, keys[1].token_ids)
+    assert store.read_block(keys[1]).token_ids == keys[1].token_ids  # the header alone
+    assert path.stat().st_mtime_ns == 1  # no use of the block
+    _flip_payload_byte(path)
+    assert store.read_block(keys[1]) is not None  # the header is fine ...
+    assert store.read_block(keys[1], out[0]) is None  # ... the payload is not
+    assert path.exists() and store.stats["hits"] == store.stats["corrupt"] == 0
+
+
+def test_a_block_saved_without_token_ids_reads_like_any_other(store):
+    key = _keys(1)[0]
+    bare = BlockKey(key.model_id, key.layout_id, key.block_size, key.block_hash)
+    data = _payloads(1)
+    store.put_from([bare], data)
+    out = _empty(1)
+    assert store.get_into([key], out) == [True] and out == data
+    assert store.read_block(key).token_ids is None
 
 
 # -- writes --------------------------------------------------------------------------------------

@@ -163,3 +163,17 @@ def test_every_survivor_has_its_prefix_across_many_chains(capacity_blocks):
     for chain in chains:
         stored = _stored(store, chain)
         assert stored == sorted(stored, reverse=True)
+
+
+def test_an_audit_read_gives_the_key_as_saved_and_counts_nothing():
+    store = MemoryStore(BLOCK)
+    keys, data = _keys(2), _payloads(2)
+    store.put_from(keys, data)
+    assert sorted(k.hex for k in store.stored_keys()) == sorted(k.hex for k in keys)
+    out = _empty(1)
+    found = store.read_block(keys[1], out[0])
+    assert out[0] == data[1]
+    assert (found.parent, found.token_ids) == (keys[0].block_hash, keys[1].token_ids)
+    assert store.read_block(keys[0]).token_ids == keys[0].token_ids
+    assert store.read_block(_keys(1, salt=3)[0]) is None
+    assert store.stats["hits"] == 0

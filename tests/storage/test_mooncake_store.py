@@ -187,7 +187,47 @@ def test_mooncake_store_damaged_object_is_a_miss(store, raw, damage):
 
 def test_mooncake_store_absent_block_is_a_miss_not_damage(store):
     assert store.get_into(_keys(1), _empty(1)) == [False]
-    assert (store.stats["misses"], store.stats["corrupt"]) == (1, 0)
+    assert (store.stats["misses"], store.stats["corrupt"], store.stats["read_errors"]) == (1, 0, 0)
+
+
+class _FailingGets:
+    """A Mooncake client whose reads fail with a transfer error (the objects are intact)."""
+
+    TRANSFER_FAIL = -800
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def batch_get_into_multi_buffers(self, names, *args):
+        return [self.TRANSFER_FAIL] * len(names)
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+
+def test_mooncake_store_failed_transfer_is_a_miss_that_keeps_the_object(store, raw):
+    keys, data = _keys(2), _payloads(2)
+    assert store.put_from(keys, data) == [True, True]
+    client, store._client = store._client, _FailingGets(store._client)
+    assert store.get_into(keys, _empty(2)) == [False, False]
+    store._client = client
+    assert all(raw.is_exist(store.object_key(k)) == 1 for k in keys)  # not taken for damage
+    out = _empty(2)
+    assert store.get_into(keys, out) == [True, True] and out == data
+    stats = store.stats.snapshot()
+    assert (stats["misses"], stats["read_errors"], stats["corrupt"]) == (2, 2, 0)
+
+
+def test_mooncake_store_keeps_token_ids_for_audits(store):
+    keys, data = _keys(2), _payloads(2)
+    assert store.put_from(keys, data) == [True, True]
+    out = _empty(1)
+    found = store.read_block(keys[1], out[0])
+    assert found == keys[1] and out[0] == data[1]
+    assert (found.parent, found.token_ids) == (keys[0].block_hash, keys[1].token_ids)
+    assert store.read_block(_keys(1, salt=5)[0]) is None
+    with pytest.raises(StorageError, match="cannot list"):
+        list(store.stored_keys())
 
 
 # -- lost processes: misses in bounded time -------------------------------------------------------
@@ -263,6 +303,7 @@ def test_mooncake_store_dead_master_gives_misses_in_bounded_time(private_service
         assert result == expected and seconds < 2  # known down: no waiting on Mooncake
     stats = store.stats.snapshot()
     assert stats["misses"] == 2 and stats["write_errors"] == 1 and stats["corrupt"] == 0
+    assert stats["read_errors"] == 2  # the master's failure, not the blocks'
     _, close_s = _timed(store.close)
     assert close_s < 30
 
