@@ -347,7 +347,8 @@ class DecodeWorker:
                 return  # saved at a later step, when writes have freed staging slots
             slot = self.host_pool.alloc(1)[0]
             self._staging_in_use += 1
-            key = space.key(hashes[k], hashes[k - 1] if k else None)
+            tokens = tuple(seq.token_ids[k * self.block_size:(k + 1) * self.block_size])
+            key = space.key(hashes[k], hashes[k - 1] if k else None, token_ids=tokens)
             block = seq.block_table[k]
             # the copy's own reference: however the sequence ends before the copy has run
             # (finish, abort, preemption), the block is not handed out again under it
