@@ -1,4 +1,5 @@
-"""Command line: ``dualpath generate``, ``prepare-model``, ``bench engine``, ``bench storage``."""
+"""Command line: ``dualpath generate``, ``prepare-model``, ``store verify``, ``bench engine``,
+``bench storage``."""
 
 from __future__ import annotations
 
@@ -118,6 +119,37 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             base[key] = value
     serve(load_config(args.config, args.set, base))
     return 0
+
+
+def _cmd_store_verify(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from dualpath.config_file import load_config
+    from dualpath.model.default_model import resolve_model
+    from dualpath.storage.verify import verify_fs_root
+
+    base = {k: v for k, v in (("storage.root", args.storage), ("serve.model", args.model))
+            if v is not None}
+    config = load_config(args.config, args.set, base)
+    storage, engine = config.cluster.storage, config.cluster.engine
+    if storage.backend != "fs":
+        raise DualPathError(f"store verify lists the blocks of an fs store; {storage.backend} "
+                            "cannot (from Python: storage.verify.verify_store(store, model, "
+                            "keys=...))")
+    torch.set_num_threads(args.threads)
+    dtype = args.dtype or (engine.dtype if engine.dtype != "auto" else None)
+    report = verify_fs_root(storage.root, resolve_model(config.serve.model),
+                            sample=None if args.all else args.sample, seed=args.seed,
+                            dtype=dtype, cpu_kernels=engine.cpu_kernels, device=args.device,
+                            progress=True)
+    text = json.dumps(report.to_dict(), indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0 if report.ok else 1
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
@@ -276,6 +308,28 @@ def build_parser() -> argparse.ArgumentParser:
     eng_proc.add_argument("--join-timeout-s", type=float, default=120.0,
                           help="give up when the router has not answered by then")
     eng_proc.set_defaults(func=_cmd_engine)
+
+    store = sub.add_parser("store", help="the KV store")
+    store_sub = store.add_subparsers(dest="store_command", required=True)
+    ver = store_sub.add_parser("verify", help="recompute sampled stored chains with the model "
+                               "and compare their KV; exit status 1 on a mismatch")
+    ver.add_argument("--storage", default=None,
+                     help="KV store root, an fs directory (default: the config's storage.root)")
+    ver.add_argument("--model", default=None,
+                     help="HF model folder (default: the config's serve.model, else SmolLM2)")
+    ver.add_argument("--config", default=None, help="the TOML config the cluster ran with")
+    ver.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. engine.cpu_kernels=false (repeatable)")
+    ver.add_argument("--sample", type=int, default=64,
+                     help="blocks checked per KV layout, each with its whole chain (default 64)")
+    ver.add_argument("--all", action="store_true", help="check every stored block")
+    ver.add_argument("--seed", type=int, default=0, help="seed of the sample")
+    ver.add_argument("--dtype", default=None,
+                     help="compute dtype (default: the config's engine.dtype, else the KV's)")
+    ver.add_argument("--device", default="cpu", help="where to recompute (default cpu)")
+    ver.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ver.add_argument("--json", default=None, help="also write the report here")
+    ver.set_defaults(func=_cmd_store_verify)
 
     prof = sub.add_parser("profile", help="measure prefill cost and storage read rate (α, β)")
     prof.add_argument("--json", required=True, help="where to write the profile")

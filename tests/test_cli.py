@@ -35,3 +35,34 @@ def test_bad_input_is_a_clear_error(smollm2_dir, capsys, args, message):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("dualpath: error:") and message in err
+
+
+
+def test_store_verify_exits_non_zero_on_a_mismatch(tiny_llama_dir, tmp_path, capsys):
+    import json
+
+    from storage.test_verify import _layout, _save_like_a_decode_engine, _swap_payload
+
+    from dualpath.storage.fs import FsStore
+
+    root, out = tmp_path / "kv", tmp_path / "report.json"
+    with FsStore(root, _layout(tiny_llama_dir, "float32")) as store:
+        chains = _save_like_a_decode_engine(tiny_llama_dir, store)
+    args = ["store", "verify", "--storage", str(root), "--model", str(tiny_llama_dir), "--all",
+            "--json", str(out)]
+    assert main(args) == 0
+    good = json.loads(out.read_text())
+    assert good["ok"] and good["num_checked"] == sum(map(len, chains)) > 0
+    assert json.loads(capsys.readouterr().out) == good  # the report on stdout too
+    with FsStore(root, _layout(tiny_llama_dir, "float32")) as store:
+        _swap_payload(store, chains[0][1], chains[2][1])  # a valid block of the wrong KV
+    assert main(args) == 1
+    bad = json.loads(out.read_text())
+    assert not bad["ok"] and [m["key"] for m in bad["mismatched"]] == [chains[0][1].name]
+    sampled = [a for a in args if a != "--all"]
+    assert main([*sampled, "--sample", "0"]) == 0  # nothing sampled, nothing found
+
+def test_store_verify_refuses_a_store_it_cannot_list(tiny_llama_dir, capsys):
+    assert main(["store", "verify", "--model", str(tiny_llama_dir),
+                 "--set", "storage.backend=mooncake_store"]) == 2
+    assert "cannot" in capsys.readouterr().err

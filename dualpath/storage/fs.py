@@ -126,13 +126,7 @@ class FsStore(StorageBackend):
         self._pool.shutdown(wait=True)
 
     def stored_keys(self) -> Iterator[BlockKey]:
-        """Every block file's key (found by its path: ``root/model/layout/bs<N>/xx/yy/hash``)."""
-        for model in _subdirs(self.root):
-            for layout in _subdirs(model):
-                for size in _subdirs(layout):
-                    for shard in _subdirs(size):
-                        for sub in _subdirs(shard):
-                            yield from _keys_in(sub, model.name, layout.name, size.name)
+        return keys_under(self.root)
 
     def read_block(self, key: BlockKey, buffer: Any = None) -> BlockKey | None:
         path = self._path_str(key)
@@ -285,6 +279,17 @@ def _preadv_file(path: str, buffers: list[Any], extra_flags: int) -> int:
         return os.preadv(fd, buffers, 0)  # a truncated file reads short
     finally:
         os.close(fd)
+
+
+def keys_under(root: str | Path) -> Iterator[BlockKey]:
+    """The key of every block file under ``root``, of any model and layout (found by its path,
+    ``root/model/layout/bs<N>/xx/yy/<hash>.kvb``; parent and token ids unset)."""
+    for model in _subdirs(Path(root)):
+        for layout in _subdirs(model):
+            for size in _subdirs(layout):
+                for shard in _subdirs(size):
+                    for sub in _subdirs(shard):
+                        yield from _keys_in(sub, model.name, layout.name, size.name)
 
 
 def _subdirs(folder: Path) -> list[Path]:

@@ -1,0 +1,90 @@
+"""Recomputing stored KV for an audit: the model prefills a chain's tokens into a cache of its own.
+
+Block k of the chain lands in cache block k, so a stored full block compares directly with
+``cache.data[:, k]`` (the bytes ``decode.py``'s ``_gather`` stages for a save). Consecutive
+chains that share leading blocks reuse them: only the tokens after the shared prefix run.
+The model is loaded once per compute dtype and the cache once per KV layout, whatever the
+number of chains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from dualpath.kv.cache import TORCH_DTYPES, PagedKVCache
+from dualpath.kv.layout import KVLayout
+from dualpath.model.attention import AttentionBatch, PrefillSlice
+from dualpath.model.kernels import load_kernels
+from dualpath.model.llama import LlamaForCausalLM
+from dualpath.model.loader import load_model
+from dualpath.model.spec import ModelSpec
+
+
+class Recomputer:
+    """One model on one device, and a cache that holds a chain of ``num_blocks`` blocks."""
+
+    def __init__(self, model: LlamaForCausalLM, spec: ModelSpec, layout: KVLayout,
+                 num_blocks: int, device: str = "cpu", chunk_tokens: int = 512) -> None:
+        self.model = model
+        self.spec = spec
+        self.layout = layout
+        self.chunk_tokens = max(layout.block_size, chunk_tokens // layout.block_size
+                                * layout.block_size)
+        self.cache = PagedKVCache(spec, num_blocks, layout.block_size, layout.dtype, device)
+        self._layers = self.cache.layers()
+        self._resident: list[bytes] = []  # the hashes of the chain whose KV the cache holds
+
+    @torch.inference_mode()
+    def prefill(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> None:
+        """Compute the KV of a chain (its block hashes and all its tokens) into cache blocks
+        0, 1, ...; blocks shared with the previous chain are kept, not recomputed."""
+        if len(hashes) > self.cache.num_blocks:
+            raise ValueError(f"a chain of {len(hashes)} blocks, the cache holds "
+                             f"{self.cache.num_blocks}")
+        keep = 0
+        while keep < min(len(hashes), len(self._resident)) and \
+                hashes[keep] == self._resident[keep]:
+            keep += 1
+        self._resident = []  # until this chain is in
+        device = self.cache.data.device
+        bs = self.layout.block_size
+        ids = torch.tensor(list(token_ids), dtype=torch.long)
+        for start in range(keep * bs, len(ids), self.chunk_tokens):
+            end = min(len(ids), start + self.chunk_tokens)
+            slots = torch.arange(end, dtype=torch.long)  # block k of the chain is cache block k
+            batch = AttentionBatch(slots[start:], [PrefillSlice(0, end - start, slots, start,
+                                                                self.spec.sliding_window)], None)
+            self.model(ids[start:end].to(device), slots[start:].to(device), batch.to(device),
+                       self._layers)
+        self._resident = list(hashes)
+
+    def block(self, k: int) -> torch.Tensor:
+        """Block k of the last chain as stored: ``[layers, tokens, bytes per token per layer]``
+        in the KV dtype (a view of the cache)."""
+        data = self.cache.data[:, k]
+        return data.reshape(data.shape[0], data.shape[1], -1)
+
+
+def load_for_audit(model_dir: str | Path, spec: ModelSpec, dtype: str, kv_dtype: str,
+                   device: str = "cpu", cpu_kernels: bool = True) -> LlamaForCausalLM:
+    """The model in compute ``dtype``, on the CPU fast path where the engines take it (packed
+    weights; the C kernels when they write the KV dtype, as ``LLMEngine`` decides)."""
+    model = load_model(model_dir, TORCH_DTYPES[dtype], spec, device)
+    if cpu_kernels and torch.device(device).type == "cpu":
+        model.pack_weights()
+        if kv_dtype == dtype:
+            model.use_kernels(load_kernels())
+    return model
+
+
+def relative_error(stored: torch.Tensor, recomputed: torch.Tensor) -> tuple[float, int, int]:
+    """The largest ``||stored - recomputed|| / ||recomputed||`` over the block's (layer, token)
+    rows (each row one token's K and V of one layer), with its layer and token."""
+    a, b = stored.float(), recomputed.float()
+    err = torch.nan_to_num((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12),
+                           nan=float("inf"))
+    flat = int(err.argmax())
+    return float(err.flatten()[flat]), flat // err.shape[1], flat % err.shape[1]

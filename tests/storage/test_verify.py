@@ -1,0 +1,197 @@
+"""``verify_store``: recomputed chains agree with blocks saved the way a decode engine saves them;
+another chain's KV under a key (valid checksum), token ids that fail their key, and blocks that
+cannot be checked are each reported as such.
+
+The tolerances (``verify.TOLERANCE``: 1e-3 float32, 0.1 bfloat16) come from these measurements
+(2026-12-05, 2-core Xeon, torch CPU), the error being the largest per-(layer, token) relative
+error of a block. Blocks were saved from an ``LLMEngine`` run (chunked prefill, decode steps,
+C kernels) and recomputed by the verifier, with the kernels and with plain torch ops:
+
+| model | dtype | saved vs recomputed (max) | another chain's block (min) |
+|---|---|---|---|
+| tiny random Llama (3 layers) | float32 | 3.3e-7 | 1.59 |
+| tiny random Llama (3 layers) | bfloat16 | 0.0086 | 1.59 |
+| tiny chaotic Llama | float32 / bfloat16 | 5.5e-6 / 0.029 | 1.64 / 1.64 |
+| SmolLM2-135M, 30 blocks of 64, contexts ≤ 517 | float32 | 2.1e-5 | 1.06 |
+| SmolLM2-135M, same | bfloat16 | 0.045 | 1.30 |
+| SmolLM2-135M, contexts of 1,970 and 2,570 tokens | float32 / bfloat16 | see README | |
+
+A block whose tokens match but whose *prefix* differs by one token several blocks back is
+another matter: its KV differs by 0.076 (tiny, float32) to 0.09 (SmolLM2, float32), caught in
+float32 but within bfloat16's tolerance, which recomputation noise needs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dualpath.config import EngineConfig
+from dualpath.kv.hashing import BlockKey
+from dualpath.storage.fs import FsStore
+from dualpath.storage.memory import MemoryStore
+from dualpath.storage.verify import TOLERANCE, verify_fs_root, verify_store
+
+BS = 16
+
+
+def _prompts(vocab: int = 299) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 57, 70)]
+
+
+def _save_like_a_decode_engine(model_dir, store, dtype: str = "float32",
+                               max_tokens: int = 2 * BS + 3) -> list[list[BlockKey]]:
+    """Run prompts through an ``LLMEngine`` (chunked prefill, batched decode steps, the CPU
+    fast path) and store each full block as soon as it is complete, from the device cache
+    (what ``decode.py``'s ``_save_new_blocks`` does); each sequence's keys."""
+    from dualpath.engine.llm_engine import LLMEngine
+    from dualpath.request import SamplingParams
+
+    engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, block_size=BS, num_kv_blocks=64,
+                                               max_num_batched_tokens=24))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in _prompts()]
+    saved = dict.fromkeys([s.seq_id for s in seqs], 0)
+    data = engine.runner.cache.data
+    while engine.has_unfinished:
+        engine.step()
+        for seq in seqs:
+            space, num_full = engine.key_space, seq.num_computed_tokens // BS
+            for k in range(saved[seq.seq_id], num_full):
+                hashes = [key.block_hash for key in space.keys(seq.token_ids[: (k + 1) * BS])]
+                key = space.key(hashes[k], hashes[k - 1] if k else None,
+                                token_ids=tuple(seq.token_ids[k * BS : (k + 1) * BS]))
+                block = data[:, seq.block_table[k]].contiguous().view(torch.uint8).flatten()
+                assert store.put_from([key], [block]) == [True]
+            saved[seq.seq_id] = max(saved[seq.seq_id], num_full)
+    return [engine.key_space.keys(s.token_ids[: saved[s.seq_id] * BS]) for s in seqs]
+
+
+def _layout(model_dir, dtype: str):
+    from dualpath.kv.layout import KVLayout
+    from dualpath.model.spec import load_spec
+
+    return KVLayout.from_spec(load_spec(model_dir), dtype, BS)
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def saved(request, tiny_llama_dir, tmp_path):
+    """An fs store of blocks saved by an engine in the parametrized dtype, and their keys."""
+    store = FsStore(tmp_path / "kv", _layout(tiny_llama_dir, request.param))
+    chains = _save_like_a_decode_engine(tiny_llama_dir, store, request.param)
+    yield store, chains, request.param
+    store.close()
+
+
+def _swap_payload(store, victim: BlockKey, source: BlockKey) -> None:
+    """Store ``source``'s KV under ``victim`` (its own key and token ids: a valid block)."""
+    payload = bytearray(store.block_bytes)
+    assert store.get_into([source], [payload]) == [True]
+    assert store.delete([victim]) == 1
+    assert store.put_from([victim], [payload]) == [True]
+
+
+def test_recomputed_blocks_agree_with_saved_ones(saved, tiny_llama_dir):
+    store, chains, dtype = saved
+    report = verify_store(store, tiny_llama_dir, sample=None)
+    num_blocks = sum(map(len, chains))
+    assert (report.num_blocks, report.num_sampled, report.num_checked) == (num_blocks,) * 3
+    assert report.ok and report.num_ok == num_blocks and report.num_mismatched == 0
+    assert 0 < report.max_error[dtype] < TOLERANCE[dtype] / 3  # measured: see the docstring
+    torch_ops = verify_store(store, tiny_llama_dir, sample=None, cpu_kernels=False)
+    assert torch_ops.ok and torch_ops.num_ok == num_blocks
+
+
+def test_another_chains_kv_under_a_key_is_a_mismatch_by_far(saved, tiny_llama_dir):
+    store, chains, dtype = saved
+    victim, source = chains[0][2], chains[1][2]  # the same position, other tokens
+    _swap_payload(store, victim, source)
+    report = verify_store(store, tiny_llama_dir, sample=None)
+    assert not report.ok
+    assert report.num_mismatched == 1 and report.mismatched[0]["key"] == victim.name
+    assert report.mismatched[0]["error"] > 1.0 >= 10 * TOLERANCE[dtype]  # measured: 1.59
+    assert report.num_ok == sum(map(len, chains)) - 1
+
+
+def test_a_sampled_block_is_checked_with_its_whole_chain(saved, tiny_llama_dir):
+    store, chains, _ = saved
+    _swap_payload(store, chains[0][1], chains[1][1])
+    # the last block of chain 0: checked with its chain up to the root, the swapped one too
+    report = verify_store(store, tiny_llama_dir, sample=1, keys=[chains[0][-1]])
+    assert report.num_sampled == 1 and report.num_checked == len(chains[0])
+    assert [m["key"] for m in report.mismatched] == [chains[0][1].name]
+    again = verify_store(store, tiny_llama_dir, sample=3, seed=7)
+    assert again == verify_store(store, tiny_llama_dir, sample=3, seed=7)  # seeded
+
+
+def test_token_ids_that_do_not_hash_to_the_key_are_reported(saved, tiny_llama_dir):
+    store, chains, _ = saved
+    victim, other = chains[0][1], chains[1][1]
+    payload = bytearray(store.block_bytes)
+    assert store.get_into([victim], [payload]) == [True]
+    store.delete([victim])
+    lying = BlockKey(victim.model_id, victim.layout_id, BS, victim.block_hash, victim.parent,
+                     other.token_ids)
+    assert store.put_from([lying], [payload]) == [True]  # the right KV, the wrong tokens
+    report = verify_store(store, tiny_llama_dir, sample=None)
+    assert not report.ok and report.token_mismatches == [victim.name]
+    after = len(chains[0]) - 2  # its descendants: their chain cannot be recomputed
+    assert report.unverifiable == {"chain_unverifiable": after}
+    assert report.num_mismatched == 0
+
+
+def test_blocks_without_token_ids_or_unreadable_are_unverifiable_not_errors(saved,
+                                                                            tiny_llama_dir):
+    store, chains, _ = saved
+    bare = chains[1][0]
+    payload = bytearray(store.block_bytes)
+    assert store.get_into([bare], [payload]) == [True]
+    store.delete([bare])
+    assert store.put_from([BlockKey(bare.model_id, bare.layout_id, BS, bare.block_hash)],
+                          [payload]) == [True]  # saved without token ids (an older engine)
+    with store.path_for(chains[2][1]).open("r+b") as f:  # a version-1 block file
+        f.seek(4)
+        f.write(b"\x01\x00")
+    report = verify_store(store, tiny_llama_dir, sample=None)
+    assert report.ok
+    assert report.unverifiable == {
+        "no_token_ids": 1, "chain_unverifiable": len(chains[1]) - 1,
+        "unreadable": 1, "broken_chain": len(chains[2]) - 2}
+    assert report.num_ok == len(chains[0]) + 1  # chain 2's first block still checks
+
+
+def test_another_models_blocks_are_skipped(tiny_llama_dir, tiny_qwen2_dir, tmp_path):
+    layout = _layout(tiny_llama_dir, "float32")
+    with FsStore(tmp_path, layout) as store:
+        ours = _save_like_a_decode_engine(tiny_llama_dir, store, max_tokens=1)
+        theirs = _save_like_a_decode_engine(tiny_qwen2_dir, store, max_tokens=1)
+    report = verify_fs_root(tmp_path, tiny_llama_dir, sample=None)
+    assert report.ok and report.num_ok == sum(map(len, ours))
+    assert report.skipped == {"other_model": sum(map(len, theirs))}
+    assert report.layouts == [layout.layout_id]
+
+
+def test_fs_root_holds_several_layouts_of_the_model(tiny_llama_dir, tmp_path):
+    for dtype in ("float32", "bfloat16"):
+        with FsStore(tmp_path, _layout(tiny_llama_dir, dtype)) as store:
+            _save_like_a_decode_engine(tiny_llama_dir, store, dtype, max_tokens=1)
+    report = verify_fs_root(tmp_path, tiny_llama_dir, sample=None)
+    assert report.ok and set(report.max_error) == {"float32", "bfloat16"}
+    assert report.num_checked == report.num_blocks > 0
+
+
+def test_the_memory_store_verifies_with_the_layout_its_keys_name(tiny_llama_dir):
+    store = MemoryStore(_layout(tiny_llama_dir, "float32").full_block_bytes)
+    chains = _save_like_a_decode_engine(tiny_llama_dir, store)
+    report = verify_store(store, tiny_llama_dir, sample=None)
+    assert report.ok and report.num_ok == sum(map(len, chains))
+    assert report.to_dict()["ok"] is True
+
+
+def test_an_empty_store_verifies_nothing(tiny_llama_dir, tmp_path):
+    os.makedirs(tmp_path / "kv")
+    report = verify_fs_root(tmp_path / "kv", tiny_llama_dir)
+    assert report.ok and report.num_blocks == report.num_checked == 0
