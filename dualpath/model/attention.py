@@ -92,8 +92,11 @@ class DecodeSlice:
 @dataclass(frozen=True)
 class KernelMeta:
     """An ``AttentionBatch`` as the C kernels' ``attend`` takes it: addresses and counts,
-    with the tensors behind them kept alive."""
+    with the tensors behind them kept alive (each in the dtype the kernels read, contiguous).
+    The counts let the kernels check every index before they write: ``num_tokens`` slots, and
+    block tables of ``table_width`` entries."""
 
+    num_tokens: int
     slot_ptr: int
     num_prefills: int
     prefill_ptr: int  # int64 [num_prefills, 5]: q_start, q_len, pos0, ctx, slot_ids address
@@ -101,8 +104,13 @@ class KernelMeta:
     rows_ptr: int
     table_ptr: int
     table_stride: int
+    table_width: int
     ctx_ptr: int
     keep: tuple[torch.Tensor, ...]
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 @dataclass
@@ -116,18 +124,24 @@ class AttentionBatch:
     @cached_property
     def kernel_meta(self) -> KernelMeta:
         """This batch for the C kernels (built once, on the first layer, for every layer)."""
-        rows = [[p.q_start, p.q_len, p.pos0, p.slot_ids.shape[0], p.slot_ids.data_ptr()]
-                for p in self.prefills]
+        slots = _as(self.slot_mapping, torch.long)
+        contexts = [_as(p.slot_ids, torch.long) for p in self.prefills]
+        rows = [[p.q_start, p.q_len, p.pos0, c.shape[0], c.data_ptr()]
+                for p, c in zip(self.prefills, contexts, strict=True)]
         prefill = torch.tensor(rows or [[0] * 5], dtype=torch.long)
         d = self.decode
-        keep = (self.slot_mapping, prefill, *(p.slot_ids for p in self.prefills))
+        keep = (slots, prefill, *contexts)
+        head = (slots.shape[0], slots.data_ptr(), len(rows), prefill.data_ptr())
         if d is None:
-            return KernelMeta(self.slot_mapping.data_ptr(), len(rows), prefill.data_ptr(), 0, 0,
-                              0, 0, 0, keep)
-        return KernelMeta(self.slot_mapping.data_ptr(), len(rows), prefill.data_ptr(),
-                          d.token_idx.shape[0], d.token_idx.data_ptr(), d.block_table.data_ptr(),
-                          d.block_table.stride(0), d.ctx_lens.data_ptr(),
-                          (*keep, d.token_idx, d.block_table, d.ctx_lens))
+            return KernelMeta(*head, 0, 0, 0, 0, 0, 0, keep)
+        token_idx, ctx_lens = _as(d.token_idx, torch.long), _as(d.ctx_lens, torch.int32)
+        table = _as(d.block_table, torch.int32)
+        if table.dim() != 2 or not table.shape[0] == ctx_lens.shape[0] == token_idx.shape[0]:
+            raise ValueError(f"decode slice of {token_idx.shape[0]} rows with block tables "
+                             f"{tuple(table.shape)} and {ctx_lens.shape[0]} context lengths")
+        return KernelMeta(*head, token_idx.shape[0], token_idx.data_ptr(), table.data_ptr(),
+                          table.stride(0), table.shape[1], ctx_lens.data_ptr(),
+                          (*keep, token_idx, table, ctx_lens))
 
     def to(self, device: torch.device) -> AttentionBatch:
         """The same batch with every tensor on ``device``."""

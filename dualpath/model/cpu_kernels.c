@@ -18,13 +18,24 @@
  *   the bf16 kernel computes q.k and p.v with vdpbf16ps: exact bf16 products summed in fp32,
  *   p rounded to bf16 for the second product as torch's CPU flash attention does.
  *
+ * - pack_head, embed_rows, head_logits: an output head tied to the embedding table, kept once
+ *   in a panel layout (16 vocabulary rows side by side) that the head's GEMM streams and the
+ *   embedding look-up reads rows back from.
+ *
+ * Safety: every buffer is sized from the shape it serves (heap, allocations checked: a failure
+ * is MemoryError), and the bindings check every index they are handed (cache slots, block ids,
+ * query rows, context lengths, token ids) against the counts they are given before anything is
+ * written: IndexError, never a write or read outside the tensors.
+ *
  * The file is its own template: the kernels below DP_KERNELS are compiled twice, for float
  * (suffix _f32) and for bf16 (suffix _bf16), with LD/ST (16 lanes as float <-> memory) and
  * RND (round to the type and back).
  */
 #ifndef DP_KERNELS
 #include <math.h>
+#include <stdarg.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,7 +58,100 @@ typedef __mmask16 mask16;
 
 #define QB 8  /* query rows per prefill tile */
 #define KB 16 /* keys per prefill tile: one vector */
-#define MAX_DV 8 /* head_dim / 16 <= 8 */
+#define MAX_DV 8 /* head_dim / 16 <= 8: a head's vectors stay in registers */
+/* The shapes the kernels take (kernels.py's CpuKernels.refusal says the same): no buffer has a
+ * size fixed below these; the bounds keep a step's scratch within reason. */
+#define DP_MAX_HEADS 1024
+#define DP_MAX_CONTEXT ((int64_t)1 << 24)
+#define HEAD_ROWS 8 /* hidden rows per head-GEMM tile */
+#define HEAD_PANELS 3 /* 16-row vocabulary panels per head-GEMM tile */
+
+/* What a binding reports back once it holds the GIL again. */
+enum { DP_OK = 0, DP_INDEX, DP_VALUE, DP_NOMEM };
+typedef struct {
+    int code;
+    char msg[240];
+} dp_status;
+
+static int dp_fail(dp_status *st, int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(st->msg, sizeof st->msg, fmt, ap);
+    va_end(ap);
+    st->code = code;
+    return -1;
+}
+
+/* 64-byte aligned heap memory of at least `bytes` (aligned_alloc wants a multiple of the
+ * alignment); NULL when there is none. */
+static void *dp_alloc(size_t bytes) {
+    return aligned_alloc(64, bytes ? (bytes + 63) / 64 * 64 : 64);
+}
+
+static int dp_check_heads(dp_status *st, int64_t H, int64_t KVH, int64_t D) {
+    if (D < 16 || D > 16 * MAX_DV || D % 16)
+        return dp_fail(st, DP_VALUE, "head_dim %lld: the kernels take 16, 32, ... %d",
+                       (long long)D, 16 * MAX_DV);
+    if (H < 1 || H > DP_MAX_HEADS)
+        return dp_fail(st, DP_VALUE, "heads %lld: the kernels take 1 to %d", (long long)H,
+                       DP_MAX_HEADS);
+    if (KVH < 1 || KVH > H || H % KVH)
+        return dp_fail(st, DP_VALUE, "kv_heads %lld do not group heads %lld", (long long)KVH,
+                       (long long)H);
+    return 0;
+}
+
+static int dp_check_slots(dp_status *st, const int64_t *slots, int64_t n, int64_t num_slots,
+                          const char *what) {
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= num_slots)
+            return dp_fail(st, DP_INDEX, "cache slot %lld of %s %lld is outside the cache's %lld slots",
+                           (long long)slots[i], what, (long long)i, (long long)num_slots);
+    return 0;
+}
+
+/* Decode sequence b reads query row rows[b] (of T) and the blocks of its block table (row b,
+ * table_width entries) that hold its last ctx_lens[b] (or window) positions. */
+static int dp_check_decode(dp_status *st, const int64_t *rows, int64_t B, int64_t T,
+                           const int32_t *table, int64_t table_stride, int64_t table_width,
+                           const int32_t *ctx_lens, int64_t bs, int64_t num_blocks,
+                           int64_t window) {
+    for (int64_t b = 0; b < B; b++) {
+        int64_t ctx = ctx_lens[b];
+        if (rows[b] < 0 || rows[b] >= T)
+            return dp_fail(st, DP_INDEX, "query row %lld of decode sequence %lld is outside the step's %lld rows",
+                           (long long)rows[b], (long long)b, (long long)T);
+        if (ctx < 1 || ctx > DP_MAX_CONTEXT)
+            return dp_fail(st, DP_VALUE, "decode sequence %lld has a context of %lld tokens (1 to %lld)",
+                           (long long)b, (long long)ctx, (long long)DP_MAX_CONTEXT);
+        if ((ctx + bs - 1) / bs > table_width)
+            return dp_fail(st, DP_INDEX, "decode sequence %lld: %lld tokens need %lld blocks, its block table holds %lld",
+                           (long long)b, (long long)ctx, (long long)((ctx + bs - 1) / bs), (long long)table_width);
+        int64_t lo = window > 0 && ctx > window ? ctx - window : 0;
+        for (int64_t blk = lo / bs; blk * bs < ctx; blk++) {
+            int64_t id = table[b * table_stride + blk];
+            if (id < 0 || id >= num_blocks)
+                return dp_fail(st, DP_INDEX, "block %lld (entry %lld of decode sequence %lld's table) is outside the cache's %lld blocks",
+                               (long long)id, (long long)blk, (long long)b, (long long)num_blocks);
+        }
+    }
+    return 0;
+}
+
+/* A prefill slice: rows q_start.. (q_len of T) at positions pos0.., over ctx context slots. */
+static int dp_check_prefill(dp_status *st, int64_t q_start, int64_t q_len, int64_t pos0,
+                            int64_t ctx, const int64_t *slots, int64_t T, int64_t num_slots) {
+    if (q_start < 0 || q_len < 0 || q_start + q_len > T)
+        return dp_fail(st, DP_INDEX, "prefill rows %lld..%lld are outside the step's %lld rows",
+                       (long long)q_start, (long long)(q_start + q_len), (long long)T);
+    if (ctx > DP_MAX_CONTEXT)
+        return dp_fail(st, DP_VALUE, "a context of %lld tokens (the kernels take %lld)",
+                       (long long)ctx, (long long)DP_MAX_CONTEXT);
+    if (pos0 < 0 || pos0 + q_len > ctx)
+        return dp_fail(st, DP_INDEX, "%lld queries from position %lld need %lld context positions, the slice has %lld",
+                       (long long)q_len, (long long)pos0, (long long)(pos0 + q_len), (long long)ctx);
+    return dp_check_slots(st, slots, ctx, num_slots, "context position");
+}
 
 static inline mask16 dp_tail(int64_t left) { return left >= 16 ? (mask16)0xffff : (mask16)((1u << left) - 1u); }
 
@@ -171,56 +275,119 @@ static int dp_args(PyObject *const *args, Py_ssize_t nargs, const char *fmt, int
     return PyErr_Occurred() ? -1 : 0;
 }
 
+static PyObject *dp_result(const dp_status *st) {
+    switch (st->code) {
+    case DP_OK:
+        Py_RETURN_NONE;
+    case DP_INDEX:
+        PyErr_SetString(PyExc_IndexError, st->msg);
+        return NULL;
+    case DP_VALUE:
+        PyErr_SetString(PyExc_ValueError, st->msg);
+        return NULL;
+    default:
+        PyErr_SetString(PyExc_MemoryError, st->msg[0] ? st->msg : "the CPU kernels' scratch");
+        return NULL;
+    }
+}
+
+/* A binding: parse the arguments, run the body without the GIL (it reports through st and
+ * must not return), raise what st says. */
 #define P(k) ((void *)(intptr_t)a[k])
 #define DP_PY(name, fmt, ...)                                                               \
     static PyObject *py_##name(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {  \
         int64_t a[32];                                                                     \
         double f[32];                                                                      \
+        dp_status st = {DP_OK, {0}};                                                       \
         (void)self;                                                                        \
         if (dp_args(args, nargs, fmt, a, f) < 0) return NULL;                              \
-        Py_BEGIN_ALLOW_THREADS __VA_ARGS__ Py_END_ALLOW_THREADS Py_RETURN_NONE;            \
+        Py_BEGIN_ALLOW_THREADS do { __VA_ARGS__ } while (0);                               \
+        Py_END_ALLOW_THREADS return dp_result(&st);                                        \
     }
 #define DP_BY_DTYPE(fn, ...) \
     if (a[0]) dp_##fn##_bf16(__VA_ARGS__); else dp_##fn##_f32(__VA_ARGS__);
+/* A kernel that allocates: MemoryError when it says it could not. */
+#define DP_ALLOCATING(fn, ...)                                                            \
+    if (a[0] ? dp_##fn##_bf16(__VA_ARGS__) : dp_##fn##_f32(__VA_ARGS__))                  \
+        dp_fail(&st, DP_NOMEM, "no memory for the scratch of " #fn);
 
 DP_PY(rms_norm, "iiiiiiiif", DP_BY_DTYPE(rms_norm, P(1), a[2], P(3), P(4), a[5], a[6], a[7], (float)f[8]))
 DP_PY(add_rms_norm, "iiiiiiiiiif",
       DP_BY_DTYPE(add_rms_norm, P(1), a[2], P(3), a[4], P(5), P(6), a[7], a[8], a[9], (float)f[10]))
 DP_PY(silu_mul, "iiiiiii", DP_BY_DTYPE(silu_mul, P(1), a[2], P(3), a[4], a[5], a[6]))
 DP_PY(argmax_rows, "iiiiii", DP_BY_DTYPE(argmax_rows, P(1), a[2], a[3], a[4], P(5)))
-DP_PY(rope_kv, "iiiiiiiiiii",
-      DP_BY_DTYPE(rope_kv, P(1), a[2], a[3], a[4], a[5], a[6], P(7), P(8), P(9), P(10)))
-DP_PY(decode_attn, "iiiiiiiiiiiiiifii",
-      DP_BY_DTYPE(decode_attn, P(1), a[2], P(3), P(4), P(5), a[6], P(7), a[8], a[9], a[10],
-                  a[11], a[12], a[13], (float)f[14], P(15), a[16]))
-DP_PY(prefill_attn, "iiiiiiiiiiiifii",
-      DP_BY_DTYPE(prefill_attn, P(1), a[2], a[3], a[4], P(5), P(6), a[7], a[8], a[9], a[10],
-                  a[11], (float)f[12], P(13), a[14]))
+/* dtype, qkv, qkv_stride, tokens, H, KVH, D, cos, sin, cache, slots, cache slots */
+DP_PY(rope_kv, "iiiiiiiiiiii", {
+    if (dp_check_heads(&st, a[4], a[5], a[6]) || dp_check_slots(&st, P(10), a[3], a[11], "token")) break;
+    DP_BY_DTYPE(rope_kv, P(1), a[2], a[3], a[4], a[5], a[6], P(7), P(8), P(9), P(10))
+})
+/* dtype, q, q_stride, rows, cache, block_table, table_stride, ctx_lens, B, H, KVH, D, bs,
+ * window, scale, out, out_stride, q rows, table width, cache blocks */
+DP_PY(decode_attn, "iiiiiiiiiiiiiifiiiii", {
+    if (dp_check_heads(&st, a[9], a[10], a[11]) ||
+        dp_check_decode(&st, P(3), a[8], a[17], P(5), a[6], a[18], P(7), a[12], a[19], a[13]))
+        break;
+    DP_ALLOCATING(decode_attn, P(1), a[2], P(3), P(4), P(5), a[6], P(7), a[8], a[9], a[10],
+                  a[11], a[12], a[13], (float)f[14], P(15), a[16])
+})
+/* dtype, q, q_stride, q_len, q_pos0, cache, slots, ctx, H, KVH, D, window, scale, out,
+ * out_stride, cache slots */
+DP_PY(prefill_attn, "iiiiiiiiiiiifiii", {
+    if (dp_check_heads(&st, a[8], a[9], a[10]) ||
+        dp_check_prefill(&st, 0, a[3], a[4], a[7], P(6), a[3], a[15]))
+        break;
+    DP_ALLOCATING(prefill_attn, P(1), a[2], a[3], a[4], P(5), P(6), a[7], a[8], a[9], a[10],
+                  a[11], (float)f[12], P(13), a[14])
+})
 
 /* A whole layer's attention: the rotary embedding and KV write of all T tokens, then every
  * prefill slice (meta: [q_start, q_len, pos0, ctx, slot_ids pointer] each) and the decode
- * rows. Arguments: dtype, qkv, qkv_stride, T, H, KVH, D, cos, sin, cache, slots, bs, window,
+ * rows; every index is checked first, so a bad one raises before anything is written.
+ * Arguments: dtype, qkv, qkv_stride, T, H, KVH, D, cos, sin, cache, slots, bs, window,
  * scale, out, out_stride, n_prefill, meta, n_decode, rows, block_table, table_stride,
- * ctx_lens. */
-DP_PY(attend, "iiiiiiiiiiiiifiiiiiiiii", {
-    int64_t D = a[6], qs = a[2], os = a[15];
+ * ctx_lens, table width, cache blocks. */
+DP_PY(attend, "iiiiiiiiiiiiifiiiiiiiiiii", {
+    int64_t D = a[6], qs = a[2], os = a[15], T = a[3], num_slots = a[11] * a[24];
+    size_t elem = a[0] ? sizeof(bf16) : sizeof(float);
     const int64_t *meta = P(17);
-    if (a[0]) {
-        dp_rope_kv_bf16(P(1), qs, a[3], a[4], a[5], D, P(7), P(8), P(9), P(10));
-        for (int64_t i = 0; i < a[16]; i++) {
-            const int64_t *m = meta + 5 * i;
-            dp_prefill_attn_bf16((bf16 *)P(1) + m[0] * qs, qs, m[1], m[2], P(9), (const int64_t *)(intptr_t)m[4], m[3], a[4], a[5], D, a[12], (float)f[13], (bf16 *)P(14) + m[0] * os, os);
-        }
-        if (a[18]) dp_decode_attn_bf16(P(1), qs, P(19), P(9), P(20), a[21], P(22), a[18], a[4], a[5], D, a[11], a[12], (float)f[13], P(14), os);
-    } else {
-        dp_rope_kv_f32(P(1), qs, a[3], a[4], a[5], D, P(7), P(8), P(9), P(10));
-        for (int64_t i = 0; i < a[16]; i++) {
-            const int64_t *m = meta + 5 * i;
-            dp_prefill_attn_f32((float *)P(1) + m[0] * qs, qs, m[1], m[2], P(9), (const int64_t *)(intptr_t)m[4], m[3], a[4], a[5], D, a[12], (float)f[13], (float *)P(14) + m[0] * os, os);
-        }
-        if (a[18]) dp_decode_attn_f32(P(1), qs, P(19), P(9), P(20), a[21], P(22), a[18], a[4], a[5], D, a[11], a[12], (float)f[13], P(14), os);
+    if (dp_check_heads(&st, a[4], a[5], D) || dp_check_slots(&st, P(10), T, num_slots, "token"))
+        break;
+    for (int64_t i = 0; i < a[16]; i++) {
+        const int64_t *m = meta + 5 * i;
+        if (dp_check_prefill(&st, m[0], m[1], m[2], m[3], (const int64_t *)(intptr_t)m[4], T, num_slots))
+            break;
+    }
+    if (st.code || (a[18] && dp_check_decode(&st, P(19), a[18], T, P(20), a[21], a[23], P(22),
+                                             a[11], a[24], a[12])))
+        break;
+    DP_BY_DTYPE(rope_kv, P(1), qs, T, a[4], a[5], D, P(7), P(8), P(9), P(10))
+    for (int64_t i = 0; i < a[16] && !st.code; i++) {
+        const int64_t *m = meta + 5 * i;
+        void *q = (char *)P(1) + (size_t)(m[0] * qs) * elem;
+        void *o = (char *)P(14) + (size_t)(m[0] * os) * elem;
+        DP_ALLOCATING(prefill_attn, q, qs, m[1], m[2], P(9), (const int64_t *)(intptr_t)m[4],
+                      m[3], a[4], a[5], D, a[12], (float)f[13], o, os)
+    }
+    if (a[18] && !st.code) {
+        DP_ALLOCATING(decode_attn, P(1), qs, P(19), P(9), P(20), a[21], P(22), a[18], a[4],
+                      a[5], D, a[11], a[12], (float)f[13], P(14), os)
     }
 })
+
+/* The tied head. pack_head: dtype, w, w_stride, V, K, P. embed_rows: dtype, P, V, K, ids, n,
+ * out, out_stride. head_logits: dtype, x, x_stride, rows, P, V, K, out, out_stride. */
+DP_PY(pack_head, "iiiiii", DP_BY_DTYPE(pack_head, P(1), a[2], a[3], a[4], P(5)))
+DP_PY(embed_rows, "iiiiiiii", {
+    const int64_t *ids = P(4);
+    for (int64_t i = 0; i < a[5] && !st.code; i++)
+        if (ids[i] < 0 || ids[i] >= a[2])
+            dp_fail(&st, DP_INDEX, "token id %lld (input %lld) is outside the vocabulary of %lld",
+                    (long long)ids[i], (long long)i, (long long)a[2]);
+    if (st.code) break;
+    DP_BY_DTYPE(embed_rows, P(1), a[3], ids, a[5], P(6), a[7])
+})
+DP_PY(head_logits, "iiiiiiiii",
+      DP_ALLOCATING(head_logits, P(1), a[2], a[3], P(4), a[5], a[6], P(7), a[8]))
 #undef P
 #endif /* DP_AVX512 */
 
@@ -231,6 +398,7 @@ static PyMethodDef dp_methods[] = {
 #if DP_AVX512
     DP_FAST(rms_norm), DP_FAST(add_rms_norm), DP_FAST(silu_mul), DP_FAST(argmax_rows),
     DP_FAST(rope_kv), DP_FAST(decode_attn), DP_FAST(prefill_attn), DP_FAST(attend),
+    DP_FAST(pack_head), DP_FAST(embed_rows), DP_FAST(head_logits),
 #endif
     {NULL, NULL, 0, NULL}};
 
@@ -332,25 +500,25 @@ void NAME(silu_mul)(const T *gu, int64_t gu_stride, T *out, int64_t out_stride, 
 /* One sequence's decode attention, block by block with an online softmax: each block's rows
  * (every head's k, then every head's v) are first copied whole into `scratch` (a copy streams
  * from memory at several times the rate of the computation's own loads of paged rows), then
- * scored, folded into the running max and sum, and their v weighted into acc. */
+ * scored, folded into the running max and sum, and their v weighted into acc. Every per-head
+ * buffer (the queries qw, the running max m and sum l, acc) is the caller's, sized by H. */
 static inline __attribute__((always_inline)) void NAME(decode_seq_impl)(
     const T *qb, const T *cache, const int32_t *table, int64_t bs, int64_t lo, int64_t ctx,
     int64_t H, int64_t KVH, float scale, T *ob, T *scratch, float *s, __m512 *acc,
-    const int64_t DV) {
+    void *qw, float *m, float *l, const int64_t DV) {
     const int64_t D = DV * 16, G = H / KVH, row = 2 * KVH * D;
 #if defined(DP_BF16_PASS) && DP_HAVE_BF16_DOT
     const int64_t NC = (DV + 1) / 2; /* chunks of 32 bf16; an odd DV ends on a half chunk */
     const __mmask32 last = DV % 2 ? (__mmask32)0xffff : (__mmask32)0xffffffff;
-    __m512bh qv[128]; /* H * NC <= 128 */
+    __m512bh *qv = qw; /* H * NC */
     for (int64_t h = 0; h < H; h++)
         for (int64_t c = 0; c < NC; c++)
             qv[h * NC + c] = (__m512bh)_mm512_maskz_loadu_epi16(c == NC - 1 ? last : (__mmask32)0xffffffff, qb + h * D + c * 32);
 #else
-    __m512 qv[256]; /* H * DV <= 256 */
+    __m512 *qv = qw; /* H * DV */
     for (int64_t h = 0; h < H; h++)
         for (int64_t v = 0; v < DV; v++) qv[h * DV + v] = LD(qb + h * D + v * 16);
 #endif
-    float m[256], l[256]; /* H <= 256 */
     for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
     for (int64_t i = 0; i < H * DV; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = lo / bs; blk * bs < ctx; blk++) {
@@ -427,8 +595,9 @@ static inline __attribute__((always_inline)) void NAME(decode_seq_impl)(
     static void NAME(decode_seq_##N)(const T *qb, const T *cache, const int32_t *table, \
                                      int64_t bs, int64_t lo, int64_t ctx, int64_t H, \
                                      int64_t KVH, float scale, T *ob, T *scratch, float *s, \
-                                     __m512 *acc) { \
-        NAME(decode_seq_impl)(qb, cache, table, bs, lo, ctx, H, KVH, scale, ob, scratch, s, acc, N); \
+                                     __m512 *acc, void *qw, float *m, float *l) { \
+        NAME(decode_seq_impl)(qb, cache, table, bs, lo, ctx, H, KVH, scale, ob, scratch, s, acc, \
+                              qw, m, l, N); \
     }
 DP_DECODE(1)
 DP_DECODE(2)
@@ -443,28 +612,36 @@ DP_DECODE(8)
 /* One query per sequence b, in row rows[b] of q ([H][D] per row, row stride q_stride), over
  * its context of ctx_lens[b] tokens in paged blocks (block_table[b][i], bs tokens each, cache
  * rows [2][KVH][D]); only keys at positions >= ctx - window when window > 0. The result goes
- * to row rows[b] of out (row stride out_stride). D % 16 == 0, D <= 128, H <= 256. */
-void NAME(decode_attn)(const T *q, int64_t q_stride, const int64_t *rows, const T *cache,
-                       const int32_t *block_table, int64_t table_stride, const int32_t *ctx_lens,
-                       int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
-                       float scale, T *out, int64_t out_stride) {
+ * to row rows[b] of out (row stride out_stride). Shapes and indices as dp_check_heads and
+ * dp_check_decode pass them; -1 when the scratch cannot be allocated (nothing written). */
+int NAME(decode_attn)(const T *q, int64_t q_stride, const int64_t *rows, const T *cache,
+                      const int32_t *block_table, int64_t table_stride, const int32_t *ctx_lens,
+                      int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
+                      float scale, T *out, int64_t out_stride) {
     typedef void (*seq_fn)(const T *, const T *, const int32_t *, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, float, T *, T *, float *, __m512 *);
+                           int64_t, int64_t, float, T *, T *, float *, __m512 *, void *, float *,
+                           float *);
     static const seq_fn seqs[MAX_DV + 1] = {
         0, NAME(decode_seq_1), NAME(decode_seq_2), NAME(decode_seq_3), NAME(decode_seq_4),
         NAME(decode_seq_5), NAME(decode_seq_6), NAME(decode_seq_7), NAME(decode_seq_8)};
-    size_t scratch_bytes = (sizeof(T) * (size_t)(bs * 2 * KVH * D) + 63) / 64 * 64;
-    T *scratch = aligned_alloc(64, scratch_bytes);
-    float *s = aligned_alloc(64, (sizeof(float) * (size_t)(H * bs) + 63) / 64 * 64);
-    __m512 *acc = aligned_alloc(64, sizeof(__m512) * (size_t)(H * (D / 16)));
-    for (int64_t b = 0; b < B; b++) {
+    size_t head_vectors = sizeof(__m512) * (size_t)(H * (D / 16));
+    T *scratch = dp_alloc(sizeof(T) * (size_t)(bs * 2 * KVH * D));
+    float *s = dp_alloc(sizeof(float) * (size_t)(H * bs));
+    __m512 *acc = dp_alloc(head_vectors);
+    void *qw = dp_alloc(head_vectors);
+    float *ml = dp_alloc(sizeof(float) * (size_t)(2 * H));
+    int ok = scratch && s && acc && qw && ml;
+    for (int64_t b = 0; ok && b < B; b++) {
         int64_t ctx = ctx_lens[b], lo = window > 0 && ctx > window ? ctx - window : 0;
         seqs[D / 16](q + rows[b] * q_stride, cache, block_table + b * table_stride, bs, lo, ctx,
-                     H, KVH, scale, out + rows[b] * out_stride, scratch, s, acc);
+                     H, KVH, scale, out + rows[b] * out_stride, scratch, s, acc, qw, ml, ml + H);
     }
     free(scratch);
     free(s);
     free(acc);
+    free(qw);
+    free(ml);
+    return ok ? 0 : -1;
 }
 
 /* out[r] = index of the largest value in row r of x [rows, n] (row stride x_stride): the first
@@ -497,6 +674,156 @@ void NAME(argmax_rows)(const T *x, int64_t x_stride, int64_t rows, int64_t n, in
         out[r] = _mm512_mask_reduce_min_epi32(top, at);
     }
 }
+
+/* ---- the tied output head: W [V, K] kept once, in panels of 16 vocabulary rows ------------
+ * P[v / 16][k / HP][v % 16][k % HP] over K rounded up to HP: fp32 HP = 1, each k a vector of
+ * 16 rows; bf16 HP = 2, pairs of k side by side as vdpbf16ps multiplies them. Rows past V and
+ * the padding k are zeros. The GEMM streams whole panels; a row is read back in K loads. */
+#ifdef DP_BF16_PASS
+#define HP 2
+#else
+#define HP 1
+#endif
+
+static inline int64_t NAME(head_at)(int64_t v, int64_t k, int64_t Kp) {
+    return ((v / 16 * (Kp / HP) + k / HP) * 16 + v % 16) * HP + k % HP;
+}
+
+/* P (ceil(V / 16) * 16 * Kp values, Kp = K rounded up to HP) = W packed (rows of K values,
+ * row stride w_stride). */
+void NAME(pack_head)(const T *w, int64_t w_stride, int64_t V, int64_t K, T *P) {
+    const int64_t Kp = (K + HP - 1) / HP * HP, np = (V + 15) / 16;
+    memset(P, 0, sizeof(T) * (size_t)(np * 16 * Kp));
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t v = p * 16; v < p * 16 + 16 && v < V; v++)
+                P[NAME(head_at)(v, k, Kp)] = w[v * w_stride + k];
+}
+
+/* out[i] = row ids[i] of W, read from P (the binding checks ids against V). */
+void NAME(embed_rows)(const T *P, int64_t K, const int64_t *ids, int64_t n, T *out,
+                      int64_t out_stride) {
+    const int64_t Kp = (K + HP - 1) / HP * HP;
+    for (int64_t i = 0; i < n; i++) {
+        T *o = out + i * out_stride;
+        for (int64_t k = 0; k < K; k++) o[k] = P[NAME(head_at)(ids[i], k, Kp)];
+    }
+}
+
+/* The hidden rows as the tile reads them: fp32 rows in place; bf16 rows copied with K padded
+ * to even, as pairs of bf16 (vdpbf16ps) or as floats. */
+#if defined(DP_BF16_PASS) && DP_HAVE_BF16_DOT
+typedef uint32_t NAME(hx);
+#else
+typedef float NAME(hx);
+#endif
+
+/* out[r][v] = RND(x[r] . W[v]) for R hidden rows (row stride xs) and the NV panels from p0,
+ * whose R x NV accumulators stay in registers (R and NV are constants where it is inlined). */
+static inline __attribute__((always_inline)) void NAME(head_tile)(
+    const NAME(hx) *x, int64_t xs, const T *P, int64_t p0, int64_t Kp, T *out, int64_t os,
+    int64_t V, const int R, const int NV) {
+    const int64_t panel = 16 * Kp;
+    const T *w0 = P + p0 * panel;
+    __m512 acc[HEAD_ROWS][HEAD_PANELS];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_ps();
+#if defined(DP_BF16_PASS) && DP_HAVE_BF16_DOT
+    for (int64_t kp = 0; kp < Kp / 2; kp++) {
+        __m512bh w[HEAD_PANELS];
+        for (int j = 0; j < NV; j++) w[j] = (__m512bh)_mm512_loadu_si512((const void *)(w0 + j * panel + kp * 32));
+        for (int r = 0; r < R; r++) {
+            __m512bh b = (__m512bh)_mm512_set1_epi32((int)x[r * xs + kp]);
+            for (int j = 0; j < NV; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, w[j]);
+        }
+    }
+#elif defined(DP_BF16_PASS)
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t kp = 0; kp < Kp / 2; kp++) {
+        __m512 even[HEAD_PANELS], odd[HEAD_PANELS];
+        for (int j = 0; j < NV; j++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(w0 + j * panel + kp * 32));
+            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(wv, high));
+        }
+        for (int r = 0; r < R; r++) {
+            __m512 b0 = _mm512_set1_ps(x[r * xs + 2 * kp]), b1 = _mm512_set1_ps(x[r * xs + 2 * kp + 1]);
+            for (int j = 0; j < NV; j++)
+                acc[r][j] = _mm512_fmadd_ps(b1, odd[j], _mm512_fmadd_ps(b0, even[j], acc[r][j]));
+        }
+    }
+#else
+    for (int64_t k = 0; k < Kp; k++) {
+        __m512 w[HEAD_PANELS];
+        for (int j = 0; j < NV; j++) w[j] = _mm512_loadu_ps(w0 + j * panel + k * 16);
+        for (int r = 0; r < R; r++) {
+            __m512 b = _mm512_set1_ps(x[r * xs + k]);
+            for (int j = 0; j < NV; j++) acc[r][j] = _mm512_fmadd_ps(b, w[j], acc[r][j]);
+        }
+    }
+#endif
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++) {
+            int64_t v0 = (p0 + j) * 16;
+            STM(out + r * os + v0, dp_tail(V - v0), acc[r][j]);
+        }
+}
+
+#define DP_TILE(R, NV) \
+    case (R) * 4 + (NV): NAME(head_tile)(x, xs, P, p0, Kp, out, os, V, R, NV); break;
+#define DP_TILES(R) DP_TILE(R, 1) DP_TILE(R, 2) DP_TILE(R, 3)
+static void NAME(head_tiles)(const NAME(hx) *x, int64_t xs, const T *P, int64_t p0, int64_t Kp,
+                             T *out, int64_t os, int64_t V, int R, int nv) {
+    switch (R * 4 + nv) {
+        DP_TILES(1) DP_TILES(2) DP_TILES(3) DP_TILES(4) DP_TILES(5) DP_TILES(6) DP_TILES(7)
+        DP_TILES(8)
+    }
+}
+#undef DP_TILES
+#undef DP_TILE
+
+/* out [rows, V] (row stride out_stride) = x [rows, K] (row stride x_stride) @ W.T, W packed
+ * in P; fp32 sums, rounded once to T as torch's linear does. -1 when the staging of bf16 rows
+ * cannot be allocated (nothing written). Panels outer, rows inner: a tile's panels (3 x 16
+ * rows of W) stay in cache while every row chunk passes over them. */
+int NAME(head_logits)(const T *x, int64_t x_stride, int64_t rows, const T *P, int64_t V,
+                      int64_t K, T *out, int64_t out_stride) {
+    const int64_t Kp = (K + HP - 1) / HP * HP, np = (V + 15) / 16;
+#if defined(DP_BF16_PASS) && DP_HAVE_BF16_DOT
+    uint16_t *staged = dp_alloc(sizeof(uint16_t) * (size_t)(rows * Kp));
+    if (!staged) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(staged + r * Kp, x + r * x_stride, sizeof(uint16_t) * (size_t)K);
+        if (Kp > K) staged[r * Kp + K] = 0;
+    }
+    const NAME(hx) *xv = (const uint32_t *)staged;
+    const int64_t xs = Kp / 2;
+#elif defined(DP_BF16_PASS)
+    float *staged = dp_alloc(sizeof(float) * (size_t)(rows * Kp));
+    if (!staged) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t k = 0; k < K; k += 16)
+            _mm512_mask_storeu_ps(staged + r * Kp + k, dp_tail(K - k), LDM(x + r * x_stride + k, dp_tail(K - k)));
+        if (Kp > K) staged[r * Kp + K] = 0.0f;
+    }
+    const NAME(hx) *xv = staged;
+    const int64_t xs = Kp;
+#else
+    void *staged = NULL;
+    const NAME(hx) *xv = x;
+    const int64_t xs = x_stride;
+#endif
+    for (int64_t p = 0; p < np; p += HEAD_PANELS) {
+        int nv = np - p < HEAD_PANELS ? (int)(np - p) : HEAD_PANELS;
+        for (int64_t r0 = 0; r0 < rows; r0 += HEAD_ROWS) {
+            int R = rows - r0 < HEAD_ROWS ? (int)(rows - r0) : HEAD_ROWS;
+            NAME(head_tiles)(xv + r0 * xs, xs, P, p, Kp, out + r0 * out_stride, out_stride, V, R, nv);
+        }
+    }
+    free(staged);
+    return 0;
+}
+#undef HP
 
 /* ---- prefill: blocks of QB queries; their scores over the visible keys, softmax, p.v ------ */
 
@@ -715,11 +1042,12 @@ DP_HEAD(8)
 
 /* One sequence: q_len queries (q rows [H][D], row stride q_stride) at positions q_pos0.. over
  * the ctx tokens of its context, whose cache rows are slots[0..ctx); causal, and windowed when
- * window > 0. out rows [H][D] (row stride out_stride). D % 16 == 0, D <= 128. */
-void NAME(prefill_attn)(const T *q, int64_t q_stride, int64_t q_len, int64_t q_pos0,
-                        const T *cache, const int64_t *slots, int64_t ctx, int64_t H,
-                        int64_t KVH, int64_t D, int64_t window, float scale, T *out,
-                        int64_t out_stride) {
+ * window > 0. out rows [H][D] (row stride out_stride). Shapes and indices as dp_check_heads
+ * and dp_check_prefill pass them; -1 when the scratch cannot be allocated (nothing written). */
+int NAME(prefill_attn)(const T *q, int64_t q_stride, int64_t q_len, int64_t q_pos0,
+                       const T *cache, const int64_t *slots, int64_t ctx, int64_t H,
+                       int64_t KVH, int64_t D, int64_t window, float scale, T *out,
+                       int64_t out_stride) {
     typedef void (*head_fn)(const T *, int64_t, int64_t, int64_t, const PK *, const PK *,
                             int64_t, int64_t, float, T *, int64_t, float *, uint16_t *);
     static const head_fn heads[MAX_DV + 1] = {
@@ -727,11 +1055,12 @@ void NAME(prefill_attn)(const T *q, int64_t q_stride, int64_t q_len, int64_t q_p
         NAME(prefill_head_4), NAME(prefill_head_5), NAME(prefill_head_6),
         NAME(prefill_head_7), NAME(prefill_head_8)};
     int64_t G = H / KVH, ntiles = (ctx + KB - 1) / KB, width = ntiles * KB + KB;
-    size_t kv_bytes = (sizeof(PK) * (size_t)(ntiles * KB * D) + 63) / 64 * 64;
-    PK *kp = aligned_alloc(64, kv_bytes), *vp = aligned_alloc(64, kv_bytes);
-    float *s = aligned_alloc(64, sizeof(float) * (size_t)(QB * width));
-    uint16_t *pb = aligned_alloc(64, (sizeof(uint16_t) * (size_t)(QB * width) + 63) / 64 * 64);
-    for (int64_t kh = 0; kh < KVH; kh++) {
+    size_t kv_bytes = sizeof(PK) * (size_t)(ntiles * KB * D);
+    PK *kp = dp_alloc(kv_bytes), *vp = dp_alloc(kv_bytes);
+    float *s = dp_alloc(sizeof(float) * (size_t)(QB * width));
+    uint16_t *pb = dp_alloc(sizeof(uint16_t) * (size_t)(QB * width));
+    int ok = kp && vp && s && pb;
+    for (int64_t kh = 0; ok && kh < KVH; kh++) {
         NAME(pack_kv)(cache, slots, ctx, KVH, kh, D, kp, vp);
         for (int64_t g = 0; g < G; g++) {
             int64_t h = kh * G + g;
@@ -743,6 +1072,7 @@ void NAME(prefill_attn)(const T *q, int64_t q_stride, int64_t q_len, int64_t q_p
     free(vp);
     free(s);
     free(pb);
+    return ok ? 0 : -1;
 }
 #undef PK
 #undef LD

@@ -28,7 +28,7 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 
 def projection(linear: Linear) -> Projection:
     """``linear`` as a plain function: oneDNN on its packed weight, else ``F.linear``."""
-    weight, bias, packed = linear.weight, linear.bias, linear._packed
+    weight, bias, packed = linear.weight, linear.bias, linear.packed
     if packed is None:
         return lambda x: nn.functional.linear(x, weight, bias)
     op = torch.ops.mkldnn._linear_pointwise

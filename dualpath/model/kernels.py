@@ -4,7 +4,9 @@ The forward's small ops cost more than their arithmetic on one core: RMSNorm is 
 ops, the rotary embedding ten, and attention over the paged cache gathers every sequence's
 context into a new tensor on every layer before two batched matmuls and their copies. The C
 kernels do each of these in one pass over the data, in place where the torch code makes a new
-tensor; attention reads the keys and values where they lie in the paged cache.
+tensor; attention reads the keys and values where they lie in the paged cache. An output head
+tied to the embedding table is kept once, packed for the kernels' head GEMM, and the embedding
+look-up reads its rows from there.
 
 Build: the first process that needs them compiles ``cpu_kernels.c`` with the system C
 compiler (``$CC``, else ``cc``/``gcc``; ``-O3 -march=native``, about two seconds) against this
@@ -12,9 +14,15 @@ Python's headers into ``$DUALPATH_CACHE_DIR/kernels/``, named by a hash of the s
 compiler, the flags, the Python and this CPU, and renamed into place, so concurrent engines
 never load half a file and another CPU model never loads this one's build. Calls go through
 the module's fast-call functions (about a microsecond; ctypes took several per call, dozens
-of calls a step). No compiler, no AVX-512F, a failed build, a dtype other than fp32 or bf16,
-or ``DUALPATH_CPU_KERNELS=0``: the model runs the plain torch ops (the reference the kernels
-are tested against) and says why once in the log.
+of calls a step). No compiler, no AVX-512F, a failed build, or ``DUALPATH_CPU_KERNELS=0``:
+the model runs the plain torch ops (the reference the kernels are tested against) and the log
+says why once (``kernel_status()`` gives the reason; ``make setup`` installs the compiler and
+the Python headers). A model the kernels do not cover (``CpuKernels.refusal``: dtype, heads,
+KV heads, head size, context length) runs the torch ops too, said once when it is loaded.
+
+Safety: the kernels are handed the cache's block and slot counts, the step's rows and each
+block table's width, and check every index against them before writing anything (IndexError,
+as the torch path's ``index_copy_`` raises); a scratch allocation that fails is MemoryError.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=gnu1
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MODULE_NAME = "dualpath_cpu_kernels"
 MAX_HEAD_DIM = 128  # the kernels keep a head in at most 8 vectors of 16 lanes
+MAX_HEADS = 1024  # cpu_kernels.c's DP_MAX_HEADS: every per-head buffer is sized from the shape
+MAX_CONTEXT = 1 << 24  # DP_MAX_CONTEXT: prefill's scratch grows with the context (1 KB a token)
 ENV_SWITCH = "DUALPATH_CPU_KERNELS"
 
 class KernelBuildError(RuntimeError):
@@ -52,10 +62,29 @@ class KernelBuildError(RuntimeError):
 
 
 def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    named = os.environ.get("CC")
+    if named:
+        cc = shutil.which(named)
+        if not cc:
+            raise KernelBuildError(f"no C compiler: $CC={named} is not an executable")
+        return cc
+    cc = shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        raise KernelBuildError("no C compiler (set $CC, or install gcc)")
+        raise KernelBuildError("no C compiler: neither cc nor gcc on $PATH (make setup installs "
+                               "gcc; or set $CC)")
     return cc
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
 
 
 def _cpu_id() -> str:
@@ -94,7 +123,10 @@ def _build(cc: str, folder: Path, path: Path) -> None:
         done = subprocess.run([cc, *CFLAGS, f"-I{include}", str(SOURCE.resolve()), "-o", tmp,
                                "-lm"], capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise KernelBuildError(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            hint = ("" if (Path(include) / "Python.h").is_file()
+                    else f" (no Python.h in {include}: make setup installs the Python headers)")
+            raise KernelBuildError(f"{cc} failed on {SOURCE.name}{hint}: "
+                                   f"{done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -111,6 +143,17 @@ def _load_module(path: Path) -> object:
     return module
 
 
+def _check_cache(qkv: torch.Tensor, kv_layer: torch.Tensor, kv_heads: int,
+                 head_dim: int) -> None:
+    """The layer's cache must be the ``[blocks, block_size, 2, kv_heads, head_dim]`` rows the
+    kernels index, in the compute dtype (they write keys and values of that size)."""
+    if (kv_layer.dtype != qkv.dtype or kv_layer.dim() != 5
+            or kv_layer.shape[2:] != (2, kv_heads, head_dim) or not kv_layer.is_contiguous()):
+        raise ValueError(f"the kernels take a contiguous {qkv.dtype} cache of rows "
+                         f"[2, {kv_heads}, {head_dim}], not {kv_layer.dtype} "
+                         f"{tuple(kv_layer.shape)}")
+
+
 class CpuKernels:
     """The loaded module: one method per kernel, on torch tensors (CPU, fp32 or bf16). Row
     strides are the tensors' own; rows must be contiguous."""
@@ -122,9 +165,27 @@ class CpuKernels:
             raise KernelBuildError("this CPU has no AVX-512F, which the kernels are written for")
         self.has_bf16_dot = bool(lib.has_bf16_dot())
 
-    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """True when a model of ``dtype`` with heads of ``head_dim`` can run on the kernels."""
-        return dtype in DTYPE_CODES and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+    def refusal(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                max_context: int) -> str | None:
+        """Why a model of this dtype and attention shape cannot run on the kernels, or None
+        when it can: every shape within these bounds is one the kernels size their buffers
+        for (``cpu_kernels.c``'s ``dp_check_heads``)."""
+        if dtype not in DTYPE_CODES:
+            return f"{dtype} (the kernels take float32 and bfloat16)"
+        if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+            return f"head_dim {head_dim} (the kernels take multiples of 16 up to {MAX_HEAD_DIM})"
+        if not 1 <= heads <= MAX_HEADS:
+            return f"heads {heads} (the kernels take 1 to {MAX_HEADS})"
+        if not 1 <= kv_heads <= heads or heads % kv_heads:
+            return f"kv_heads {kv_heads} do not group {heads} query heads"
+        if max_context > MAX_CONTEXT:
+            return f"context {max_context} tokens (the kernels take {MAX_CONTEXT})"
+        return None
+
+    def supports(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                 max_context: int) -> bool:
+        """True when a model of ``dtype`` and this attention shape can run on the kernels."""
+        return self.refusal(dtype, heads, kv_heads, head_dim, max_context) is None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of the rows of ``x [rows, n]``, as ``layers.RMSNorm``."""
@@ -146,10 +207,14 @@ class CpuKernels:
                 cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 slot_mapping: torch.Tensor) -> None:
         """Rotate the q part of ``qkv [T, (H + 2 KVH) D]`` in place; write the rotated k and
-        the v of token t into cache slot ``slot_mapping[t]`` of ``kv_layer``."""
+        the v of token t into cache slot ``slot_mapping[t]`` (int64) of ``kv_layer``
+        (IndexError, and nothing written, when a slot is outside it)."""
+        _check_cache(qkv, kv_layer, kv_heads, head_dim)
+        slots = _index_tensor(slot_mapping, torch.long, qkv.shape[0], "slot_mapping")
         self.lib.rope_kv(DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), qkv.shape[0],
                          heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-                         kv_layer.data_ptr(), slot_mapping.data_ptr())
+                         kv_layer.data_ptr(), slots.data_ptr(),
+                         kv_layer.shape[0] * kv_layer.shape[1])
 
     def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         """``silu(gate) * up`` of ``gate_up [rows, 2 * intermediate]``."""
@@ -164,36 +229,55 @@ class CpuKernels:
                     out: torch.Tensor) -> None:
         """Attention of the one query in row ``rows[b]`` of ``qkv`` over sequence b's paged
         context (``block_table [B, blocks]`` int32, ``ctx_lens [B]`` int32), into the same
-        row of ``out``."""
+        row of ``out`` (IndexError when a row, block or length is outside what it is given)."""
+        _check_cache(qkv, kv_layer, kv_heads, head_dim)
+        batch = rows.shape[0]
+        rows = _index_tensor(rows, torch.long, batch, "rows")
+        ctx_lens = _index_tensor(ctx_lens, torch.int32, batch, "ctx_lens")
+        if (block_table.dtype != torch.int32 or block_table.dim() != 2
+                or block_table.shape[0] != batch or block_table.stride(1) != 1):
+            raise ValueError("block_table must be int32 [B, blocks] with contiguous rows")
+        if out.shape[0] != qkv.shape[0]:
+            raise ValueError(f"out has {out.shape[0]} rows, qkv {qkv.shape[0]}")
         self.lib.decode_attn(DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0),
                              rows.data_ptr(), kv_layer.data_ptr(), block_table.data_ptr(),
-                             block_table.stride(0), ctx_lens.data_ptr(), rows.shape[0], heads,
+                             block_table.stride(0), ctx_lens.data_ptr(), batch, heads,
                              kv_heads, head_dim, kv_layer.shape[1], window, scale,
-                             out.data_ptr(), out.stride(0))
+                             out.data_ptr(), out.stride(0), qkv.shape[0], block_table.shape[1],
+                             kv_layer.shape[0])
 
     def prefill_attn(self, q_rows: torch.Tensor, q_pos0: int, kv_layer: torch.Tensor,
                      slot_ids: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                      window: int, scale: float, out_rows: torch.Tensor) -> None:
         """Causal (and windowed) attention of one sequence's queries ``q_rows`` (the first at
         position ``q_pos0``) over its context, whose cache slots are ``slot_ids`` (int64)."""
+        _check_cache(q_rows, kv_layer, kv_heads, head_dim)
+        slots = _index_tensor(slot_ids, torch.long, slot_ids.shape[0], "slot_ids")
+        if out_rows.shape[0] != q_rows.shape[0]:
+            raise ValueError(f"out_rows has {out_rows.shape[0]} rows, q_rows {q_rows.shape[0]}")
         self.lib.prefill_attn(DTYPE_CODES[q_rows.dtype], q_rows.data_ptr(), q_rows.stride(0),
-                              q_rows.shape[0], q_pos0, kv_layer.data_ptr(), slot_ids.data_ptr(),
-                              slot_ids.shape[0], heads, kv_heads, head_dim, window, scale,
-                              out_rows.data_ptr(), out_rows.stride(0))
+                              q_rows.shape[0], q_pos0, kv_layer.data_ptr(), slots.data_ptr(),
+                              slots.shape[0], heads, kv_heads, head_dim, window, scale,
+                              out_rows.data_ptr(), out_rows.stride(0),
+                              kv_layer.shape[0] * kv_layer.shape[1])
 
     def attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                meta: KernelMeta, window: int, scale: float) -> torch.Tensor:
         """A layer's attention in one call: ``rope_kv`` of every new token, then every prefill
         slice's ``prefill_attn`` and the decode rows' ``decode_attn``; the output rows
-        ``[T, heads * head_dim]``."""
+        ``[T, heads * head_dim]``. Every index of ``meta`` is checked against the step's rows
+        and the cache's blocks first: IndexError, and nothing written, when one is outside."""
+        _check_cache(qkv, kv_layer, kv_heads, head_dim)
+        if meta.num_tokens != qkv.shape[0]:
+            raise ValueError(f"the batch has {meta.num_tokens} slots for {qkv.shape[0]} rows")
         out = torch.empty(qkv.shape[0], heads * head_dim, dtype=qkv.dtype)
         self.lib.attend(DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), qkv.shape[0],
                         heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                         kv_layer.data_ptr(), meta.slot_ptr, kv_layer.shape[1], window, scale,
                         out.data_ptr(), out.stride(0), meta.num_prefills, meta.prefill_ptr,
                         meta.num_decodes, meta.rows_ptr, meta.table_ptr, meta.table_stride,
-                        meta.ctx_ptr)
+                        meta.ctx_ptr, meta.table_width, kv_layer.shape[0])
         return out
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,6 +286,52 @@ class CpuKernels:
         self.lib.argmax_rows(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0],
                              x.shape[1], out.data_ptr())
         return out
+
+    def pack_head(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [V, K]`` in the head's panel layout (``cpu_kernels.c``): what
+        ``head_logits`` multiplies by and ``embed_rows`` reads rows back from; 16-row panels,
+        K rounded up to even in bf16."""
+        if weight.dim() != 2 or weight.stride(1) != 1 or weight.dtype not in DTYPE_CODES:
+            raise ValueError("pack_head takes a float32 or bfloat16 [V, K] with contiguous rows")
+        vocab, k = weight.shape
+        packed = torch.empty(head_numel(vocab, k, weight.dtype), dtype=weight.dtype)
+        self.lib.pack_head(DTYPE_CODES[weight.dtype], weight.data_ptr(), weight.stride(0), vocab,
+                           k, packed.data_ptr())
+        return packed
+
+    def embed_rows(self, packed: torch.Tensor, vocab: int, k: int,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the packed ``[vocab, k]`` weight: ``[*ids.shape, k]``
+        (IndexError when an id is outside the vocabulary)."""
+        flat = ids.reshape(-1).to(torch.long).contiguous()
+        out = torch.empty(flat.shape[0], k, dtype=packed.dtype)
+        self.lib.embed_rows(DTYPE_CODES[packed.dtype], packed.data_ptr(), vocab, k,
+                            flat.data_ptr(), flat.shape[0], out.data_ptr(), out.stride(0))
+        return out.view(*ids.shape, k)
+
+    def head_logits(self, packed: torch.Tensor, vocab: int, x: torch.Tensor) -> torch.Tensor:
+        """``x [rows, k] @ W.T`` for the packed ``W [vocab, k]``: fp32 sums rounded once to the
+        dtype, as ``F.linear``."""
+        if x.dim() != 2 or x.stride(1) != 1 or x.dtype != packed.dtype:
+            x = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
+        out = torch.empty(x.shape[0], vocab, dtype=packed.dtype)
+        self.lib.head_logits(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0],
+                             packed.data_ptr(), vocab, x.shape[1], out.data_ptr(), out.stride(0))
+        return out
+
+
+def head_numel(vocab: int, k: int, dtype: torch.dtype) -> int:
+    """Values in ``pack_head``'s layout of a ``[vocab, k]`` weight."""
+    pair = 2 if dtype == torch.bfloat16 else 1
+    return -(-vocab // 16) * 16 * (-(-k // pair) * pair)
+
+
+def _index_tensor(t: torch.Tensor, dtype: torch.dtype, length: int, name: str) -> torch.Tensor:
+    """``t`` as a contiguous 1-D ``dtype`` tensor of at least ``length`` entries (what the C
+    side reads through its address)."""
+    if t.dim() != 1 or t.shape[0] < length:
+        raise ValueError(f"{name} must be 1-D with {length} entries, not {tuple(t.shape)}")
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
@@ -214,14 +344,30 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     return kernels.argmax_rows(x).tolist()
 
 
-@functools.cache
-def load_kernels() -> CpuKernels | None:
-    """This machine's kernels, built on first use; None (said once in the log) when they
-    cannot be had here or ``DUALPATH_CPU_KERNELS=0``."""
+def try_load_kernels() -> tuple[CpuKernels | None, str]:
+    """This machine's kernels (built now if need be) and ``""``, or None and why not: the
+    switch, no AVX-512F, no compiler, or the build's error text."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
+        return None, f"turned off by {ENV_SWITCH}=0"
+    flags = cpu_flags()
+    if flags and "avx512f" not in flags:
+        return None, "this CPU has no AVX-512F, which the kernels are written for"
     try:
-        return CpuKernels(library_path())
+        return CpuKernels(library_path()), ""
     except (KernelBuildError, OSError, ImportError) as exc:
-        log.warning("dualpath CPU kernels unavailable, running plain torch ops: %s", exc)
-        return None
+        return None, str(exc)
+
+
+@functools.cache
+def kernel_status() -> tuple[CpuKernels | None, str]:
+    """``try_load_kernels()`` once per process; the reason they are off is logged once."""
+    kernels, why = try_load_kernels()
+    if kernels is None:
+        log.warning("dualpath CPU kernels unavailable, running plain torch ops: %s", why)
+    return kernels, why
+
+
+def load_kernels() -> CpuKernels | None:
+    """This machine's kernels, built on first use; None (said once in the log, and in
+    ``kernel_status()``) when they cannot be had here or ``DUALPATH_CPU_KERNELS=0``."""
+    return kernel_status()[0]

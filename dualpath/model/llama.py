@@ -8,10 +8,16 @@ Two paths compute the same layers: plain torch ops (the reference), and, once
 each for RMSNorm with its residual add, the rotary embedding with the KV write, SiLU-and-mul
 and attention over the paged cache. Both call every ``DecoderLayer`` module, so module hooks
 see each layer compute either way.
+
+On the fast path each weight is held once, packed (``pack_weights``: oneDNN's layout for every
+linear, the dense matrices dropped; ``use_kernels``: an output head tied to the embeddings in
+the kernels' panel layout, which the embedding look-up reads too). A model the kernels do not
+cover runs the torch ops, said once in the log.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -22,8 +28,10 @@ from dualpath.model.fused import FusedLayer
 from dualpath.model.hooks import NO_HOOKS, LayerHooks
 from dualpath.model.kernels import CpuKernels
 from dualpath.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
-from dualpath.model.linear import Linear, can_pack, pack_weight, packed_linear
+from dualpath.model.linear import Linear
 from dualpath.model.spec import ModelSpec
+
+log = logging.getLogger("dualpath.kernels")
 
 
 class Attention(nn.Module):
@@ -78,6 +86,31 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class TiedHead(nn.Module):
+    """The embedding table of a model whose output head is tied to it, held once in the C
+    kernels' head layout (``CpuKernels.pack_head``): the head's GEMM streams it, and the
+    embedding look-up reads its rows from it. (oneDNN's packed layout cannot be read row by
+    row, so packing the head for oneDNN kept a second copy of the table: 113 MB for SmolLM2 in
+    fp32.)"""
+
+    def __init__(self, weight: torch.Tensor, kernels: CpuKernels) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.kernels = kernels
+        self.packed = kernels.pack_head(weight.detach().contiguous())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.embed_rows(self.packed, self.num_embeddings, self.embedding_dim, ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, dim] @ table.T`` in the table's dtype."""
+        return self.kernels.head_logits(self.packed, self.num_embeddings, hidden)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The table ``[vocab, dim]``, read back into a new dense tensor."""
+        return self.forward(torch.arange(self.num_embeddings))
+
+
 class DecoderBody(nn.Module):
     """Embeddings, the decoder layers and the final norm (HF's ``model.`` prefix)."""
 
@@ -105,12 +138,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self._packed_lm_head: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_layers: Sequence[torch.Tensor], hooks: LayerHooks = NO_HOOKS) -> torch.Tensor:
         """Run all layers on a flat token batch; hooks fire around every layer."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             hooks.before_layer(i)
@@ -122,38 +154,77 @@ class LlamaForCausalLM(nn.Module):
             return self.kernels.rms_norm(x, norm.weight, norm.eps)
         return norm(x)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the final norm's weight is never packed)."""
+        return self.model.norm.weight.dtype
+
+    @property
+    def is_packed(self) -> bool:
+        """True once any weight has been packed (the dense form is gone)."""
+        return isinstance(self.model.embed_tokens, TiedHead) or any(
+            m.packed is not None for m in self.modules() if isinstance(m, Linear))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of token ids ``[N]``: ``[N, hidden]``."""
+        return self.model.embed_tokens(ids)
+
     def use_kernels(self, kernels: CpuKernels | None) -> bool:
-        """Run the fused path on ``kernels`` (None: the torch ops); False, and the torch ops,
-        when they do not support this model's dtype and head size. Call after
-        ``pack_weights`` (the fused layers take the packed weights as they are then)."""
-        dtype = self.model.embed_tokens.weight.dtype
-        if kernels is not None and not kernels.supports(dtype, self.spec.head_dim):
-            kernels = None
+        """Run the fused path on ``kernels`` (None: the torch ops); False, the torch ops and
+        one log line saying why when they do not cover this model's dtype and attention shape.
+        Call after ``pack_weights`` (the fused layers take the packed weights as they are
+        then). With the kernels, a head tied to the embeddings is packed here, once."""
+        spec = self.spec
+        if kernels is not None:
+            why = kernels.refusal(self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                  spec.max_position)
+            if why is not None:
+                log.warning("dualpath CPU kernels do not cover this model (%s): running plain "
+                            "torch ops", why)
+                kernels = None
         self.kernels = kernels
-        window = self.spec.sliding_window or 0
+        window = spec.sliding_window or 0
         for layer in self.model.layers:
             layer.fused = None if kernels is None else FusedLayer(layer, kernels, window)
+        embed = self.model.embed_tokens
+        if kernels is not None and self.lm_head is None and isinstance(embed, nn.Embedding):
+            self.model.embed_tokens = TiedHead(embed.weight, kernels)  # the table goes
         return kernels is not None
 
     def pack_weights(self) -> int:
-        """Prepack every linear weight (and the tied output head) for oneDNN where this
+        """Prepack every linear weight for oneDNN in place of its dense form, where this
         device and dtype allow it (``model/linear.py``); how many were packed. Call once the
-        weights are final."""
-        packed = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
-        head = self._head_weight()
-        self._packed_lm_head = pack_weight(head) if can_pack(head) else None
-        return packed + (self._packed_lm_head is not None)
+        weights are final. (A head tied to the embeddings stays the table: ``use_kernels``
+        packs it for the kernels, once.)"""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
 
-    def _head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def dense_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight by its parameter name as loaded, dense (packed ones read back)."""
+        out = {name: p for name, p in self.named_parameters()}
+        for name, module in self.named_modules():
+            if isinstance(module, Linear | TiedHead) and getattr(module, "weight", None) is None:
+                out[f"{name}.weight"] = module.dense_weight()
+        return out
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held: the dense parameters and every packed form."""
+        total = sum(p.nbytes for p in self.parameters())
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is not None:
+                total += torch.ops.mkldnn._nbytes(module.packed)
+            elif isinstance(module, TiedHead):
+                total += module.packed.nbytes
+        return total
 
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Vocabulary logits for hidden states ``[N, hidden]``: fp32, or in the model's dtype
         when ``fp32`` is False (what greedy sampling needs: the conversion of 32 rows of a 49k
         vocabulary cost 1.2 ms a step in bf16)."""
-        head = self._packed_lm_head
-        if head is not None and hidden.dtype == self._head_weight().dtype:
-            out = packed_linear(hidden, head)
+        embed = self.model.embed_tokens
+        if self.lm_head is not None:
+            out = self.lm_head(hidden)
+        elif isinstance(embed, TiedHead):
+            out = embed.logits(hidden)
         else:
-            out = nn.functional.linear(hidden, self._head_weight())
+            out = nn.functional.linear(hidden, embed.weight)
         return out.float() if fp32 else out

@@ -1,7 +1,8 @@
 """Per-parameter weight loader for HF safetensors checkpoints.
 
 Each checkpoint tensor is mapped to one of our parameters by name; q/k/v and gate/up tensors
-land in their shard of the fused parameter. Every parameter must be filled exactly once.
+land in their shard of the fused parameter. Every parameter must be filled exactly once, before
+the CPU fast path packs the weights (packing replaces the dense parameters).
 """
 
 from __future__ import annotations
@@ -66,7 +67,11 @@ def _expected_keys(model: LlamaForCausalLM) -> set[str]:
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
-    """Fill every parameter of ``model`` from the ``*.safetensors`` files of ``model_dir``."""
+    """Fill every parameter of ``model`` from the ``*.safetensors`` files of ``model_dir``.
+    The model must not be packed yet (``pack_weights`` drops the dense weights it fills)."""
+    if model.is_packed:
+        raise ModelLoadError("the model's weights are packed for the CPU fast path; load "
+                             "weights into a model before pack_weights / use_kernels")
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors file in {model_dir}")
