@@ -94,3 +94,12 @@ def wait_for(condition: Callable[[], object], timeout_s: float = 30.0,
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def assert_store_verified(model_dir: Path, store_root: Path) -> None:
+    """``dualpath store verify`` over every stored block: each one's KV is its own chain's."""
+    from dualpath.storage.verify import verify_fs_root
+
+    report = verify_fs_root(store_root, model_dir, sample=None)
+    assert report.ok, report.to_dict()
+    assert report.num_checked > 0, report.to_dict()

@@ -16,7 +16,12 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from multiturn import make_conversations, reference_outputs, wait_for
+from multiturn import (
+    assert_store_verified,
+    make_conversations,
+    reference_outputs,
+    wait_for,
+)
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.engine.llm_engine import LLMEngine
@@ -99,7 +104,8 @@ def in_phase(cluster: LocalCluster, req_id: int, phase: str) -> tuple[str, str, 
 
 
 def assert_idle(cluster: LocalCluster, host_pool_blocks: int = 64) -> None:
-    """Router counters at zero; each engine's own report shows its host pool free."""
+    """Router counters at zero; each engine's own report shows its host pool free; every
+    block in the store holds its own chain's KV (``dualpath store verify``)."""
     def idle():
         counters = cluster.router.counters()
         busy = {k: v for k, v in counters.items()
@@ -115,6 +121,7 @@ def assert_idle(cluster: LocalCluster, host_pool_blocks: int = 64) -> None:
         state = idle()
     assert state == "idle", f"not idle: {state}"
     assert cluster.router.counters()["bad_messages"] == 0
+    assert_store_verified(cluster.model_dir, Path(cluster.config.storage.root))
 
 
 # -- engines dying --------------------------------------------------------------------------------

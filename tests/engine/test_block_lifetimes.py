@@ -18,6 +18,7 @@ from dualpath.protocol import AllocBuffer, BufferReady, Decode, Finished
 from dualpath.request import SamplingParams
 from dualpath.storage.client import StorageClient
 from dualpath.storage.memory import MemoryStore
+from dualpath.storage.verify import verify_store
 
 BLOCK = 16
 PROMPTS = ([5 + (i * 7) % 250 for i in range(40)], [9 + (i * 13) % 280 for i in range(36)])
@@ -30,7 +31,8 @@ def _engine(model_dir, num_blocks: int = 8) -> LLMEngine:
 
 def _reference(model_dir, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Greedy output of ``prompt`` and the KV of every block of prompt + output (the last one
-    partly), as stored blocks ``[blocks, layers, tokens, 2, kv_heads, head_dim]`` (one plain prefill)."""
+    partly) from one plain prefill, as stored blocks ``[blocks, layers, tokens, 2, kv_heads,
+    head_dim]``."""
     ref = _engine(model_dir)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     out = ref.generate([prompt], params)[0].output_ids
@@ -131,5 +133,7 @@ def test_saved_blocks_are_the_requests_own_after_its_blocks_are_reused(tiny_chao
                 f"stored block {b} of request 1 is not request 1's KV: max error "
                 f"{(stored[b] - kv1[b]).abs().max():.3g}")
         assert cluster.engine.pool.num_free_blocks == 5  # every hold was let go
+        report = verify_store(cluster.store, tiny_chaotic_dir, sample=None)  # the audit agrees
+        assert report.ok and report.num_checked >= num_full + 1, report.to_dict()
     finally:
         cluster.traffic.close()

@@ -5,7 +5,8 @@ store) behind ``dualpath serve``'s app (``build_app``, uvicorn on loopback). A s
 ``/v1/completions`` request with ``return_token_ids`` is cut a hundred tokens in by SIGKILL or
 SIGSTOP of the decode engine serving it. The client's stream ends without an error chunk, its
 ids joined equal the single-process engine's for the same prompt — greedy, and sampled with a
-seed — with no token repeated or missing.
+seed — with no token repeated or missing; and every block the store then holds is its own
+chain's KV (``dualpath store verify``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dualpath.request import SamplingParams
 from dualpath.server.api import build_app
 from dualpath.server.launch import LocalCluster, engine_roles
 from dualpath.server.metrics import ServeMetrics
+from dualpath.storage.verify import verify_fs_root
 
 from .test_api_errors import MODEL, byte_model, serving
 
@@ -105,3 +107,6 @@ def test_a_stream_survives_its_decode_engine(cluster, tiny_long_dir, tmp_path, w
     assert ids == wanted[sampling]  # no repeated, missing or different token
     assert len(cluster.router.decisions) == 2  # placed, then moved once
     assert victim not in cluster.router.engines or fault == signal.SIGSTOP
+    report = verify_fs_root(tmp_path / "kv", tiny_long_dir, sample=None)
+    assert report.ok and report.num_checked >= (len(PROMPT) + MAX_TOKENS) // 16 - 1, (
+        report.to_dict())

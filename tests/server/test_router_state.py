@@ -319,7 +319,8 @@ def test_heartbeats_correct_a_lost_message():
         apply(state.on_message(engine, busy, 0.1 * beat), done, sends, state)
     assert state.requests[1].wire_id == lost.req_id and state.drift[engine] == 1
     for beat in range(3):
-        apply(state.on_message(engine, Heartbeat(engine, 1, 1, 0, ()), 1 + beat), done, sends, state)
+        apply(state.on_message(engine, Heartbeat(engine, 1, 1, 0, ()), 1 + beat), done, sends,
+              state)
     assert state.corrected == 1 and state.requests[1].wire_id != lost.req_id
     sends[:] = [(e, m) for e, m in sends if not isinstance(m, HeartbeatAck)]
     run_to_quiet(state, model, done, sends, 4.0)
@@ -484,7 +485,8 @@ def test_the_output_says_where_the_time_to_first_token_went():
     prefilled = Prefilled(alloc.req_id, 7, 2, 8, wait_s=0.5, read_s=0.0, forward_s=2.0)
     apply(state.on_message(pe, prefilled, 7.0), done, sends, state)
     apply(state.on_message(de, Tokens(((alloc.req_id, 1, (8,)),)), 7.5), done, sends, state)
-    apply(state.on_message(de, Finished(alloc.req_id, (7, 8, 9), "length"), 8.0), done, sends, state)
+    apply(state.on_message(de, Finished(alloc.req_id, (7, 8, 9), "length"), 8.0), done, sends,
+          state)
     t = done[1].timings
     assert t["ttft_s"] == 6.0 and t["queue_s"] == 0.5 and t["read_s"] == 2.0
     assert t["prefill_s"] == 2.0 and t["other_s"] == 1.5 and t["transfer_s"] == 0.5
