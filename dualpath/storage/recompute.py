@@ -80,11 +80,17 @@ def load_for_audit(model_dir: str | Path, spec: ModelSpec, dtype: str, kv_dtype:
     return model
 
 
-def relative_error(stored: torch.Tensor, recomputed: torch.Tensor) -> tuple[float, int, int]:
-    """The largest ``||stored - recomputed|| / ||recomputed||`` over the block's (layer, token)
-    rows (each row one token's K and V of one layer), with its layer and token."""
-    a, b = stored.float(), recomputed.float()
-    err = torch.nan_to_num((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12),
+def relative_error(stored: torch.Tensor, recomputed: torch.Tensor) -> tuple[float, int]:
+    """The largest ``||stored - recomputed|| / ||recomputed||`` over the block's layers (each
+    norm over one layer's K and V of every token of the block), with its layer.
+
+    Per layer rather than per token: in bfloat16 a few single rows differ by up to 0.27 from
+    the float32 KV (and by up to 0.57 between the C kernels and the torch ops) at contexts of
+    2-2.5K tokens on SmolLM2, while every layer stays within 0.045 of it; another block's KV
+    differs by 1.07 or more per layer (``verify.py``'s measurements).
+    """
+    a, b = stored.float().flatten(1), recomputed.float().flatten(1)
+    err = torch.nan_to_num((a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-12),
                            nan=float("inf"))
-    flat = int(err.argmax())
-    return float(err.flatten()[flat]), flat // err.shape[1], flat % err.shape[1]
+    layer = int(err.argmax())
+    return float(err[layer]), layer

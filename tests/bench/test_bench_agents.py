@@ -19,10 +19,11 @@ TINY = ["--workload", "32k", "--scale", "64", "--agents", "2", "--turns", "3",
 
 
 def test_every_mode_offline_and_an_online_search(tiny_llama_dir, tmp_path):
-    out = tmp_path / "agents.json"
+    out, work = tmp_path / "agents.json", tmp_path / "work"
     assert main(["bench", "agents", *TINY, "--model", str(tiny_llama_dir),
                  "--modes", "basic,round_robin,dualpath,oracle", "--online-modes", "dualpath",
-                 "--online-trials", "2", "--json", str(out)]) == 0
+                 "--online-trials", "2", "--json", str(out), "--dir", str(work)]) == 0
+    _every_stored_block_is_its_tokens_kv(work, tiny_llama_dir)
     data = json.loads(out.read_text())
     s = data["summary"]
     assert set(s["jct_s"]) == {"basic", "round_robin", "dualpath", "oracle"}
@@ -55,6 +56,21 @@ def test_every_mode_offline_and_an_online_search(tiny_llama_dir, tmp_path):
     assert data["offline"][0]["config"]["mode"] == "basic"  # the resolved config is kept
     assert data["offline"][1]["config"]["policy"] == "round_robin"
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def _every_stored_block_is_its_tokens_kv(work, model_dir):
+    """``dualpath store verify --all`` on each store the run kept (``--dir``): the blocks its
+    decode engines saved (the last trial's for dualpath, whose online trials empty the store
+    first) and the primed first prompts hold the KV of their tokens."""
+    from dualpath.storage.verify import verify_fs_root
+
+    for store in ("basic/kv", "round_robin/kv", "dualpath/kv", "primed"):
+        report = verify_fs_root(work / store, model_dir, sample=None)
+        assert report.ok, (store, report.mismatched, report.token_mismatches)
+        assert report.num_checked > 0 and report.num_checked == report.num_ok, store
+        # a block whose parent's write had not landed when the cluster stopped: not checkable
+        assert set(report.unverifiable) <= {"broken_chain"}, (store, report.unverifiable)
+    assert not list((work / "oracle" / "kv").iterdir())  # the oracle stores nothing
 
 
 def test_via_http_serves_the_same_workload(tiny_with_tokenizer, tmp_path):
