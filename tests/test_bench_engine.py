@@ -34,7 +34,11 @@ def test_bench_engine_against_transformers_writes_summary_spreads_and_cores(tiny
         assert summary[key] > 0
     assert set(result["measured"]) == {"dualpath", "transformers"}
     ours = result["measured"]["dualpath"]
-    assert ours["fast_path"] is True  # the engine ran on the kernels
+    assert ours["fast_path"] is True and ours["weights_mb"] > 0  # the engine ran on the kernels
+    for name in ("dualpath", "transformers"):  # each system's resident memory, its peak beside
+        m = result["measured"][name]
+        assert 50 < m["rss_mb"]["median"] <= m["rss_mb"]["max"] <= m["peak_rss_mb"]
+        assert summary[f"rss_mb_{name}"] == m["rss_mb"]["median"]
     for figure in (ours["prefill_tok_s"], ours["decode_tok_s"]["4"]):
         assert len(figure["samples"]) == 2 and figure["min"] <= figure["median"] <= figure["max"]
     for name in ("dualpath", "transformers"):
@@ -44,7 +48,8 @@ def test_bench_engine_against_transformers_writes_summary_spreads_and_cores(tiny
     assert result["machine"]["cpu_model"] and isinstance(result["machine"]["cpu_flags"], list)
     assert out.with_suffix(".png").stat().st_size > 1000
     assert (tmp_path / "bench.logs" / "dualpath.log").exists()
-    assert "vs transformers" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "vs transformers" in printed and "RSS (MB)" in printed
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

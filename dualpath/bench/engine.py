@@ -12,7 +12,9 @@ Every system computes on one thread. How each uses the cores besides is stated i
 (vLLM's scheduler runs in a process of its own, free to use another core) and measured
 (``cores_busy``); ``--pin-core K`` confines every system's whole process tree to core K for a
 like-for-like run. The result names the CPU model and its vector flags: the ratios differ
-from one CPU to another (bf16 above all), so they are only ever compared within one run.
+from one CPU to another (bf16 above all), so they are only ever compared within one run. Each
+system's resident memory (RSS of its process tree, sampled between the timed runs) is a row of
+the table; ``--set cpu_kernels=false`` runs dualpath with the CPU fast path off.
 """
 
 from __future__ import annotations
@@ -184,4 +186,8 @@ def render_table(result: dict[str, Any]) -> Table:
         table.add_row(label, *cells)
     busy = [f"{result['measured'][n]['cores_busy']:.2f}" for n in systems]
     table.add_row("cores busy", *busy, *[""] * (len(systems) - 1))
+    rss = [result["measured"][n]["rss_mb"] for n in systems]
+    table.add_row("RSS (MB)", *[f"{r['median']:.0f} ({r['min']:.0f}-{r['max']:.0f})"
+                                for r in rss],
+                  *[f"{rss[0]['median'] / r['median']:.2f}" for r in rss[1:]])
     return table

@@ -9,7 +9,11 @@ token-id prompts to completion, exactly ``new_tokens`` tokens each, greedy. For 
   prefill cost cancels out; the two runs alternate within each repeat;
 - every repeat's figure is kept, and the median, min and max reported;
 - the CPU seconds of the system's whole process tree over the measured span, divided by that
-  span's wall time: how many cores the system kept busy.
+  span's wall time: how many cores the system kept busy;
+- the resident memory (RSS) of the system's whole process tree after the warm-up and after
+  every measured run (median, min, max: the weights, the KV cache, the runtime), and the peak
+  (the process's high-water mark, loading included). ``--set cpu_kernels=false`` beside a
+  default run gives dualpath's RSS with the fast path off.
 
 The spec (prompts, N, repeats) comes from a JSON file the orchestrator writes; the result goes
 to another. Progress lines ``PROGRESS done total`` go to stdout.
@@ -57,6 +61,27 @@ def _cpu_seconds() -> float:
     return total
 
 
+def _rss_mb() -> float:
+    """Resident memory of this process and all its descendants, in MiB."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            continue
+    return total / 2**20
+
+
+def _peak_rss_mb() -> float:
+    """This process's resident high-water mark, in MiB (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def measure(generate: Generate, spec: dict[str, Any]) -> dict[str, Any]:
     """Every figure of the method for one system (see the module doc)."""
     batches = spec["decode_prompts"]
@@ -66,8 +91,12 @@ def measure(generate: Generate, spec: dict[str, Any]) -> dict[str, Any]:
     generate(long_prompt, 1)  # warm-up: every shape once
     for prompts in batches.values():
         generate(prompts, 2)
+    rss = [_rss_mb()]  # sampled between timed runs, never inside one
     cpu0, wall0 = _cpu_seconds(), time.perf_counter()
-    prefill = [len(long_prompt[0]) / _seconds(generate, long_prompt, 1) for _ in range(repeats)]
+    prefill = []
+    for _ in range(repeats):
+        prefill.append(len(long_prompt[0]) / _seconds(generate, long_prompt, 1))
+        rss.append(_rss_mb())
     print(f"PROGRESS 1 {steps}", flush=True)
     decode = {}
     for done, (batch, prompts) in enumerate(batches.items(), start=2):
@@ -76,11 +105,14 @@ def measure(generate: Generate, spec: dict[str, Any]) -> dict[str, Any]:
             one = _seconds(generate, prompts, 1)
             many = _seconds(generate, prompts, new_tokens)
             rates.append(len(prompts) * (new_tokens - 1) / max(many - one, 1e-9))
+            rss.append(_rss_mb())
         decode[batch] = spread(rates)
         print(f"PROGRESS {done} {steps}", flush=True)
     wall = time.perf_counter() - wall0
+    cores_busy = (_cpu_seconds() - cpu0) / wall
     return {"prefill_tok_s": spread(prefill), "decode_tok_s": decode,
-            "cores_busy": (_cpu_seconds() - cpu0) / wall, "measured_s": wall}
+            "cores_busy": cores_busy, "measured_s": wall, "rss_mb": spread(rss),
+            "peak_rss_mb": max(_peak_rss_mb(), *rss)}
 
 
 def run_system(name: str, make_system: MakeSystem, argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 def ratios(measured: dict[str, Any], peers: list[str], batches: list[str]) -> dict[str, float]:
     """dualpath's median over each peer's: ``prefill_ratio_vs_P``, ``decode_ratio_vs_P_bN``;
-    and every system's ``cores_busy_S``."""
+    and every system's ``cores_busy_S`` and median ``rss_mb_S``."""
     ours = measured["dualpath"]
     summary: dict[str, float] = {}
     for peer in peers:
@@ -20,6 +20,7 @@ def ratios(measured: dict[str, Any], peers: list[str], batches: list[str]) -> di
                                                        / theirs["decode_tok_s"][b]["median"])
     for name, m in measured.items():
         summary[f"cores_busy_{name}"] = m["cores_busy"]
+        summary[f"rss_mb_{name}"] = m["rss_mb"]["median"]
     return summary
 
 

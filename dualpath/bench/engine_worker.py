@@ -32,9 +32,10 @@ def dualpath_system(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
         outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
         assert all(len(o.output_ids) == new_tokens for o in outs)
 
-    kernels = engine.runner.model.kernels
+    model = engine.runner.model
     return generate, {"dtype": engine.dtype, "threads": torch.get_num_threads(),
-                      "fast_path": kernels is not None,
+                      "fast_path": model.kernels is not None,
+                      "weights_mb": model.weight_bytes() / 2**20,
                       "cores": "one torch thread; the engine's step loop runs on it too"}
 
 
