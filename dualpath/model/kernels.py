@@ -154,6 +154,25 @@ def _check_cache(qkv: torch.Tensor, kv_layer: torch.Tensor, kv_heads: int,
                          f"{tuple(kv_layer.shape)}")
 
 
+def _check_rows(t: torch.Tensor, rows: int, width: int, name: str) -> None:
+    """``t`` must be ``[rows, >= width]`` with contiguous rows (what the C side walks)."""
+    if t.dim() != 2 or t.shape[0] < rows or t.shape[1] < width or t.stride(1) != 1:
+        raise ValueError(f"{name} must be [{rows}, {width}] with contiguous rows, not "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+
+
+def _check_rope(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                cos: torch.Tensor, sin: torch.Tensor) -> None:
+    tokens = qkv.shape[0]
+    _check_rows(qkv, tokens, (heads + 2 * kv_heads) * head_dim, "qkv")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dtype != qkv.dtype or not table.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {qkv.dtype} table")
+        _check_rows(table, tokens, head_dim, name)
+        if table.shape[1] != head_dim:
+            raise ValueError(f"{name} rows must hold {head_dim} values, not {table.shape[1]}")
+
+
 class CpuKernels:
     """The loaded module: one method per kernel, on torch tensors (CPU, fp32 or bf16). Row
     strides are the tensors' own; rows must be contiguous."""
@@ -189,6 +208,10 @@ class CpuKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of the rows of ``x [rows, n]``, as ``layers.RMSNorm``."""
+        _check_rows(x, x.shape[0], weight.shape[0], "x")
+        if weight.shape != (x.shape[1],) or weight.dtype != x.dtype:
+            raise ValueError(f"a norm weight of {x.shape[1]} {x.dtype} values, not "
+                             f"{tuple(weight.shape)} {weight.dtype}")
         out = torch.empty_like(x)
         self.lib.rms_norm(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(),
                           out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps)
@@ -197,6 +220,11 @@ class CpuKernels:
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         """``x += delta`` in place (the residual stream), then the RMSNorm of the new ``x``."""
+        _check_rows(x, x.shape[0], weight.shape[0], "x")
+        _check_rows(delta, x.shape[0], x.shape[1], "delta")
+        if weight.shape != (x.shape[1],) or not x.dtype == delta.dtype == weight.dtype:
+            raise ValueError(f"x, delta and the norm weight must share a dtype and width "
+                             f"{x.shape[1]}")
         out = torch.empty_like(x)
         self.lib.add_rms_norm(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), delta.data_ptr(),
                               delta.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
@@ -210,6 +238,7 @@ class CpuKernels:
         the v of token t into cache slot ``slot_mapping[t]`` (int64) of ``kv_layer``
         (IndexError, and nothing written, when a slot is outside it)."""
         _check_cache(qkv, kv_layer, kv_heads, head_dim)
+        _check_rope(qkv, heads, kv_heads, head_dim, cos, sin)
         slots = _index_tensor(slot_mapping, torch.long, qkv.shape[0], "slot_mapping")
         self.lib.rope_kv(DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), qkv.shape[0],
                          heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
@@ -218,6 +247,7 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         """``silu(gate) * up`` of ``gate_up [rows, 2 * intermediate]``."""
+        _check_rows(gate_up, gate_up.shape[0], 2 * intermediate, "gate_up")
         out = torch.empty(gate_up.shape[0], intermediate, dtype=gate_up.dtype)
         self.lib.silu_mul(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0),
                           out.data_ptr(), out.stride(0), gate_up.shape[0], intermediate)
@@ -237,8 +267,8 @@ class CpuKernels:
         if (block_table.dtype != torch.int32 or block_table.dim() != 2
                 or block_table.shape[0] != batch or block_table.stride(1) != 1):
             raise ValueError("block_table must be int32 [B, blocks] with contiguous rows")
-        if out.shape[0] != qkv.shape[0]:
-            raise ValueError(f"out has {out.shape[0]} rows, qkv {qkv.shape[0]}")
+        _check_rows(qkv, qkv.shape[0], (heads + 2 * kv_heads) * head_dim, "qkv")
+        _check_rows(out, qkv.shape[0], heads * head_dim, "out")
         self.lib.decode_attn(DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0),
                              rows.data_ptr(), kv_layer.data_ptr(), block_table.data_ptr(),
                              block_table.stride(0), ctx_lens.data_ptr(), batch, heads,
@@ -253,8 +283,8 @@ class CpuKernels:
         position ``q_pos0``) over its context, whose cache slots are ``slot_ids`` (int64)."""
         _check_cache(q_rows, kv_layer, kv_heads, head_dim)
         slots = _index_tensor(slot_ids, torch.long, slot_ids.shape[0], "slot_ids")
-        if out_rows.shape[0] != q_rows.shape[0]:
-            raise ValueError(f"out_rows has {out_rows.shape[0]} rows, q_rows {q_rows.shape[0]}")
+        _check_rows(q_rows, q_rows.shape[0], heads * head_dim, "q_rows")
+        _check_rows(out_rows, q_rows.shape[0], heads * head_dim, "out_rows")
         self.lib.prefill_attn(DTYPE_CODES[q_rows.dtype], q_rows.data_ptr(), q_rows.stride(0),
                               q_rows.shape[0], q_pos0, kv_layer.data_ptr(), slots.data_ptr(),
                               slots.shape[0], heads, kv_heads, head_dim, window, scale,
@@ -269,6 +299,7 @@ class CpuKernels:
         ``[T, heads * head_dim]``. Every index of ``meta`` is checked against the step's rows
         and the cache's blocks first: IndexError, and nothing written, when one is outside."""
         _check_cache(qkv, kv_layer, kv_heads, head_dim)
+        _check_rope(qkv, heads, kv_heads, head_dim, cos, sin)
         if meta.num_tokens != qkv.shape[0]:
             raise ValueError(f"the batch has {meta.num_tokens} slots for {qkv.shape[0]} rows")
         out = torch.empty(qkv.shape[0], heads * head_dim, dtype=qkv.dtype)
@@ -282,6 +313,7 @@ class CpuKernels:
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(-1)`` of a 2-D tensor with contiguous rows, as int64 (first on ties)."""
+        _check_rows(x, x.shape[0], x.shape[1], "x")
         out = torch.empty(x.shape[0], dtype=torch.long)
         self.lib.argmax_rows(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0],
                              x.shape[1], out.data_ptr())
@@ -303,15 +335,20 @@ class CpuKernels:
                    ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) of the packed ``[vocab, k]`` weight: ``[*ids.shape, k]``
         (IndexError when an id is outside the vocabulary)."""
+        _check_head(packed, vocab, k)
         flat = ids.reshape(-1).to(torch.long).contiguous()
         out = torch.empty(flat.shape[0], k, dtype=packed.dtype)
         self.lib.embed_rows(DTYPE_CODES[packed.dtype], packed.data_ptr(), vocab, k,
                             flat.data_ptr(), flat.shape[0], out.data_ptr(), out.stride(0))
         return out.view(*ids.shape, k)
 
-    def head_logits(self, packed: torch.Tensor, vocab: int, x: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, packed: torch.Tensor, vocab: int, k: int,
+                    x: torch.Tensor) -> torch.Tensor:
         """``x [rows, k] @ W.T`` for the packed ``W [vocab, k]``: fp32 sums rounded once to the
         dtype, as ``F.linear``."""
+        _check_head(packed, vocab, k)
+        if x.shape[-1] != k:
+            raise ValueError(f"hidden rows of {x.shape[-1]} values for a head of {k}")
         if x.dim() != 2 or x.stride(1) != 1 or x.dtype != packed.dtype:
             x = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
         out = torch.empty(x.shape[0], vocab, dtype=packed.dtype)
@@ -324,6 +361,11 @@ def head_numel(vocab: int, k: int, dtype: torch.dtype) -> int:
     """Values in ``pack_head``'s layout of a ``[vocab, k]`` weight."""
     pair = 2 if dtype == torch.bfloat16 else 1
     return -(-vocab // 16) * 16 * (-(-k // pair) * pair)
+
+
+def _check_head(packed: torch.Tensor, vocab: int, k: int) -> None:
+    if packed.dtype not in DTYPE_CODES or packed.numel() != head_numel(vocab, k, packed.dtype):
+        raise ValueError(f"not a packed [{vocab}, {k}] head: {packed.numel()} {packed.dtype}")
 
 
 def _index_tensor(t: torch.Tensor, dtype: torch.dtype, length: int, name: str) -> torch.Tensor:

@@ -104,7 +104,8 @@ class TiedHead(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, dim] @ table.T`` in the table's dtype."""
-        return self.kernels.head_logits(self.packed, self.num_embeddings, hidden)
+        return self.kernels.head_logits(self.packed, self.num_embeddings, self.embedding_dim,
+                                        hidden)
 
     def dense_weight(self) -> torch.Tensor:
         """The table ``[vocab, dim]``, read back into a new dense tensor."""

@@ -195,3 +195,18 @@ def test_argmax_rows_is_torch_argmax_ties_and_nan_included(dtype):
     assert argmax_rows(x) == x.argmax(-1).tolist() == [x[0].argmax().item(), 10, 0, 7, 999,
                                                        x[5].argmax().item()]
     assert argmax_rows(x[:, :37]) == x[:, :37].argmax(-1).tolist()  # strided rows, short rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("vocab", "k"), [(300, 64), (37, 23), (16 * 7, 96)])
+def test_the_tied_head_layout_gives_linear_logits_and_the_embedding_rows(dtype, vocab, k):
+    """Any vocabulary (panels of 16 rows, the last one short) and width (odd: bf16 pads the
+    pairs), 1 to 19 rows (tiles of 8 and their tails)."""
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(vocab, k, generator=g).to(dtype)
+    packed = KERNELS.pack_head(weight)
+    ids = torch.tensor([0, vocab - 1, vocab // 2, 3])
+    assert torch.equal(KERNELS.embed_rows(packed, vocab, k, ids), weight[ids])
+    for rows in (1, 8, 19):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        _mostly_equal(KERNELS.head_logits(packed, vocab, k, x), F.linear(x, weight))

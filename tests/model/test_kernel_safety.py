@@ -293,3 +293,25 @@ except MemoryError as exc:
                           timeout=120)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert done.stdout.startswith("MemoryError"), done.stdout
+
+
+def test_a_cache_or_table_of_another_shape_or_dtype_is_refused():
+    """fp32 keys written into a bf16 cache would run past it; short cos tables, a norm weight of
+    another width or a head of another hidden size would be read past their ends."""
+    qkv, (heads, kv_heads, dim), cos, sin = _rope_inputs(torch.float32)
+    slots = torch.tensor([0, 1, 2])
+    for cache in (torch.zeros(4, 8, 2, kv_heads, dim, dtype=torch.bfloat16),
+                  torch.zeros(4, 8, 2, kv_heads + 1, dim), torch.zeros(4, 8, kv_heads, dim)):
+        with pytest.raises(ValueError):
+            KERNELS.rope_kv(qkv, heads, kv_heads, dim, cos, sin, cache, slots)
+        assert not cache.any()
+    cache = torch.zeros(4, 8, 2, kv_heads, dim)
+    with pytest.raises(ValueError):
+        KERNELS.rope_kv(qkv, heads, kv_heads, dim, cos[:2], sin[:2], cache, slots)
+    with pytest.raises(ValueError):
+        KERNELS.rms_norm(torch.randn(3, 64), torch.ones(32), 1e-5)
+    packed = KERNELS.pack_head(torch.randn(300, 64))
+    with pytest.raises(ValueError):
+        KERNELS.head_logits(packed, 300, 64, torch.randn(2, 80))
+    with pytest.raises(IndexError, match="vocabulary"):
+        KERNELS.embed_rows(packed, 300, 64, torch.tensor([5, 300]))
