@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from dualpath.model import kernels as kernels_module
 from dualpath.model.kernels import kernel_status
@@ -69,9 +68,3 @@ def test_the_reason_the_kernels_are_off_names_the_cause(monkeypatch, tmp_path):
     kernels, why = load()
     assert kernels is None and "Python.h: No such file or directory" in why
 
-
-def test_the_module_level_switch_and_dtype_are_honoured():
-    kernels, _ = kernel_status()
-    if kernels is None:
-        pytest.skip("no kernels here")
-    assert not kernels.supports(torch.float16, heads=4, kv_heads=2, head_dim=64, max_context=64)
