@@ -6,6 +6,7 @@ requests with continuous batching, chunked prefill and prefix reuse.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from dualpath.model.loader import load_model
 from dualpath.model.spec import load_spec, model_id, resolve_dtype, resolve_kv_dtype
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.request import SamplingParams, SeqStatus, Sequence
+
+log = logging.getLogger("dualpath.engine")
 
 
 @dataclass
@@ -53,6 +56,9 @@ class LLMEngine:
             model.pack_weights()
             if self.kv_dtype == self.dtype:  # the kernels write KV in the compute dtype
                 model.use_kernels(load_kernels())
+            else:
+                log.info("CPU kernels off: the KV cache is %s, the compute dtype %s (the "
+                         "kernels write KV in the compute dtype)", self.kv_dtype, self.dtype)
         self.layout = KVLayout.from_spec(spec, self.kv_dtype, config.block_size)
         num_blocks = self.layout.cache_blocks(config.num_kv_blocks, config.kv_cache_mb,
                                               config.layer_window)
