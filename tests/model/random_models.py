@@ -34,3 +34,17 @@ def save_random_llama(folder: Path, seed: int, **overrides: object) -> Path:
                 param.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     return folder
+
+
+def paged_cache(g: torch.Generator, ctx_lens: list[int], block: int, kv_heads: int, dim: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, list[list[int]]]:
+    """A random paged cache with each sequence's blocks scattered over it (and 3 blocks no
+    sequence uses), and their block tables."""
+    need = [-(-n // block) for n in ctx_lens]
+    cache = torch.randn(sum(need) + 3, block, 2, kv_heads, dim, generator=g).to(dtype)
+    order = torch.randperm(cache.shape[0], generator=g).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(order[at : at + n])
+        at += n
+    return cache, tables

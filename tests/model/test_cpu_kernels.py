@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from random_models import paged_cache
 
 from dualpath.model.attention import DecodeSlice, PrefillSlice, decode_reference, prefill_reference
 from dualpath.model.kernels import kernel_status
@@ -83,26 +84,13 @@ def test_silu_mul_matches_torch(dtype):
     _mostly_equal(KERNELS.silu_mul(gate_up, 40), F.silu(gate) * up)
 
 
-def _paged(g: torch.Generator, ctx_lens: list[int], block: int, kv_heads: int, dim: int,
-           dtype: torch.dtype) -> tuple[torch.Tensor, list[list[int]]]:
-    """A cache with each sequence's blocks scattered over it, and their block tables."""
-    need = [-(-n // block) for n in ctx_lens]
-    cache = torch.randn(sum(need) + 3, block, 2, kv_heads, dim, generator=g).to(dtype)
-    order = torch.randperm(cache.shape[0], generator=g).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(order[at : at + n])
-        at += n
-    return cache, tables
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 11])
 def test_decode_attention_reads_the_paged_context_in_place(dtype, window):
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, block = 6, 2, 16, 8
     ctx_lens = [1, 8, 9, 30, 17]
-    cache, tables = _paged(g, ctx_lens, block, kv_heads, dim, dtype)
+    cache, tables = paged_cache(g, ctx_lens, block, kv_heads, dim, dtype)
     rows = torch.tensor([4, 0, 2, 1, 3])  # query rows in another order than the sequences
     qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     part = DecodeSlice.build(rows.tolist(), tables, ctx_lens, block, window)
@@ -123,7 +111,7 @@ def test_prefill_attention_is_causal_and_windowed_over_the_paged_context(dtype, 
     g = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, block = 4, 2, 32, 16
     ctx = start + q_len
-    cache, (table,) = _paged(g, [ctx], block, kv_heads, dim, dtype)
+    cache, (table,) = paged_cache(g, [ctx], block, kv_heads, dim, dtype)
     pos = torch.arange(ctx)
     slot_ids = torch.tensor(table)[pos // block] * block + pos % block
     qkv = torch.randn(q_len + 3, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from random_models import save_random_llama
+from random_models import paged_cache, save_random_llama
 
 from dualpath.model.attention import DecodeSlice, PrefillSlice, decode_reference, prefill_reference
 from dualpath.model.kernels import kernel_status
@@ -37,18 +37,6 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def _paged(g: torch.Generator, ctx_lens: list[int], block: int, kv_heads: int, dim: int,
-           dtype: torch.dtype) -> tuple[torch.Tensor, list[list[int]]]:
-    need = [-(-n // block) for n in ctx_lens]
-    cache = torch.randn(sum(need) + 1, block, 2, kv_heads, dim, generator=g).to(dtype)
-    order = torch.randperm(cache.shape[0], generator=g).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(order[at : at + n])
-        at += n
-    return cache, tables
-
-
 # ---- shapes ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -57,7 +45,7 @@ def test_decode_attention_of_many_heads_matches_the_reference(shape, dtype):
     heads, kv_heads, dim = shape
     g = torch.Generator().manual_seed(11)
     ctx_lens, block = [1, 19, 40], 16
-    cache, tables = _paged(g, ctx_lens, block, kv_heads, dim, dtype)
+    cache, tables = paged_cache(g, ctx_lens, block, kv_heads, dim, dtype)
     qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     part = DecodeSlice.build([2, 0, 1], tables, ctx_lens, block, None)
     rows = part.token_idx
@@ -75,7 +63,7 @@ def test_prefill_attention_and_rope_of_many_heads_match_the_reference(shape, dty
     heads, kv_heads, dim = shape
     g = torch.Generator().manual_seed(12)
     q_len, block = 21, 16
-    cache, (table,) = _paged(g, [q_len], block, kv_heads, dim, dtype)
+    cache, (table,) = paged_cache(g, [q_len], block, kv_heads, dim, dtype)
     pos = torch.arange(q_len)
     slot_ids = torch.tensor(table)[pos // block] * block + pos % block
     qkv = torch.randn(q_len, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
