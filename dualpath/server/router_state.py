@@ -159,6 +159,11 @@ class RouterState:
         req = self.requests.get(req_id)
         if req is None or req.phase != Phase.MOVING:
             return out  # aborted meanwhile
+        error = self._never_fits(req)
+        if error is not None:  # the prompt and its outputs outgrew a DE's buffer or a PE's KV
+            self._end(req, out, RequestFailed(f"the stream cannot move to another decode "
+                                              f"engine: {error}"))
+            return out
         most = (len(req.kv_ids) - 1) // self.capacity.block_size  # compute >= 1 token
         req.num_hit_blocks = min(num_hit_blocks, most, self.capacity.host_pool_blocks)
         self._enqueue(req)
@@ -549,12 +554,15 @@ class RouterState:
 
     # -- rules ----------------------------------------------------------------------------------
     def _never_fits(self, req: RequestState) -> str | None:
-        cap, n = self.capacity, len(req.prompt_ids)
+        """Why no engine could ever take ``req`` (its KV to assemble: the prompt, plus the
+        outputs of a moved stream), or None."""
+        cap, n = self.capacity, len(req.kv_ids)
         if n == 0:
             return "the prompt is empty"
-        if n + req.params.max_tokens > cap.kv_tokens:
-            return (f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) exceeds an "
-                    f"engine's KV cache ({cap.kv_tokens} tokens)")
+        prompt = len(req.prompt_ids)  # max_tokens counts a moved stream's outputs
+        if prompt + req.params.max_tokens > cap.kv_tokens:
+            return (f"prompt ({prompt} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
+                    f"an engine's KV cache ({cap.kv_tokens} tokens)")
         blocks = -(-n // cap.block_size)
         pe_tokens = cap.kv_tokens if cap.prefill_kv_tokens is None else cap.prefill_kv_tokens
         if blocks * cap.block_size > pe_tokens:

@@ -242,6 +242,20 @@ def test_a_stream_that_keeps_losing_its_decode_engine_fails_clearly():
     assert zero(state) == {}
 
 
+def test_a_stream_grown_past_a_decode_engines_buffer_fails_clearly_when_it_would_move():
+    """40 prompt tokens fit a DE's 4 buffer blocks; with 30 streamed outputs they would not."""
+    state, model, done, sends = make_state(pool=8, staging=4), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1, max_tokens=100), 0.0), done, sends, state)
+    de = _to_decoding(state, model, done, sends)
+    wire = state.requests[1].wire_id
+    apply(state.on_message(de, Tokens(((wire, 1, tuple(range(8, 37))),)), 0.0), done, sends,
+          state)
+    apply(state.lose(de, "killed"), done, sends, state)
+    assert isinstance(done[1], RequestFailed) and "host-buffer" in str(done[1])
+    assert "cannot move" in str(done[1]) and zero(state) == {}
+
+
 def test_a_request_aborted_while_it_moves_is_not_placed_again():
     state, model, done, sends = make_state(), EngineModel(), {}, []
     hello_all(state)
