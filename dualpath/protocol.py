@@ -191,6 +191,7 @@ class AllocBuffer(Message):
     num_blocks: int
     num_read_blocks: int
     read_from_block: int = 0  # split read: the DE reads [read_from_block, num_read_blocks)
+    cache_salt: str = ""  # the tenant's salt of the block keys (kv/hashing.salted_seed)
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,7 @@ class Prefill(Message):
     # a stream moved off a lost decode engine: the last this-many of ``prompt_ids`` are output
     # tokens already streamed, and the token sampled here is output token number this-many
     num_prior_outputs: int = 0
+    cache_salt: str = ""  # the tenant's salt of the block keys (kv/hashing.salted_seed)
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,7 @@ class Decode(Message):
     # tokens already streamed; stop rules, ``max_tokens`` and seeded draws count them, and this
     # engine streams from ``first_token`` on (which it drops if they already ended the request)
     num_prior_outputs: int = 0
+    cache_salt: str = ""  # the tenant's salt of the block keys (kv/hashing.salted_seed)
 
 
 @dataclass(frozen=True)

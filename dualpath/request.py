@@ -67,6 +67,7 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks published to the prefix cache
     finish_reason: str | None = None
     output_text: str = ""
+    cache_salt: str = ""  # a tenant's salt of the block hashes (kv/hashing.salted_seed)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from dualpath.config import EngineConfig
 from dualpath.errors import RequestError
 from dualpath.kv.block_pool import BlockPool
-from dualpath.kv.hashing import extend_block_hashes
+from dualpath.kv.hashing import extend_block_hashes, salted_seed
 from dualpath.request import SeqStatus, Sequence
 
 
@@ -101,7 +101,7 @@ class Batcher:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full > len(seq.block_hashes):
             extend_block_hashes(seq.block_hashes, seq.token_ids[: num_full * self.block_size],
-                                self.block_size, self.hash_seed)
+                                self.block_size, salted_seed(self.hash_seed, seq.cache_salt))
         for k in range(seq.num_registered_blocks, num_full):
             self.pool.register(seq.block_table[k], seq.block_hashes[k])
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
@@ -133,7 +133,8 @@ class Batcher:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Reuse cached prefix blocks and allocate the first chunk; 0 if it must wait."""
         if self.config.enable_prefix_caching:
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.hash_seed)
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size,
+                                salted_seed(self.hash_seed, seq.cache_salt))
             max_hit = (seq.num_tokens - 1) // self.block_size  # compute at least one token
             seq.block_table = self.pool.match_prefix(seq.block_hashes[:max_hit])
             seq.num_computed_tokens = len(seq.block_table) * self.block_size

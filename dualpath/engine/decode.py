@@ -146,7 +146,8 @@ class DecodeWorker:
         first = msg.read_from_block
         if msg.num_read_blocks <= first:
             return [self._ready(msg.req_id, msg.num_read_blocks)]
-        keys = self.engine.key_space.keys(msg.prompt_ids)[first : msg.num_read_blocks]
+        space = self.engine.key_space.salted(msg.cache_salt)
+        keys = space.keys(msg.prompt_ids)[first : msg.num_read_blocks]
         layers = self._layer_major(slots)  # [layers, n, layer_block_bytes]
         parts = [list(layers[:, b].unbind(0)) for b in range(first, msg.num_read_blocks)]
         self._reading.add(msg.req_id)
@@ -221,7 +222,8 @@ class DecodeWorker:
             num_prompt = len(msg.prompt_ids) - msg.num_prior_outputs  # the rest: moved outputs
             try:
                 seq = self.engine.reserve_prefilled(list(msg.prompt_ids[:num_prompt]), params,
-                                                    list(msg.prompt_ids[num_prompt:]))
+                                                    list(msg.prompt_ids[num_prompt:]),
+                                                    msg.cache_salt)
             except OutOfBlocksError:
                 break  # running sequences free blocks as they finish
             self._pending_decodes.popleft()
@@ -333,7 +335,7 @@ class DecodeWorker:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= active.num_saved_blocks:
             return
-        space = self.engine.key_space
+        space = self.engine.key_space.salted(seq.cache_salt)
         hashes = extend_block_hashes(seq.block_hashes, seq.token_ids[: num_full * self.block_size],
                                      self.block_size, space.seed)
         for k in range(active.num_saved_blocks, num_full):

@@ -84,13 +84,16 @@ class LLMEngine:
         return seq
 
     def reserve_prefilled(self, prompt_ids: list[int], params: SamplingParams,
-                          prior_output_ids: list[int] | None = None) -> Sequence:
+                          prior_output_ids: list[int] | None = None,
+                          cache_salt: str = "") -> Sequence:
         """Allocate cache blocks for a prompt whose KV is computed elsewhere (the decode
         engine's entry); the sequence does not run until ``start_prefilled``
         (``OutOfBlocksError`` when there is no room). ``prior_output_ids``: output tokens an
         earlier engine generated (their KV comes with the prompt's); they count as this
-        sequence's outputs for stop rules, ``max_tokens`` and seeded draws."""
-        seq = Sequence(list(prompt_ids), params, output_ids=list(prior_output_ids or ()))
+        sequence's outputs for stop rules, ``max_tokens`` and seeded draws. ``cache_salt``
+        salts its block hashes (a tenant's)."""
+        seq = Sequence(list(prompt_ids), params, output_ids=list(prior_output_ids or ()),
+                       cache_salt=cache_salt)
         self.batcher.check_fits(seq)
         seq.block_table = self.pool.allocate(-(-(seq.num_tokens + 1) // self.config.block_size))
         return seq

@@ -179,7 +179,8 @@ class PrefillWorker:
                 return
             job.waiting_slots = False
             job.slots = self.host_pool.alloc(job.num_pe_read_blocks)
-            keys = self.engine.key_space.keys(job.msg.prompt_ids)[: job.num_pe_read_blocks]
+            space = self.engine.key_space.salted(job.msg.cache_salt)
+            keys = space.keys(job.msg.prompt_ids)[: job.num_pe_read_blocks]
             job.read_submitted_s = time.monotonic()
             job.read = self.storage.submit_read(keys, [self.host_pool.buffer(s) for s in job.slots])
             job.read.add_done_callback(lambda _, j=job: setattr(j, "read_done_s",

@@ -14,7 +14,7 @@ import re
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dualpath.errors import InvalidKeyError
 
@@ -112,13 +112,21 @@ def checked_key(key: object) -> BlockKey:
     return key
 
 
+def salted_seed(seed: str, cache_salt: str) -> str:
+    """A chain seed with a tenant's ``cache_salt`` mixed in ("" leaves it as it is): chains of
+    different salts share no block, so one tenant's prefixes never hit another's."""
+    return f"{seed}|salt:{cache_salt}" if cache_salt else seed
+
+
 @dataclass(frozen=True)
 class KeySpace:
-    """All keys of one model and KV layout; seeds the hash chain with both."""
+    """All keys of one model and KV layout; seeds the hash chain with both (and a tenant's
+    ``salt``, when one is set: see ``salted_seed``)."""
 
     model_id: str
     layout_id: str
     block_size: int
+    salt: str = ""
 
     def __post_init__(self) -> None:
         check_id(self.model_id, "model id")
@@ -128,7 +136,11 @@ class KeySpace:
     @property
     def seed(self) -> str:
         """The seed of every chain in this key space."""
-        return f"{self.model_id}|{self.layout_id}|{self.block_size}"
+        return salted_seed(f"{self.model_id}|{self.layout_id}|{self.block_size}", self.salt)
+
+    def salted(self, cache_salt: str) -> KeySpace:
+        """This key space for one tenant's ``cache_salt`` ("": this one)."""
+        return self if cache_salt == self.salt else replace(self, salt=cache_salt)
 
     def key(self, block_hash: bytes, parent: bytes | None,
             token_ids: tuple[int, ...] | None = None) -> BlockKey:

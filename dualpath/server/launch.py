@@ -98,10 +98,11 @@ class ClusterBase:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, mode: str | None = None,
                read_path: str | None = None,
-               on_tokens: Callable[[tuple[int, ...]], None] | None = None) -> RequestFuture:
-        """Start one request; ``on_tokens`` as in :meth:`Router.submit` (streamed tokens)."""
+               on_tokens: Callable[[tuple[int, ...]], None] | None = None,
+               cache_salt: str = "") -> RequestFuture:
+        """Start one request; ``on_tokens`` and ``cache_salt`` as in :meth:`Router.submit`."""
         assert self.router is not None, "start() the cluster first"
-        return self.router.submit(prompt_ids, params, mode, read_path, on_tokens)
+        return self.router.submit(prompt_ids, params, mode, read_path, on_tokens, cache_salt)
 
     def abort(self, future: RequestFuture) -> None:
         """Cancel a submitted request wherever it is; its future fails with RequestAborted."""

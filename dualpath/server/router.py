@@ -138,8 +138,12 @@ class Router:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, mode: str | None = None,
                read_path: str | None = None,
-               on_tokens: Callable[[tuple[int, ...]], None] | None = None) -> RequestFuture:
+               on_tokens: Callable[[tuple[int, ...]], None] | None = None,
+               cache_salt: str = "") -> RequestFuture:
         """Start a request (mode and read path default to the config's); resolves when done.
+
+        ``cache_salt`` (a tenant's, as vLLM spells it) salts the request's block keys: it hits
+        only blocks stored by requests of the same salt.
 
         ``on_tokens`` is called on the router thread with each batch of new output tokens as
         they arrive (the first one as soon as the prefill engine sampled it); it must not block.
@@ -147,7 +151,7 @@ class Router:
         """
         req = RequestState(next(self._ids), tuple(prompt_ids), params,
                            Mode(mode or self.config.mode),
-                           ReadPath(read_path or self.config.read_path))
+                           ReadPath(read_path or self.config.read_path), cache_salt=cache_salt)
         future = RequestFuture(req.req_id)
         if req.mode == Mode.BASIC and engine_config_for(self.config, "prefill").layer_window:
             future.set_exception(RequestError(
@@ -355,7 +359,9 @@ class Router:
         if req.mode == Mode.RECOMPUTE:
             return 0
         max_hit = (len(req.kv_ids) - 1) // self.block_size
-        keys = self.key_space.keys(req.kv_ids[: max_hit * self.block_size])
+        space = self.key_space if req.mode == Mode.ORACLE else self.key_space.salted(
+            req.cache_salt)  # oracle hits are the router's own (unsalted) record
+        keys = space.keys(req.kv_ids[: max_hit * self.block_size])
         if req.mode == Mode.ORACLE:
             return next((i for i, key in enumerate(keys) if key not in self._oracle_blocks),
                         len(keys))

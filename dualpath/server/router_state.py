@@ -330,7 +330,8 @@ class RouterState:
                                  de.endpoint, msg.buffer_addr, _pe_mode(req.mode),
                                  p.temperature, p.top_p, p.seed,
                                  num_pe_read_blocks=req.num_pe_read_blocks,
-                                 num_prior_outputs=req.num_prior_outputs))
+                                 num_prior_outputs=req.num_prior_outputs,
+                                 cache_salt=req.cache_salt))
 
     def _prefilled(self, req: RequestState, msg: Prefilled, out: Effects) -> None:
         req.num_hit_blocks = msg.num_hit_blocks
@@ -349,7 +350,8 @@ class RouterState:
                                 p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos,
                                 oracle=req.mode == Mode.ORACLE, stop=p.stop,
                                 min_tokens=p.min_tokens,
-                                num_prior_outputs=req.num_prior_outputs))
+                                num_prior_outputs=req.num_prior_outputs,
+                                cache_salt=req.cache_salt))
         if not req.num_prior_outputs:  # a moved stream's DE streams it (or drops it)
             self._stream(req, 0, (msg.first_token,), out)  # the time to first token ends here
 
@@ -402,7 +404,8 @@ class RouterState:
         num_blocks = -(-len(req.kv_ids) // self.capacity.block_size)
         de_reads = req.num_hit_blocks if req.path != ReadPath.PE and req.reads else 0
         out.send(req.de, AllocBuffer(req.wire_id, req.kv_ids, num_blocks, de_reads,
-                                     read_from_block=req.num_pe_read_blocks))
+                                     read_from_block=req.num_pe_read_blocks,
+                                     cache_salt=req.cache_salt))
 
     def _choose_path(self, req: RequestState, a: Assignment) -> str:
         """basic/layerwise read on the PE; a forced path wins (a forced split halves the hit);

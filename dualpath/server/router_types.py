@@ -152,6 +152,7 @@ class RequestState:
     # of them, those an earlier attempt generated: the stream moved off a lost decode engine,
     # and this attempt continues from its KV (prompt + these tokens)
     num_prior_outputs: int = 0
+    cache_salt: str = ""  # the tenant's salt of its block keys (kv/hashing.salted_seed)
     holds: Holds = field(default_factory=Holds)
     unseen: dict[str, int] = field(default_factory=dict)  # engine -> heartbeats without it
     # router clock (seconds) at submitted, dispatched (the last attempt), buffer_ready,

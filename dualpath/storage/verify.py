@@ -67,6 +67,7 @@ class VerifyReport:
     num_mismatched: int = 0
     mismatched: list[dict[str, Any]] = field(default_factory=list)  # key, error, layer
     num_token_mismatches: int = 0
+    num_salted_roots: int = 0  # chains whose root key needs the tenant's salt to check
     token_mismatches: list[str] = field(default_factory=list)  # key names
     num_unverifiable: int = 0
     unverifiable: dict[str, int] = field(default_factory=dict)  # reason -> blocks
@@ -88,7 +89,7 @@ class VerifyReport:
         out = VerifyReport(self.model_id, self.layouts + other.layouts,
                            tolerance={**self.tolerance, **other.tolerance})
         for name in ("num_blocks", "num_sampled", "num_checked", "num_ok", "num_mismatched",
-                     "num_token_mismatches", "num_unverifiable"):
+                     "num_token_mismatches", "num_unverifiable", "num_salted_roots"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.mismatched = self.mismatched + other.mismatched
         out.token_mismatches = self.token_mismatches + other.token_mismatches
@@ -200,6 +201,7 @@ class _Audit:
         # unverifiable, and for a compared block its error and the layer of it
         self.status: dict[bytes, tuple[str, str, float, int]] = {}
         self.max_blocks = max(1, spec.max_position // layout.block_size)
+        self.salted_roots: set[bytes] = set()  # roots whose keys need a salt to check
 
     def run(self, chosen: Sequence[BlockKey], model_dir: str | Path, dtype: str,
             cpu_kernels: bool, device: str, chunk_tokens: int, progress: bool) -> None:
@@ -240,6 +242,7 @@ class _Audit:
 
     def tally(self, report: VerifyReport, tolerance: float) -> None:
         """Count every status into ``report``."""
+        report.num_salted_roots += len(self.salted_roots)
         dtype = self.layout.dtype
         for kind, what, error, layer in self.status.values():
             if kind == _UNVERIFIABLE:
@@ -277,12 +280,18 @@ class _Audit:
 
     def _check_tokens(self, chain: list[BlockKey]) -> int:
         """How many leading blocks of ``chain`` have token ids that hash to their keys; the
-        first whose ids do not is a token mismatch."""
+        first whose ids do not is a token mismatch. A root whose ids do not hash under the
+        unsalted seed may be a tenant's salted chain (``cache_salt``): the salt is not stored,
+        so its key cannot be checked; it is counted in ``salted_roots`` and the chain goes on
+        from it (every later block hashes from its parent, salt or not; the KV of all of them
+        is compared)."""
         parent = root_hash(self.space.seed)
         for k, block in enumerate(chain):
             if block.token_ids is None:
                 return k
-            if block_hash(parent, block.token_ids) != block.block_hash:
+            if k == 0 and block_hash(parent, block.token_ids) != block.block_hash:
+                self.salted_roots.add(block.block_hash)
+            elif block_hash(parent, block.token_ids) != block.block_hash:
                 self._set(block, _TOKENS, block.name)
                 return k
             parent = block.block_hash

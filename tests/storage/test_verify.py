@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dualpath.config import EngineConfig
-from dualpath.kv.hashing import BlockKey
+from dualpath.kv.hashing import BlockKey, KeySpace
 from dualpath.storage.fs import FsStore
 from dualpath.storage.memory import MemoryStore
 from dualpath.storage.verify import TOLERANCE, verify_fs_root, verify_store
@@ -200,3 +200,25 @@ def test_a_mooncake_store_is_verified_over_the_keys_it_is_given(tiny_llama_dir,
         assert [m["key"] for m in report.mismatched] == [chains[1][0].name]
         with pytest.raises(StorageError, match="cannot list"):
             verify_store(store, tiny_llama_dir)
+
+
+def test_a_tenants_salted_chains_verify_and_their_kv_is_still_compared(saved, tiny_llama_dir):
+    """Chains saved under a ``cache_salt``: the roots' keys cannot be checked without the salt
+    (counted), every block's KV still is; another chain's KV under a salted key is caught."""
+    store, chains, _ = saved
+    space = KeySpace(chains[0][0].model_id, chains[0][0].layout_id, BS).salted("tenant-a")
+    salted = []
+    for chain in chains:
+        tokens = [t for key in chain for t in key.token_ids]
+        keys = space.keys(tokens)
+        payloads = [bytearray(store.block_bytes) for _ in chain]
+        assert store.get_into(chain, payloads) == [True] * len(chain)
+        assert store.put_from(keys, payloads) == [True] * len(chain)
+        salted.append(keys)
+    assert salted[0][0].block_hash != chains[0][0].block_hash
+    report = verify_store(store, tiny_llama_dir, sample=None)
+    assert report.ok and report.num_salted_roots == len(chains)
+    assert report.num_ok == 2 * sum(map(len, chains))
+    _swap_payload(store, salted[0][2], salted[1][2])
+    report = verify_store(store, tiny_llama_dir, sample=None)
+    assert [m["key"] for m in report.mismatched] == [salted[0][2].name]
