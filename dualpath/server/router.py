@@ -191,6 +191,11 @@ class Router:
                                   for n, e in self.state.engines.items()})
 
     @property
+    def alive(self) -> bool:
+        """True while the router thread runs (a dead one answers nothing: serve must say so)."""
+        return self._thread.is_alive()
+
+    @property
     def ready(self) -> bool:
         """True while at least one prefill and one decode engine are registered."""
         roles = {e.info.role for e in list(self.state.engines.values())}
