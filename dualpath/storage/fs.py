@@ -3,9 +3,12 @@
 Works on a local disk and on shared POSIX mounts (3FS FUSE, NFS, Lustre, CephFS): it relies
 only on open/pread/write/rename/unlink/utime (and, with a capacity, lock files). Paths are built
 from validated key parts and the hex hash, sharded two levels deep; a writer fills a unique temp
-file and renames it into place, so a reader sees a whole block or none. Reads verify header and
-checksum; anything wrong is a miss (and the bad file is removed so the next save rewrites it).
-Reads run in parallel on a worker pool, optionally with O_DIRECT into 4 KiB-aligned buffers.
+file and renames it into place, so a reader sees a whole block or none. A temp file's name
+carries its writer's host and pid; opening a store removes, in the background, those of this
+host's writers that no longer exist, and any left older than ``STALE_TEMP_S`` (another host's).
+Reads verify header and checksum; anything wrong is a miss (and the bad file is removed so the
+next save rewrites it). Reads run in parallel on a worker pool, optionally with O_DIRECT into
+4 KiB-aligned buffers.
 Every use of a block (a read hit, an ``exists_prefix`` hit, a skipped rewrite) sets its file's
 mtime to now: the recency that capacity eviction goes by, shared by every process and host
 that uses the root (``fs_capacity``).
@@ -16,8 +19,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import mmap
 import os
+import re
+import socket
 import threading
 import time
 import uuid
@@ -39,12 +45,21 @@ from dualpath.storage.block_file import (
     pack_header,
     unpack_header,
 )
-from dualpath.storage.fs_capacity import SUFFIX, SharedCapacity
+from dualpath.storage.fs_capacity import SUFFIX, SharedCapacity, pid_alive
+
+log = logging.getLogger("dualpath.storage")
 
 ALIGN = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _WRITTEN, _SKIPPED, _FAILED = "written", "skipped", "failed"  # one block's save
 FILE_OVERHEAD = HEADER_BYTES  # a block file is its header and the payload
+# A writer's temp file: ``.<hash>.kvb.<host>.<pid>.<uuid>.tmp`` (older writers left out the host).
+HOST = re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname())[:64] or "host"
+_TEMP_NAME = re.compile(r"\.[0-9a-f]+" + re.escape(SUFFIX)
+                        + r"\.(?:(?P<host>[A-Za-z0-9_-]+)\.)?(?P<pid>[0-9]+)\.[0-9a-f]{32}\.tmp")
+# A temp file lives for one block write (milliseconds); one this old belongs to a writer that
+# died, whichever host it ran on (its pid can be checked only on its own host).
+STALE_TEMP_S = 3600.0
 
 
 def _address(view: memoryview) -> int:
@@ -77,6 +92,9 @@ class FsStore(StorageBackend):
         self.capacity: SharedCapacity | None = None
         if capacity_bytes is not None:
             self.capacity = SharedCapacity(self.root, capacity_bytes, lock=lock)
+        self._closing = threading.Event()
+        self.swept = threading.Event()  # set once the temp-file sweep of the open has ended
+        threading.Thread(target=self._sweep_at_open, name="fs-temp-sweep", daemon=True).start()
 
     # -- paths -------------------------------------------------------------------------------
     def path_for(self, key: BlockKey) -> Path:
@@ -123,7 +141,16 @@ class FsStore(StorageBackend):
         return removed
 
     def close(self) -> None:
+        self._closing.set()  # a sweep still walking the tree stops at its next folder
         self._pool.shutdown(wait=True)
+
+    def _sweep_at_open(self) -> None:
+        try:
+            removed = remove_dead_temp_files(self.root, self._closing)
+            if removed:
+                log.info("removed %d temp files of dead writers under %s", removed, self.root)
+        finally:
+            self.swept.set()
 
     def stored_keys(self) -> Iterator[BlockKey]:
         return keys_under(self.root)
@@ -204,7 +231,7 @@ class FsStore(StorageBackend):
         if self._touch(str(path)):  # already stored: a save of it is a use
             self.stats.add(writes_skipped=1)
             return _SKIPPED
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        tmp = path.with_name(f".{path.name}.{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             header = pack_header(key.name, key.parent, self.layout,
@@ -314,6 +341,36 @@ def _keys_in(folder: Path, model_id: str, layout_id: str, size: str) -> Iterator
                            bytes.fromhex(name[: -len(SUFFIX)]))
         except (ValueError, InvalidKeyError):
             continue  # a temp file (hidden, ".tmp"), or not one of ours
+
+
+def remove_dead_temp_files(root: str | Path, stop: threading.Event | None = None,
+                           now_s: float | None = None) -> int:
+    """Remove the writers' temp files under ``root`` that no writer will finish: this host's
+    whose pid no longer exists, and any older than ``STALE_TEMP_S``. Returns how many.
+
+    A live writer's file is never removed (a pid that exists, even another user's, counts as
+    live). Only names a writer of this module makes are considered; ``stop`` ends the walk
+    early.
+    """
+    now_s = time.time() if now_s is None else now_s
+    removed = 0
+    for folder, dirs, files in os.walk(root):
+        if stop is not None and stop.is_set():
+            break
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in files:
+            match = _TEMP_NAME.fullmatch(name) if name.endswith(".tmp") else None
+            if match is None:
+                continue
+            path = os.path.join(folder, name)
+            dead = match["host"] == HOST and not pid_alive(int(match["pid"]))
+            try:
+                if dead or now_s - os.stat(path).st_mtime > STALE_TEMP_S:
+                    os.unlink(path)
+                    removed += 1
+            except OSError:  # renamed into place or removed meanwhile, or not ours to remove
+                continue
+    return removed
 
 
 def _fsync_dir(folder: Path) -> None:

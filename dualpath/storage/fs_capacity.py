@@ -387,6 +387,40 @@ class SharedCapacity:
         return block_hash, BlockFile(entry.path, parent, st.st_size, st.st_mtime_ns)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one we may not signal exists too)."""
+    if pid <= 0:
+        return False  # 0 and negatives name process groups, never a file's owner
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except OverflowError:  # not a pid this system can have
+        return False
+    return True
+
+
+def stored_bytes(root: Path) -> int:
+    """The block-file bytes under ``root``: the ledger's total once a pass has measured it,
+    else a walk of the tree (a store that was never capped; an empty one is quick)."""
+    try:
+        usage = _parse((root / LEDGER_NAME).read_bytes()[: _LEDGER.size])
+    except OSError:
+        usage = Usage(False, 0, 0)
+    if usage.anchored:
+        return usage.total_bytes
+    total = 0
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in files:
+            if name.endswith(SUFFIX) and not name.startswith("."):
+                with contextlib.suppress(OSError):
+                    total += os.stat(os.path.join(folder, name)).st_size
+    return total
+
+
 def _read_parent(path: str) -> bytes | None:
     """The parent hash in a block file's header (None for a sequence's first block)."""
     fd = os.open(path, os.O_RDONLY)

@@ -71,3 +71,59 @@ def test_account_names_are_per_run_and_node_and_checked():
     assert a != node_nic_account("abc123", 1).prefix != node_nic_account("def456", 0).prefix
     with pytest.raises(ValueError):
         node_nic_account("../../etc", 0)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_an_account_is_held_by_a_file_named_with_the_pid(tmp_path):
+    import os
+
+    bucket = SharedBucket(tmp_path / "dualpath-nic-run1-node0-read", RATE, BURST)
+    holders = list(tmp_path.glob(f"dualpath-nic-run1-node0-read.{os.getpid()}.*.pid"))
+    assert len(holders) == 1
+    bucket.close()
+    assert not holders[0].exists()
+    assert (tmp_path / "dualpath-nic-run1-node0-read").exists()  # unlink=False keeps it
+
+
+def test_accounts_no_live_process_holds_are_removed_and_held_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from dualpath.storage.node_nic import remove_dead_accounts
+
+    killed = tmp_path / "dualpath-nic-killed-node0-read"
+    killed.write_bytes(b"\0" * 17)
+    killed_holder = tmp_path / f"{killed.name}.{_dead_pid()}.0123abcd.pid"
+    killed_holder.touch()
+    unheld = tmp_path / "dualpath-nic-older-node1-write"  # from before holder files
+    unheld.write_bytes(b"\0" * 17)
+    live = SharedBucket(tmp_path / "dualpath-nic-live-node0-read", RATE, BURST)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other = tmp_path / "dualpath-nic-other-node2-read"  # held by another live process
+        other.write_bytes(b"\0" * 17)
+        (tmp_path / f"{other.name}.{sleeper.pid}.89abcdef.pid").touch()
+        also_dead = tmp_path / f"{other.name}.{_dead_pid()}.00000000.pid"
+        also_dead.touch()
+        unrelated = tmp_path / "notes-dualpath-nic"
+        unrelated.touch()
+        assert remove_dead_accounts(tmp_path) == 4
+        assert not killed.exists() and not killed_holder.exists() and not unheld.exists()
+        assert not also_dead.exists()
+        assert live.path.exists() and other.exists() and unrelated.exists()
+        assert live.reserve(BLOCK, now_s=0.0) == 0.0  # still a working account
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        live.close(unlink=True)
+    assert remove_dead_accounts(tmp_path) == 2  # the sleeper's holder and its account
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes-dualpath-nic"]
