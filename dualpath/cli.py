@@ -35,6 +35,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**values)  # type: ignore[arg-type]
 
 
+def _gigabytes(raw: str) -> float:
+    """An argparse type: a size in GB, > 0."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a size in GB > 0, got {raw!r}")
+    return value
+
+
 def _parse_value(raw: str) -> object:
     if raw.lower() in ("true", "false"):
         return raw.lower() == "true"
@@ -112,6 +123,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for key, value in (("serve.host", args.host), ("serve.port", args.port),
                        ("num_prefill", args.prefill), ("num_decode", args.decode),
                        ("serve.model", args.model), ("storage.root", args.storage),
+                       ("storage.capacity_gb", args.store_capacity_gb),
                        ("serve.api_key", args.api_key), ("serve.launcher", args.launcher),
                        ("serve.ray_address", args.ray_address),
                        ("router_host", args.router_host), ("router_port", args.router_port)):
@@ -271,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode", type=int, default=None, help="decode engines (default 2)")
     srv.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
     srv.add_argument("--storage", default=None, help="KV store root (an fs directory)")
+    srv.add_argument("--store-capacity-gb", type=_gigabytes, default=None, metavar="GB",
+                     help="cap on the fs store's block files (default: half of the free disk "
+                          "plus what the store holds; serve.store_capacity_fraction)")
     srv.add_argument("--config", default=None, help="TOML config file")
     srv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. storage.read_cap_mb_s=200 (repeatable)")

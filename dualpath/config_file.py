@@ -41,6 +41,12 @@ class ServeConfig:
     # custom resources name them) or "none" (engines join with `dualpath engine --router`).
     launcher: str = "local"
     ray_address: str | None = None  # an existing Ray cluster ("auto", "ray://..."); None: local
+    # The run folders (logs, resolved config) kept under <cache>/serve: older ones go at start,
+    # except one whose serve process still runs.
+    keep_runs: int = 10
+    # The fs store's capacity when storage.capacity_gb is unset: this fraction of what the
+    # store's file system has free at start plus what the store already holds (0: uncapped).
+    store_capacity_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.launcher not in ("local", "ray", "none"):
@@ -49,6 +55,11 @@ class ServeConfig:
             raise ValueError(f"serve.port must be in 0..65535, got {self.port}")
         if min(self.max_body_bytes, self.max_concurrent_requests, self.default_max_tokens) < 1:
             raise ValueError("serve limits must be >= 1")
+        if self.keep_runs < 1:
+            raise ValueError(f"serve.keep_runs must be >= 1, got {self.keep_runs}")
+        if not 0 <= self.store_capacity_fraction < 1:
+            raise ValueError("serve.store_capacity_fraction must be in [0, 1), got "
+                             f"{self.store_capacity_fraction}")
 
 
 @dataclass(frozen=True)

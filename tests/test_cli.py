@@ -66,3 +66,29 @@ def test_store_verify_refuses_a_store_it_cannot_list(tiny_llama_dir, capsys):
     assert main(["store", "verify", "--model", str(tiny_llama_dir),
                  "--set", "storage.backend=mooncake_store"]) == 2
     assert "cannot" in capsys.readouterr().err
+
+
+def _serve_config(monkeypatch, argv: list[str]):
+    """The AppConfig ``dualpath serve ARGV`` would run (nothing is started)."""
+    import dualpath.server.serve as serve_module
+
+    seen = []
+    monkeypatch.setattr(serve_module, "serve", lambda config: seen.append(config))
+    assert main(["serve", *argv]) == 0
+    return seen[0]
+
+
+def test_serve_takes_the_store_capacity_as_a_flag_or_a_setting(monkeypatch):
+    flag = _serve_config(monkeypatch, ["--store-capacity-gb", "12.5"])
+    assert flag.cluster.storage.capacity_gb == 12.5
+    setting = _serve_config(monkeypatch, ["--set", "storage.capacity_gb=7"])
+    assert setting.cluster.storage.capacity_gb == 7.0
+    unset = _serve_config(monkeypatch, [])
+    assert unset.cluster.storage.capacity_gb is None  # serve picks the default at start
+    assert unset.serve.store_capacity_fraction == 0.5 and unset.serve.keep_runs == 10
+
+
+def test_serve_refuses_a_capacity_that_is_not_a_positive_size(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--store-capacity-gb", "-1"])
+    assert "expected a size in GB > 0" in capsys.readouterr().err

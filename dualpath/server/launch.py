@@ -4,8 +4,9 @@ Prefill engine i runs on node i and decode engine j on node ``num_prefill + j``,
 own storage client (its node's storage NIC and read queue) over the shared store root, and its
 own Mooncake endpoint. ``ClusterBase`` owns the router and the request API; a launcher
 subclass places the engines: ``LocalCluster`` as children of this process (logs in
-``log_dir``), ``RayCluster`` (``launch_ray.py``) as Ray actors, and ``ExternalCluster`` starts
-none and waits for engines that join by ``dualpath engine --router tcp://HOST:PORT``.
+``log_dir``, each rotated at ``LOG_MAX_BYTES`` with ``LOG_BACKUPS`` old files), ``RayCluster``
+(``launch_ray.py``) as Ray actors, and ``ExternalCluster`` starts none and waits for engines
+that join by ``dualpath engine --router tcp://HOST:PORT``.
 Every launcher starts an engine with the same command line (``engine_command``): the engine
 takes its configuration from the router, never from its arguments.
 """
@@ -26,9 +27,16 @@ from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
 from dualpath.request import SamplingParams
 from dualpath.server.router import ClusterOutput, RequestFuture, Router
+from dualpath.storage.node_nic import remove_dead_accounts
 
 STARTUP_TIMEOUT_S = 180.0
 WATCH_INTERVAL_S = 0.2
+# An engine's output (stdout and stderr) goes to NAME.log, which rotates to NAME.log.1, .2 when
+# it would pass LOG_MAX_BYTES: at most 15 MiB per engine. A decode engine logs a line per
+# request (~120 bytes): a file holds ~40,000 requests.
+LOG_MAX_BYTES = 5 << 20
+LOG_BACKUPS = 2
+PIPE_READ_BYTES = 1 << 16
 
 
 def engine_roles(config: ClusterConfig) -> list[tuple[str, str, int]]:
@@ -145,14 +153,18 @@ class LocalCluster(ClusterBase):
                  log_dir: str | Path | None = None) -> None:
         super().__init__(model_dir, config, log_dir)
         self._names: dict[str, subprocess.Popen] = {}  # engine name -> its process
+        self._pumps: list[threading.Thread] = []  # each copies an engine's output to its log
 
     def _start_engines(self) -> None:
         assert self.router is not None
+        removed = remove_dead_accounts()  # storage-NIC accounts of clusters that were killed
+        if removed:
+            print(f"dualpath: removed {removed} storage-NIC files of dead processes", flush=True)
         for name, role, node_id in engine_roles(self.config):
             cmd = self._engine_argv(name, role, node_id)
-            log = (self.log_dir / f"{name}.log").open("w")
-            self._names[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                 env=engine_env())
+            proc, pump = spawn_logged(cmd, self.log_dir / f"{name}.log", engine_env())
+            self._names[name] = proc
+            self._pumps.append(pump)
         watcher = threading.Thread(target=self._watch, name="engine-watch", daemon=True)
         watcher.start()
 
@@ -182,6 +194,98 @@ class LocalCluster(ClusterBase):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for pump in self._pumps:  # the last lines an engine wrote reach its log
+            pump.join(timeout=5)
+
+
+def spawn_logged(cmd: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 max_bytes: int | None = None,
+                 backups: int = LOG_BACKUPS) -> tuple[subprocess.Popen, threading.Thread]:
+    """Start ``cmd`` with its stdout and stderr going to ``log_path`` through a pipe that a
+    daemon thread (returned, ending when the process and its children closed the pipe) copies
+    into a ``RotatingLog``."""
+    log = RotatingLog(log_path, LOG_MAX_BYTES if max_bytes is None else max_bytes, backups)
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen(cmd, stdout=write_fd, stderr=subprocess.STDOUT, env=env)
+    except BaseException:
+        os.close(read_fd)
+        log.close()
+        raise
+    finally:
+        os.close(write_fd)
+    pump = threading.Thread(target=_pump, args=(read_fd, log), name=f"log-{log_path.stem}",
+                            daemon=True)
+    pump.start()
+    return proc, pump
+
+
+def _pump(read_fd: int, log: RotatingLog) -> None:
+    try:
+        while chunk := os.read(read_fd, PIPE_READ_BYTES):
+            log.write(chunk)
+    finally:
+        os.close(read_fd)
+        log.close()
+
+
+class RotatingLog:
+    """A log file that never passes ``max_bytes``: when the next write would, the file becomes
+    ``PATH.1`` (``PATH.1`` becomes ``PATH.2``, …, the oldest beyond ``backups`` is dropped)
+    and a new one starts. Lines are written whole (an unfinished one waits for its end, or
+    ``close``), so files end at a line's end unless one line is longer than a file."""
+
+    def __init__(self, path: Path, max_bytes: int = LOG_MAX_BYTES,
+                 backups: int = LOG_BACKUPS) -> None:
+        if max_bytes < 1 or backups < 0:
+            raise ValueError(f"max_bytes must be >= 1 and backups >= 0, got {max_bytes}, "
+                             f"{backups}")
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self._file = self.path.open("wb")  # a run's log starts empty, as before rotation
+        self._size = 0
+        self._unfinished = b""  # the last line written, until its end comes
+
+    def write(self, data: bytes) -> None:
+        """Append ``data``'s finished lines (flushed), rotating first where they would not fit."""
+        data = self._unfinished + data
+        end = data.rfind(b"\n") + 1
+        if len(data) - end <= self.max_bytes:
+            data, self._unfinished = data[:end], data[end:]
+        else:
+            self._unfinished = b""
+        self._append(data)
+
+    def close(self) -> None:
+        """Write what is left of an unfinished line and close the file."""
+        self._append(self._unfinished)
+        self._unfinished = b""
+        self._file.close()
+
+    def _append(self, data: bytes) -> None:
+        while len(data) > self.max_bytes - self._size:
+            room = self.max_bytes - self._size
+            cut = data.rfind(b"\n", 0, room) + 1  # the whole lines that still fit
+            if cut == 0 and self._size == 0:
+                cut = room  # a line longer than a whole file: split it
+            self._file.write(data[:cut])
+            data = data[cut:]
+            self._rotate()
+        self._file.write(data)
+        self._size += len(data)
+        self._file.flush()
+
+    def _rotate(self) -> None:
+        self._file.close()
+        for i in range(self.backups - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{i}")
+            if older.exists():
+                os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+        if self.backups:
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._file = self.path.open("wb")
+        self._size = 0
 
 
 class ExternalCluster(ClusterBase):

@@ -3,15 +3,21 @@
 Starts the router and has the configured launcher place the engines (``serve.launcher``: local
 child processes, Ray actors, or none — engines that join by ``dualpath engine --router``),
 waits until every engine said hello, writes the resolved configuration beside the engines'
-logs, prints the endpoints and serves HTTP with uvicorn. On SIGINT or SIGTERM uvicorn stops
-accepting requests, then every engine is told to shut down (and killed if it lingers): no
-process is left behind. Engines whose server died without a word stop by themselves (they find
-their router silent).
+logs, prints the endpoints and serves HTTP with uvicorn. Nothing it leaves grows without
+bound: an ``fs`` store without a ``capacity_gb`` gets one (``serve.store_capacity_fraction`` of
+the disk), and only the last ``serve.keep_runs`` run folders under ``<cache>/serve`` stay. On
+SIGINT or SIGTERM uvicorn stops accepting requests, then every engine is told to shut down
+(and killed if it lingers): no process is left behind. Engines whose server died without a
+word stop by themselves (they find their router silent).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import os
+import re
+import shutil
 import signal
 import time
 from dataclasses import replace
@@ -25,6 +31,10 @@ from dualpath.model.tokenizer import Tokenizer
 from dualpath.server.api import ModelInfo, build_app
 from dualpath.server.launch import ClusterBase, ExternalCluster, LocalCluster
 from dualpath.server.metrics import ServeMetrics
+from dualpath.storage.fs_capacity import pid_alive, stored_bytes
+
+RUN_NAME = re.compile(r"[0-9]{8}-[0-9]{6}(-[0-9]+)?")  # a run folder's name: its start time
+PID_FILE = "serve.pid"  # in a run folder: "PID START" of the serve process that uses it
 
 
 def model_info(model_dir: Path, name: str | None, kv_tokens: int) -> ModelInfo:
@@ -43,8 +53,9 @@ def serve(config: AppConfig, log_dir: Path | None = None) -> None:
     if config.cluster.storage.root == StorageConfig().root:  # the default: under the cache
         storage = replace(config.cluster.storage, root=str(cache_dir() / "kv-store"))
         config = replace(config, cluster=replace(config.cluster, storage=storage))
+    config = with_default_capacity(config)
     model_dir = resolve_model(settings.model)
-    log_dir = log_dir or cache_dir() / "serve" / time.strftime("%Y%m%d-%H%M%S")
+    log_dir = log_dir or new_run_folder(cache_dir() / "serve", settings.keep_runs)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "config.json").write_text(config_to_json(config))
     with _launcher(model_dir, config, log_dir) as cluster:
@@ -81,3 +92,91 @@ def _launcher(model_dir: Path, config: AppConfig, log_dir: Path) -> ClusterBase:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def with_default_capacity(config: AppConfig) -> AppConfig:
+    """``config`` with its ``fs`` store capped at ``serve.store_capacity_fraction`` of the free
+    disk plus what the store holds (printed), when ``storage.capacity_gb`` is unset. An
+    explicit capacity, another backend or a fraction of 0 leaves ``config`` as it is."""
+    storage = config.cluster.storage
+    fraction = config.serve.store_capacity_fraction
+    if storage.backend != "fs" or storage.capacity_gb is not None or fraction == 0:
+        return config
+    root = Path(storage.root)
+    root.mkdir(parents=True, exist_ok=True)
+    free, held = shutil.disk_usage(root).free, stored_bytes(root)
+    capacity_gb = default_capacity_gb(free, held, fraction)
+    print(f"dualpath serve: KV store {root} capped at {capacity_gb:g} GB ({fraction:.0%} of "
+          f"{free / 1e9:.1f} GB free + {held / 1e9:.1f} GB stored; --store-capacity-gb or "
+          "storage.capacity_gb sets it)", flush=True)
+    storage = replace(storage, capacity_gb=capacity_gb)
+    return replace(config, cluster=replace(config.cluster, storage=storage))
+
+
+def default_capacity_gb(free_bytes: int, stored: int, fraction: float) -> float:
+    """``fraction`` of the free and the stored bytes, in GB (1e9, as ``capacity_gb``), rounded
+    down to 0.1 GB. The stored bytes count because eviction frees them: without them each
+    restart would cap a full store lower than the last."""
+    return math.floor(fraction * (free_bytes + stored) / 1e8) / 10
+
+
+def new_run_folder(parent: Path, keep_runs: int) -> Path:
+    """A new folder under ``parent`` named by the time, marked as this process's (its pid file);
+    then run folders beyond the newest ``keep_runs`` are removed, unless a live process uses
+    them. Only folders named like runs are considered; nothing outside ``parent`` is touched."""
+    parent.mkdir(parents=True, exist_ok=True)
+    name = time.strftime("%Y%m%d-%H%M%S")
+    folder = parent / name
+    try:
+        folder.mkdir()
+    except FileExistsError:  # another server started in the same second
+        folder = parent / f"{name}-{os.getpid()}"
+        folder.mkdir(exist_ok=True)
+    (folder / PID_FILE).write_text(f"{os.getpid()} {_started(os.getpid())}\n")
+    removed = prune_runs(parent, keep_runs, current=folder)
+    if removed:
+        print(f"dualpath serve: removed {len(removed)} old run folders of {parent} "
+              f"(serve.keep_runs = {keep_runs})", flush=True)
+    return folder
+
+
+def prune_runs(parent: Path, keep_runs: int, current: Path | None = None) -> list[Path]:
+    """Remove the run folders of ``parent`` older than the newest ``keep_runs`` (by name, the
+    start time), except ``current`` and those whose serve process is alive; returns them."""
+    runs = sorted((p for p in parent.iterdir()
+                   if RUN_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink()),
+                  key=lambda p: p.name)
+    removed = []
+    for folder in runs[: max(0, len(runs) - keep_runs)]:
+        if folder != current and not run_in_use(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def run_in_use(folder: Path) -> bool:
+    """Whether the serve process named in ``folder``'s pid file is alive: its pid exists and,
+    where the file gives its start time, the process with that pid started then (a reused
+    pid, as in a container where every server is pid 1, is not the same server)."""
+    try:
+        pid_text, _, started = (folder / PID_FILE).read_text().strip().partition(" ")
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return False  # no pid file (a run from before they existed) or a damaged one
+    if not pid_alive(pid):
+        return False
+    now = _started(pid)
+    try:
+        return abs(float(started) - float(now)) < 1.0
+    except ValueError:  # a start time unknown then or now: the pid alone decides
+        return True
+
+
+def _started(pid: int) -> str:
+    """When process ``pid`` started (epoch seconds, as psutil gives it), or "" if unknown."""
+    import psutil
+
+    try:
+        return f"{psutil.Process(pid).create_time():.2f}"
+    except (psutil.Error, OSError):
+        return ""

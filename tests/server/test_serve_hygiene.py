@@ -1,0 +1,240 @@
+"""What ``dualpath serve`` leaves on a machine stays bounded: the store's default capacity, the
+last run folders only, rotated engine logs, and no storage-NIC files of dead clusters."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dualpath.config import ClusterConfig, StorageConfig
+from dualpath.config_file import AppConfig, ServeConfig
+from dualpath.server import launch
+from dualpath.server import serve as serve_mod
+from dualpath.server.launch import LocalCluster
+from dualpath.storage.node_nic import account_folder
+
+GB = 10**9
+DiskUsage = namedtuple("DiskUsage", "total used free")
+
+
+class _Stopped(Exception):
+    """Raised instead of starting a cluster: serve() got as far as its launcher."""
+
+
+@pytest.fixture
+def launched(tmp_path, monkeypatch):
+    """Runs ``serve(config)`` up to its launcher; returns what the launcher was given."""
+    monkeypatch.setenv("DUALPATH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(serve_mod, "resolve_model", lambda name: tmp_path / "model")
+    seen: dict = {}
+
+    def launcher(model_dir, config, log_dir):
+        seen.update(config=config, log_dir=log_dir)
+        raise _Stopped
+
+    monkeypatch.setattr(serve_mod, "_launcher", launcher)
+
+    def run(config: AppConfig) -> dict:
+        with pytest.raises(_Stopped):
+            serve_mod.serve(config)
+        return seen
+
+    return run
+
+
+def _free_disk(monkeypatch, free_bytes: int) -> None:
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: DiskUsage(4 * free_bytes,
+                                                                     3 * free_bytes, free_bytes))
+
+
+# -- the store's capacity -----------------------------------------------------------------------
+
+
+def test_serve_caps_its_default_store_at_half_the_free_disk(launched, monkeypatch, capsys):
+    _free_disk(monkeypatch, 100 * GB)
+    seen = launched(AppConfig())
+    storage = seen["config"].cluster.storage
+    assert storage.capacity_gb == 50.0
+    assert storage.root == str(Path(os.environ["DUALPATH_CACHE_DIR"]) / "kv-store")
+    assert "capped at 50 GB (50% of 100.0 GB free + 0.0 GB stored" in capsys.readouterr().out
+    written = json.loads((seen["log_dir"] / "config.json").read_text())
+    assert written["cluster"]["storage"]["capacity_gb"] == 50.0  # engines get it too
+
+
+def test_the_default_capacity_counts_what_the_store_already_holds(launched, monkeypatch,
+                                                                  tmp_path):
+    root = tmp_path / "kv"
+    block = root / "m" / "l" / "bs64" / "ab" / "cd" / ("ab" * 16 + ".kvb")
+    block.parent.mkdir(parents=True)
+    with block.open("wb") as f:
+        f.truncate(2 * GB)  # sparse: 2 GB by size, none on disk
+    _free_disk(monkeypatch, 10 * GB)
+    config = AppConfig(ClusterConfig(storage=StorageConfig(root=str(root))))
+    assert launched(config)["config"].cluster.storage.capacity_gb == 6.0  # half of 10 + 2
+
+
+@pytest.mark.parametrize("storage, serve, expected", [
+    (StorageConfig(capacity_gb=3.0), ServeConfig(), 3.0),  # explicit wins
+    (StorageConfig(capacity_gb=3.0), ServeConfig(store_capacity_fraction=0.9), 3.0),
+    (StorageConfig(), ServeConfig(store_capacity_fraction=0.0), None),  # opted out
+    (StorageConfig(), ServeConfig(store_capacity_fraction=0.25), 25.0),
+    (StorageConfig(backend="memory"), ServeConfig(), None),  # not a disk
+])
+def test_an_explicit_capacity_always_wins(launched, monkeypatch, storage, serve, expected):
+    _free_disk(monkeypatch, 100 * GB)
+    config = AppConfig(ClusterConfig(storage=storage), serve)
+    assert launched(config)["config"].cluster.storage.capacity_gb == expected
+
+
+def test_the_default_capacity_is_rounded_down_to_a_tenth_of_a_gb():
+    assert serve_mod.default_capacity_gb(10**9 + 999, 0, 0.5) == 0.5
+    assert serve_mod.default_capacity_gb(1_234_567_890, 0, 0.5) == 0.6
+    assert serve_mod.default_capacity_gb(0, 0, 0.5) == 0.0
+
+
+def test_store_capacity_fraction_is_checked():
+    with pytest.raises(ValueError, match="store_capacity_fraction"):
+        ServeConfig(store_capacity_fraction=1.0)
+    with pytest.raises(ValueError, match="keep_runs"):
+        ServeConfig(keep_runs=0)
+
+
+# -- run folders -------------------------------------------------------------------------------
+
+
+def _old_runs(parent: Path, count: int) -> list[Path]:
+    folders = [parent / f"20250101-0000{i:02d}" for i in range(count)]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        (folder / "pe0.log").write_text("old\n")
+    return folders
+
+
+def test_serve_keeps_the_last_runs_and_any_a_live_server_uses(launched, monkeypatch,
+                                                              tmp_path):
+    _free_disk(monkeypatch, 100 * GB)
+    parent = tmp_path / "cache" / "serve"
+    old = _old_runs(parent, 14)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (old[1] / serve_mod.PID_FILE).write_text(f"{dead.pid}\n")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (old[0] / serve_mod.PID_FILE).write_text(f"{live.pid}\n")
+        (parent / "notes").mkdir()  # not a run folder: never touched
+        (parent / "20250101-000000.txt").write_text("neither")
+        current = launched(AppConfig())["log_dir"]
+    finally:
+        live.kill()
+        live.wait()
+    left = sorted(p.name for p in parent.iterdir())
+    assert current.parent == parent and current.name in left
+    kept = [f.name for f in old[-9:]]  # nine old ones and this run: ten
+    assert left == sorted([old[0].name, *kept, current.name, "notes", "20250101-000000.txt"])
+    assert (current / serve_mod.PID_FILE).read_text().split()[0] == str(os.getpid())
+
+
+def test_a_pid_file_whose_process_started_at_another_time_is_not_in_use(tmp_path):
+    run = tmp_path / "20250101-000000"
+    run.mkdir()
+    (run / serve_mod.PID_FILE).write_text(f"{os.getpid()} 12.00\n")  # a reused pid
+    assert not serve_mod.run_in_use(run)
+    (run / serve_mod.PID_FILE).write_text(f"{os.getpid()} {serve_mod._started(os.getpid())}\n")
+    assert serve_mod.run_in_use(run)
+    assert not serve_mod.run_in_use(tmp_path)  # no pid file
+
+
+def test_two_servers_starting_in_one_second_get_their_own_folders(tmp_path):
+    first = serve_mod.new_run_folder(tmp_path, 10)
+    second = serve_mod.new_run_folder(tmp_path, 10)
+    if first.name[:15] == second.name[:15]:  # same second
+        assert second != first and second.name == f"{first.name}-{os.getpid()}"
+
+
+# -- engine logs and storage-NIC files: a local cluster whose engines are stand-ins ----------
+
+
+class _StandIns(LocalCluster):
+    """A LocalCluster whose engine processes run ``script`` instead of an engine."""
+
+    script = "pass"
+
+    def _engine_argv(self, name: str, role: str, node_id: int) -> list[str]:
+        return [sys.executable, "-c", self.script]
+
+    def _engine_env(self, name: str) -> dict[str, str]:
+        return launch.engine_env()  # no router: no control-plane key to hand out
+
+
+def _run_stand_ins(tmp_path: Path, script: str) -> ClusterConfig:
+    config = ClusterConfig(num_prefill=1, num_decode=1)
+    cluster = _StandIns(tmp_path / "model", config, log_dir=tmp_path / "logs")
+    cluster.script = script
+    cluster.log_dir.mkdir(parents=True)
+    cluster.router = SimpleNamespace(address="tcp://127.0.0.1:1", shutdown=lambda: None,
+                                     engine_lost=lambda name: None)  # a stand-in, unused
+    cluster._start_engines()
+    for name in ("pe0", "de1"):
+        assert cluster.process(name).wait(timeout=60) == 0
+    cluster.stop()
+    return config
+
+
+CHATTY = "for i in range(20000): print(f'{i:08d} ' + 'x' * 42)"  # 20,000 lines of 52 bytes
+
+
+def test_engine_logs_rotate_and_stay_under_their_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "LOG_MAX_BYTES", 64 << 10, raising=False)
+    monkeypatch.setattr(launch, "LOG_BACKUPS", 2, raising=False)
+    _run_stand_ins(tmp_path, CHATTY)
+    logs = tmp_path / "logs"
+    for name in ("pe0", "de1"):
+        files = sorted(logs.glob(f"{name}.log*"))
+        sizes = {f.name: f.stat().st_size for f in files}
+        assert set(sizes) == {f"{name}.log", f"{name}.log.1", f"{name}.log.2"}, sizes
+        assert max(sizes.values()) <= 64 << 10, sizes
+        text = (logs / f"{name}.log").read_text()
+        assert text.endswith("00019999 " + "x" * 42 + "\n")  # the newest lines, whole
+        for f in files:
+            assert all(len(line) == 52 for line in f.read_text().splitlines(keepends=True))
+
+
+def test_a_rotating_log_splits_only_a_line_longer_than_a_file(tmp_path):
+    log = launch.RotatingLog(tmp_path / "x.log", max_bytes=10, backups=1)
+    log.write(b"abc\n" + b"z" * 25 + b"\nend\n")
+    log.close()
+    assert (tmp_path / "x.log").read_bytes() == b"zzzzz\nend\n"
+    assert (tmp_path / "x.log.1").read_bytes() == b"z" * 10
+    assert not (tmp_path / "x.log.2").exists()
+
+
+def test_a_local_cluster_start_removes_storage_nic_files_of_dead_processes(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run = f"test{os.getpid()}"
+    account = account_folder() / f"dualpath-nic-{run}-node0-read"
+    holder = account_folder() / f"{account.name}.{dead.pid}.0badf00d.pid"
+    kept = account_folder() / f"dualpath-nic-{run}-node1-read"
+    kept_holder = account_folder() / f"{kept.name}.{os.getpid()}.0badf00d.pid"
+    for path in (account, holder, kept, kept_holder):
+        path.touch()
+    try:
+        _run_stand_ins(tmp_path, "pass")
+        assert not account.exists() and not holder.exists()
+        assert kept.exists() and kept_holder.exists()  # this process is alive
+    finally:
+        for path in (account, holder, kept, kept_holder):
+            path.unlink(missing_ok=True)
+
+
+def test_an_engines_last_words_reach_its_log(tmp_path):
+    _run_stand_ins(tmp_path, "import sys; print('out'); sys.stderr.write('err\\n')")
+    assert sorted((tmp_path / "logs" / "de1.log").read_text().split()) == ["err", "out"]
