@@ -19,6 +19,7 @@ from typing import Any
 
 from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
+from dualpath.server.router_types import Mode
 
 
 class ConfigError(DualPathError):
@@ -33,10 +34,22 @@ class ServeConfig:
     port: int = 8000
     model: str | None = None  # a HF folder; None: the default model (SmolLM2-135M-Instruct)
     model_name: str | None = None  # the name clients use; None: the model folder's name
-    api_key: str | None = None  # when set, every /v1 call needs "Authorization: Bearer KEY"
+    # When set, every /v1 call, /metrics and the docs need "Authorization: Bearer KEY"
+    api_key: str | None = None
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_concurrent_requests: int = 256  # more generations at once get 429
     default_max_tokens: int = 256  # when a request names none (and the context allows)
+    api_keys: tuple[str, ...] = ()  # more accepted keys beside api_key (e.g. one per tenant)
+    # With a key: each request's cache salt is derived from the key it presented (and any
+    # cache_salt it sends), so clients of different keys never hit each other's prefixes.
+    salt_by_api_key: bool = False
+    # The modes a request may name ("dualpath": {"mode": ...}); None: "dualpath" and the
+    # cluster's own mode. "oracle" answers from KV it never computed (a benchmark mode) and
+    # "recompute" ignores the cache: a client could get garbage or multiply the cost.
+    allowed_modes: tuple[str, ...] | None = None
+    # A request still running this long is aborted on the engines and answered 504 (a stream:
+    # an error event), so a hung engine cannot hold concurrency slots for ever.
+    request_timeout_s: float = 600.0
     # Who places the engines: "local" (child processes), "ray" (Ray actors on the nodes whose
     # custom resources name them) or "none" (engines join with `dualpath engine --router`).
     launcher: str = "local"
@@ -49,6 +62,16 @@ class ServeConfig:
     store_capacity_fraction: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.api_key == "" or any(not isinstance(k, str) or not k for k in self.api_keys):
+            raise ValueError("serve.api_key and serve.api_keys must be non-empty strings")
+        if self.allowed_modes is not None:
+            modes = [str(m) for m in Mode]
+            if not self.allowed_modes or not set(self.allowed_modes) <= set(modes):
+                raise ValueError(f"serve.allowed_modes takes some of {', '.join(modes)}, got "
+                                 f"{list(self.allowed_modes)}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"serve.request_timeout_s must be > 0, got "
+                             f"{self.request_timeout_s}")
         if self.launcher not in ("local", "ray", "none"):
             raise ValueError(f"serve.launcher must be local, ray or none, got {self.launcher!r}")
         if not 0 <= self.port < 65536:

@@ -3,8 +3,9 @@
 Fields the OpenAI API defines and dualpath ignores (``user``, ``logprobs: false`` …) are
 accepted and ignored, as vLLM does; fields it cannot honour (``n`` > 1, ``logprobs``) are
 refused with 400. Extensions for trace replay and ablations: ``ignore_eos``, ``min_tokens``,
-``return_token_ids`` (vLLM's name: the prompt and generated token ids come back with the text)
-and a ``dualpath`` object (``mode``, ``read_path``).
+``return_token_ids`` (vLLM's name: the prompt and generated token ids come back with the text),
+``cache_salt`` (vLLM's name: a request hits only prefixes stored under the same salt) and a
+``dualpath`` object (``mode``, ``read_path``; the server decides which modes are allowed).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dualpath.server.router_types import Mode, ReadPath
 
 NonNegInt = Annotated[int, Field(ge=0)]
+MAX_CACHE_SALT_CHARS = 256
 
 
 class APIError(Exception):
@@ -76,6 +78,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
     return_token_ids: bool = False
+    cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
     dualpath: DualPathOptions | None = None
 
     @field_validator("stop")
@@ -87,6 +90,13 @@ class _Sampling(BaseModel):
         if not all(_is_utf8(s) for s in items):  # msgpack could not send them to the engines
             raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
         return stop
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_text(cls, salt: str | None) -> str | None:
+        if salt is not None and not _is_utf8(salt):  # it travels to the engines in msgpack
+            raise ValueError("cache_salt must be valid Unicode (no lone surrogates)")
+        return salt
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple."""

@@ -4,11 +4,14 @@ Names follow vLLM's where one exists (``time_to_first_token_seconds``,
 ``e2e_request_latency_seconds``, ``num_requests_running`` …) under the ``dualpath:`` prefix.
 Request-level series are updated by the API handlers as requests run; cluster-level ones are
 read at scrape time from the router's own accounting, its engines' last heartbeats and their
-counters (storage bytes and errors per node, compute-NIC bytes per lane per engine).
+counters (storage bytes and errors per node, compute-NIC bytes per lane per engine). A scrape
+never fails for the cluster's sake: without a router thread, or when the router or an engine
+does not answer, the page has what could be read (logged), down to the request-level series.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -20,6 +23,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from dualpath.server.router import Router
 
+log = logging.getLogger("dualpath.metrics")
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 STORAGE_KEYS = ("snic_read_bytes", "snic_write_bytes", "read_errors", "write_errors",
@@ -32,8 +36,8 @@ class ServeMetrics:
     def __init__(self, router: Router | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("dualpath:requests", "Requests by outcome "
-                                "(finished, failed, aborted, rejected)", ["outcome"], registry=r)
+        self.requests = Counter("dualpath:requests", "Requests by outcome (finished, failed, "
+                                "aborted, timed_out, rejected)", ["outcome"], registry=r)
         self.ttft = Histogram("dualpath:time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS_S, registry=r)
         self.tt2t = Histogram("dualpath:time_to_second_token_seconds",
@@ -100,7 +104,15 @@ class ClusterCollector(Collector):
         self.timeout_s = timeout_s
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        counters = self.router.counters()
+        if not self.router.alive:
+            log.warning("metrics: the router thread is not running: no cluster series")
+            return
+        try:
+            counters = self.router.counters()
+            ages = self.router.heartbeat_ages()
+        except Exception as exc:  # a stuck router: its queries time out
+            log.warning("metrics: the router did not answer (%r): no cluster series", exc)
+            return
         yield _gauge("dualpath:num_requests_waiting", "Requests queued for placement",
                      counters["queued"])
         yield _gauge("dualpath:num_requests_running", "Requests placed on engines",
@@ -111,15 +123,21 @@ class ClusterCollector(Collector):
                        counters["dropped_messages"])
         yield _counter("dualpath:router_corrected_requests",
                        "Requests an engine lost track of, placed again", counters["corrected"])
-        ages = GaugeMetricFamily("dualpath:heartbeat_age_seconds",
-                                 "Seconds since each engine's last heartbeat", labels=["engine"])
-        for name, age in self.router.heartbeat_ages().items():
-            ages.add_metric([name], age)
-        yield ages
-        yield from self._engine_counters()
+        family = GaugeMetricFamily("dualpath:heartbeat_age_seconds",
+                                   "Seconds since each engine's last heartbeat",
+                                   labels=["engine"])
+        for name, age in ages.items():
+            family.add_metric([name], age)
+        yield family
+        try:
+            engines = self.router.collect_metrics(self.timeout_s)
+        except Exception as exc:  # an engine that did not answer in time, a router gone since
+            log.warning("metrics: the engine counters could not be collected (%r); the page "
+                        "has the router's series only", exc)
+            return
+        yield from self._engine_counters(engines)
 
-    def _engine_counters(self) -> Iterator[CounterMetricFamily]:
-        engines = self.router.collect_metrics(self.timeout_s)
+    def _engine_counters(self, engines: dict[str, dict]) -> Iterator[CounterMetricFamily]:
         storage = CounterMetricFamily("dualpath:storage", "Storage counters per node "
                                       "(bytes read and written, errors, misses)",
                                       labels=["engine", "node", "counter"])

@@ -52,7 +52,8 @@ def byte_model(model_dir: Path, router: Router) -> ModelInfo:
         return encode("".join(f"<{m['role']}>{m['content']}\n" for m in messages))
 
     context = min(spec.max_position, router.state.capacity.kv_tokens)
-    return ModelInfo(MODEL, spec.vocab_size, context, encode, decode, encode_chat)
+    return ModelInfo(MODEL, spec.vocab_size, context, encode, decode, encode_chat,
+                     max_token_chars=1)
 
 
 def tiny_cluster_config(root: Path) -> ClusterConfig:
@@ -65,6 +66,13 @@ def tiny_cluster_config(root: Path) -> ClusterConfig:
 @contextlib.contextmanager
 def serving(app: FastAPI) -> Iterator[tuple[str, threading.Thread]]:
     """Serve ``app`` with uvicorn on a free loopback port (a thread); yield its URL."""
+    with uvicorn_serving(app) as (url, _, thread):
+        yield url, thread
+
+
+@contextlib.contextmanager
+def uvicorn_serving(app: FastAPI) -> Iterator[tuple[str, uvicorn.Server, threading.Thread]]:
+    """Like ``serving``, and the uvicorn server too."""
     # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else ~40 ms a reply)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
@@ -76,7 +84,7 @@ def serving(app: FastAPI) -> Iterator[tuple[str, threading.Thread]]:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", thread
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
     finally:
         server.should_exit = True
         thread.join(15)
@@ -162,7 +170,11 @@ BAD_REQUESTS = {
     "prompt over the context": (COMPLETIONS, {"model": MODEL, "prompt": "a" * 1100}, 400,
                                 ("1024", "1100")),
     "chat over the context": (CHAT, {"model": MODEL, "messages": [
-        {"role": "user", "content": "a" * 1100}]}, 400, ("1024", "1107")),
+        {"role": "user", "content": "a" * 1100}]}, 400, ("1024", "1100 characters")),
+    "chat over the context once rendered": (CHAT, {"model": MODEL, "messages": [
+        {"role": "user", "content": "a" * 1020}]}, 400, ("1024", "1027")),
+    "token ids over the context": (COMPLETIONS, {"model": MODEL, "prompt": [1] * 1025}, 400,
+                                   ("1024", "1025 tokens")),
     "prompt + max_tokens over the context": (
         COMPLETIONS, {"model": MODEL, "prompt": "a" * 1000, "max_tokens": 100}, 400,
         ("1024", "1000 prompt tokens", "100 completion tokens")),

@@ -43,7 +43,8 @@ JUNK = st.one_of(JUNK_SCALAR, st.lists(JUNK_SCALAR, max_size=3),
 WORDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)  # no lone surrogates
 TOKEN_IDS = st.lists(st.integers(0, 299), min_size=1, max_size=40)
 MODES = ["basic", "layerwise", "dualpath", "oracle", "recompute"]
-# basic keeps every layer resident: a cluster whose PEs hold a layer window refuses it (a 400)
+# basic keeps every layer resident: a cluster whose PEs hold a layer window refuses it (a 400);
+# the fuzzed server allows every mode (by default only dualpath and the cluster's own)
 SERVED_MODES = [m for m in MODES if m != "basic"]
 READ_PATHS = ["auto", "pe", "de", "split"]
 ROLES = ["system", "developer", "user", "assistant", "tool"]
@@ -63,6 +64,7 @@ SAMPLING = {
     "min_tokens": st.integers(0, 8),
     "dualpath": st.fixed_dictionaries({}, optional={"mode": st.sampled_from(SERVED_MODES),
                                                     "read_path": st.sampled_from(READ_PATHS)}),
+    "cache_salt": st.one_of(st.none(), WORDS),
     "user": TEXT,  # accepted and ignored
 }
 PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
@@ -101,6 +103,7 @@ BAD = {  # per field: values out of range or mistyped (or, by chance, valid afte
     "stop": st.one_of(st.lists(ODD_TEXT, min_size=1, max_size=4), ODD_TEXT,
                       st.lists(WORDS, min_size=5, max_size=6), st.just([""]), JUNK),
     "seed": st.one_of(st.integers(max_value=-(2**63) - 1), st.integers(min_value=2**64), JUNK),
+    "cache_salt": st.one_of(ODD_TEXT, st.text(min_size=257, max_size=300), JUNK),
     "dualpath": st.one_of(st.fixed_dictionaries({}, optional={
         "mode": st.one_of(st.sampled_from(MODES), TEXT), "read_path": JUNK,
         "speed": st.integers()}), JUNK),
@@ -169,10 +172,10 @@ def check_answer(method: str, raw: bytes, valid: bool, response: httpx.Response)
         return
     if response.headers["content-type"].startswith("text/event-stream"):
         events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
-        assert events, raw[:300]
-        *chunks, last = events
-        assert all("choices" in json.loads(c) or "usage" in json.loads(c) for c in chunks)
-        assert last == "[DONE]" or (not valid and "error" in json.loads(last)), last
+        assert events and events[-1] == "[DONE]", raw[:300]
+        *chunks, last = [json.loads(e) for e in events[:-1]]
+        assert all("choices" in c or "usage" in c for c in chunks)
+        assert "choices" in last or "usage" in last or (not valid and "error" in last), last
     else:
         answer = response.json()
         assert answer["choices"][0]["finish_reason"] in ("stop", "length")
@@ -185,7 +188,8 @@ def test_fuzzed_requests_never_get_a_5xx(tiny_chaotic_dir, tmp_path):
                       log_dir=tmp_path / "logs") as cluster:
         router = cluster.router
         app = build_app(router, byte_model(tiny_chaotic_dir, router),
-                        ServeConfig(default_max_tokens=4), ServeMetrics(router))
+                        ServeConfig(default_max_tokens=4, allowed_modes=tuple(MODES)),
+                        ServeMetrics(router))
         with serving(app) as (url, thread), httpx.Client(base_url=url, timeout=10) as client:
 
             @settings(max_examples=EXAMPLES, deadline=None, database=None,

@@ -38,10 +38,27 @@ def test_defaults_without_a_file():
     ("storage=3", "storage must be a table"),
     ("num_decode", "key=value"),
     ("serve.port=70000", "serve.port must be in"),
+    ('serve.allowed_modes=["dualpath", "warp"]', "serve.allowed_modes takes some of"),
+    ("serve.allowed_modes=[]", "serve.allowed_modes takes some of"),
+    ("serve.request_timeout_s=0", "serve.request_timeout_s must be > 0"),
+    ('serve.api_keys=["a", ""]', "serve.api_key and serve.api_keys must be non-empty"),
+    ("serve.salt_by_api_key=1", "serve.salt_by_api_key must be bool"),
 ])
 def test_bad_keys_and_values_are_named(override, names):
     with pytest.raises(ConfigError, match=names.replace("(", r"\(")):
         load_config(overrides=[override])
+
+
+def test_serve_guards_from_the_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[serve]\nallowed_modes = ["dualpath", "basic"]\nrequest_timeout_s = 30\n'
+                    'api_keys = ["sk-a", "sk-b"]\nsalt_by_api_key = true\n')
+    serve = load_config(path).serve
+    assert serve.allowed_modes == ("dualpath", "basic") and serve.request_timeout_s == 30.0
+    assert serve.api_keys == ("sk-a", "sk-b") and serve.salt_by_api_key
+    defaults = load_config().serve
+    assert defaults.allowed_modes is None and defaults.request_timeout_s == 600.0
+    assert defaults.api_keys == () and not defaults.salt_by_api_key
 
 
 def test_a_broken_file_is_named(tmp_path):
