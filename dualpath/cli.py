@@ -164,10 +164,30 @@ def _cmd_store_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from dualpath.control_keys import ClusterKeys
+    from dualpath.protocol import check_engine
+
+    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    for name in names:
+        try:
+            check_engine(name)
+        except ValueError as exc:
+            raise DualPathError(str(exc)) from exc
+    if not names or len(set(names)) != len(names):
+        raise DualPathError("--engines needs distinct engine names, e.g. pe0,de1,de2")
+    folder = ClusterKeys.generate(names).write(args.dir)
+    print(f"keys for the router and {len(names)} engines in {folder}: start the router with "
+          f"`--set control_keys={folder}`; copy {folder}/engines/NAME.json to engine NAME's "
+          "host only and start it with `dualpath engine --key FILE`")
+    return 0
+
+
 def _cmd_engine(args: argparse.Namespace) -> int:
     import logging
 
     from dualpath.config_file import override_cluster_config
+    from dualpath.control_keys import engine_key_from
     from dualpath.engine.join import (
         Advertised,
         check_model,
@@ -181,16 +201,17 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     from dualpath.model.spec import model_id
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    name = args.name or f"{args.role[0]}e{args.node_id}"
+    key = engine_key_from(args.key, args.name)
+    name = args.name or key.name
     host = args.host or local_address_towards(router_host(args.router))
     model_dir = resolve_model(args.model)
-    joined = join_router(args.router, name, args.role, args.node_id, args.join_timeout_s)
+    joined = join_router(args.router, name, args.role, args.node_id, args.join_timeout_s, key)
     check_model(joined, model_id(model_dir), str(model_dir))
     config = override_cluster_config(joined.config, args.set)
     advertised = Advertised(host, config.transfer_protocol, args.rdma_devices)
     config = localized(config, advertised)
     identity = EngineIdentity(name, args.role, args.node_id)
-    return EngineProcess(identity, model_dir, config, args.router, advertised,
+    return EngineProcess(identity, model_dir, config, args.router, key, advertised,
                          joined.cluster_id).serve()
 
 
@@ -306,7 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     eng_proc.add_argument("--role", choices=("prefill", "decode"), required=True)
     eng_proc.add_argument("--node-id", type=int, required=True,
                           help="this host's node (engines of one node share its storage NIC)")
-    eng_proc.add_argument("--name", default=None, help="unique engine name (default: pe<N>/de<N>)")
+    eng_proc.add_argument("--name", default=None,
+                          help="unique engine name (default: the one its key names)")
+    eng_proc.add_argument("--key", default=None,
+                          help="this engine's control-plane key file (`dualpath keys`, or "
+                               "written by `serve --launcher none`; default: the key in "
+                               "$DUALPATH_ENGINE_KEY, which local launchers set)")
     eng_proc.add_argument("--router", required=True,
                           help="the router's engine endpoint, tcp://HOST:PORT; the engine takes "
                                "the cluster's configuration from it")
@@ -345,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ver.add_argument("--json", default=None, help="also write the report here")
     ver.set_defaults(func=_cmd_store_verify)
+
+    keys = sub.add_parser("keys", help="make control-plane keys for a router and its engines "
+                          "(engines on other hosts: `serve --set control_keys=DIR`, "
+                          "`engine --key DIR/engines/NAME.json`)")
+    keys.add_argument("dir", help="where to write router.json and engines/NAME.json")
+    keys.add_argument("--engines", required=True,
+                      help="comma-separated engine names, e.g. pe0,de1,de2")
+    keys.set_defaults(func=_cmd_keys)
 
     prof = sub.add_parser("profile", help="measure prefill cost and storage read rate (α, β)")
     prof.add_argument("--json", required=True, help="where to write the profile")

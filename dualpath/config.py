@@ -156,6 +156,9 @@ class ClusterConfig:
     # How engines move KV between each other: Mooncake "tcp", or "rdma" (each engine names
     # its RDMA devices with `dualpath engine --rdma-devices`).
     transfer_protocol: str = "tcp"
+    # A folder of control-plane keys (`dualpath keys`: router.json, engines/NAME.json); None:
+    # the router makes keys for the engines its config names (control_keys.py)
+    control_keys: str | None = None
 
     def __post_init__(self) -> None:
         if self.transfer_protocol not in ("tcp", "rdma"):
@@ -204,3 +207,9 @@ def cluster_config_from_json(text: str) -> ClusterConfig:
     return ClusterConfig(engine=EngineConfig(**data.pop("engine")),
                          storage=StorageConfig(**data.pop("storage")),
                          traffic=TrafficConfig(**traffic), **data)
+
+
+def engine_roles(config: ClusterConfig) -> list[tuple[str, str, int]]:
+    """``(name, role, node_id)`` of every engine the config asks for, prefill first."""
+    roles = ["prefill"] * config.num_prefill + ["decode"] * config.num_decode
+    return [(f"{role[0]}e{node_id}", role, node_id) for node_id, role in enumerate(roles)]

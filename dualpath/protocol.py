@@ -2,17 +2,22 @@
 
 Messages carry ids, token ids, counts and buffer addresses — never KV bytes (those move through
 the storage and transfer backends). Each message is a frozen dataclass; on the wire it is a
-msgpack map with a ``type`` field. No pickle crosses a socket.
+msgpack map with a ``type`` field. No pickle crosses a socket. ``decode`` checks a frame
+against its message's schema (``protocol_check``: every field's type, numbers finite and not
+negative, roles and names valid) before anything reads it: a frame that does not fit is a
+``ProtocolError``, never a message.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple
 
 import msgpack
 
 from dualpath.errors import DualPathError
+from dualpath.protocol_check import check_fields
 
 
 class ProtocolError(DualPathError):
@@ -21,6 +26,20 @@ class ProtocolError(DualPathError):
 
 _TYPES: dict[str, type[Message]] = {}
 HEARTBEAT_SUFFIX = "/hb"  # an engine's heartbeat socket is its name plus this
+JOIN_SUFFIX = "/join"  # ... and the socket it joins with (``Join``) its name plus this
+ROLES = ("prefill", "decode")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_engine(name: str, role: str | None = None, node_id: int = 0) -> None:
+    """``ValueError`` unless ``name`` is a valid engine name (letters, digits, ``._-``, at most
+    64), ``role`` (when given) a known role and ``node_id`` not negative."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"engine name {name!r} must match {_NAME.pattern}")
+    if role is not None and role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if not isinstance(node_id, int) or node_id < 0:
+        raise ValueError(f"node id must be an integer >= 0, got {node_id!r}")
 
 
 @dataclass(frozen=True)
@@ -40,13 +59,18 @@ def encode(message: Message) -> bytes:
 
 
 def decode(raw: bytes) -> Message:
-    """Parse bytes into the message class their ``type`` names."""
+    """Parse bytes into the message class their ``type`` names, checked against its schema;
+    ``ProtocolError`` for anything else."""
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        if not isinstance(data, dict):
+            raise ValueError("not a map")
         cls = _TYPES[data.pop("type")]
         names = {f.name for f in fields(cls)}
-        return cls(**{k: _tuples(v) for k, v in data.items() if k in names})
-    except (KeyError, TypeError, ValueError, msgpack.ExtraData) as exc:
+        values = {k: _tuples(v) for k, v in data.items() if k in names}
+        check_fields(cls, values)
+        return cls(**values)
+    except (KeyError, TypeError, ValueError, RecursionError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"bad control message: {exc}") from exc
 
 
@@ -64,6 +88,9 @@ class Join(Message):
     role: str  # "prefill" | "decode"
     node_id: int
 
+    def __post_init__(self) -> None:
+        check_engine(self.name, self.role, self.node_id)
+
 
 @dataclass(frozen=True)
 class Hello(Message):
@@ -77,6 +104,9 @@ class Hello(Message):
     nic_address: str = ""  # where peers ask this engine's compute NIC for a grant ("": none)
     ep_buffer_addr: int = 0  # the EP traffic generator's receive buffer (0: EP traffic off)
     ep_buffer_bytes: int = 0  # its size (a peer never writes past it)
+
+    def __post_init__(self) -> None:
+        check_engine(self.name, self.role, self.node_id)
 
 
 @dataclass(frozen=True)
@@ -283,6 +313,8 @@ class Peers(Message):
     def __post_init__(self) -> None:
         # msgpack hands back plain arrays: give them their field names again
         object.__setattr__(self, "peers", tuple(PeerInfo(*p) for p in self.peers))
+        for peer in self.peers:
+            check_engine(peer.name, peer.role, peer.node_id)
 
 
 @dataclass(frozen=True)

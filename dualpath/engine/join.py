@@ -23,11 +23,12 @@ from urllib.parse import urlsplit
 import zmq
 
 from dualpath.config import ClusterConfig, cluster_config_from_json
+from dualpath.control_keys import EngineKey
+from dualpath.control_socket import curve_client
 from dualpath.errors import DualPathError
-from dualpath.protocol import Join, JoinConfig, ProtocolError, decode, encode
+from dualpath.protocol import JOIN_SUFFIX, Join, JoinConfig, ProtocolError, decode, encode
 
 JOIN_RETRY_S = 1.0  # resend Join this often while the router is not (yet) answering
-JOIN_SUFFIX = "/join"  # the identity of the joining socket: the engine's name plus this
 LOOPBACK = "127.0.0.1"
 
 
@@ -74,22 +75,28 @@ def local_address_towards(host: str) -> str:
 
 
 def join_router(router_address: str, name: str, role: str, node_id: int,
-                timeout_s: float) -> Joined:
+                timeout_s: float, key: EngineKey) -> Joined:
     """Ask the router for the cluster config; resend every ``JOIN_RETRY_S`` (a router that
     starts later is waited for) and raise ``EngineJoinError`` after ``timeout_s`` of silence
     or when the router refuses."""
     router_host(router_address)
+    try:
+        join = Join(name, role, node_id)
+    except ValueError as exc:
+        raise EngineJoinError(f"{name!r} cannot join: {exc}") from exc
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, (name + JOIN_SUFFIX).encode())
     sock.setsockopt(zmq.LINGER, 0)
+    curve_client(sock, key)
     sock.connect(router_address)
     try:
-        answer = _ask(sock, Join(name, role, node_id), timeout_s)
+        answer = _ask(sock, join, timeout_s)
     finally:
         sock.close(0)
     if answer is None:
         raise EngineJoinError(f"no answer from the router at {router_address} within "
-                              f"{timeout_s:g} s (is it up, and reachable from this host?)")
+                              f"{timeout_s:g} s (is it up, reachable from this host, and is "
+                              f"{name}'s key one this router knows?)")
     if answer.error:
         raise EngineJoinError(f"the router at {router_address} refused {name}: {answer.error}")
     return Joined(cluster_config_from_json(answer.config_json), answer.model_id,

@@ -31,6 +31,7 @@ import torch
 import zmq
 
 from dualpath.config import ClusterConfig, EngineConfig, engine_config_for
+from dualpath.control_keys import EngineKey
 from dualpath.control_socket import engine_socket
 from dualpath.engine.decode import DecodeWorker
 from dualpath.engine.ep_traffic import EpPeer, EpTraffic, ep_metrics_off
@@ -81,8 +82,9 @@ class EngineProcess:
     """Everything one engine owns, and its loop."""
 
     def __init__(self, identity: EngineIdentity, model_dir: Path, config: ClusterConfig,
-                 router_address: str, advertised: Advertised | None = None,
+                 router_address: str, key: EngineKey, advertised: Advertised | None = None,
                  cluster_id: str = "") -> None:
+        """``key``: this engine's control-plane key (``control_keys.py``)."""
         from dualpath.transfer.mooncake import MooncakeBackend
 
         apply_process_settings(config.engine)
@@ -112,7 +114,7 @@ class EngineProcess:
             self.worker.on_step = self.ep.exchange  # each step waits for its all-to-all
         self._peer_endpoints: set[str] = set()  # other engines' transfer endpoints, as known
         self.config = config
-        self.socket = engine_socket(identity.name, router_address)
+        self.socket = engine_socket(identity.name, router_address, key)
         self._running = True
         self._router_gone = False
         self._loop_at_s = time.monotonic()  # when the work loop last read its inbox
@@ -120,7 +122,7 @@ class EngineProcess:
         self._rejoin = threading.Event()  # the router forgot us: drop everything, say hello
         self._heart = threading.Thread(target=self._heartbeat,
                                        args=(engine_socket(identity.name + HEARTBEAT_SUFFIX,
-                                                     router_address),),
+                                                           router_address, key),),
                                        name="heartbeat", daemon=True)
 
     def send(self, messages: list[Message]) -> None:

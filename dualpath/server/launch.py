@@ -23,7 +23,8 @@ from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
-from dualpath.config import ClusterConfig
+from dualpath.config import ClusterConfig, engine_roles
+from dualpath.control_keys import ENGINE_KEY_ENV
 from dualpath.errors import DualPathError
 from dualpath.request import SamplingParams
 from dualpath.server.router import ClusterOutput, RequestFuture, Router
@@ -37,12 +38,6 @@ WATCH_INTERVAL_S = 0.2
 LOG_MAX_BYTES = 5 << 20
 LOG_BACKUPS = 2
 PIPE_READ_BYTES = 1 << 16
-
-
-def engine_roles(config: ClusterConfig) -> list[tuple[str, str, int]]:
-    """``(name, role, node_id)`` of every engine the config asks for, prefill first."""
-    roles = ["prefill"] * config.num_prefill + ["decode"] * config.num_decode
-    return [(f"{role[0]}e{node_id}", role, node_id) for node_id, role in enumerate(roles)]
 
 
 def engine_command(name: str, role: str, node_id: int, router_address: str,
@@ -95,6 +90,11 @@ class ClusterBase:
 
     def _startup_timeout_s(self) -> float:
         return STARTUP_TIMEOUT_S
+
+    def _engine_env(self, name: str) -> dict[str, str]:
+        """Engine ``name``'s environment: ``engine_env`` plus its control-plane key."""
+        assert self.router is not None
+        return {**engine_env(), ENGINE_KEY_ENV: self.router.keys.engine_key(name).to_json()}
 
     def _start_engines(self) -> None:
         """Place every engine (non-blocking: ``start`` waits for their hellos)."""
@@ -162,7 +162,7 @@ class LocalCluster(ClusterBase):
             print(f"dualpath: removed {removed} storage-NIC files of dead processes", flush=True)
         for name, role, node_id in engine_roles(self.config):
             cmd = self._engine_argv(name, role, node_id)
-            proc, pump = spawn_logged(cmd, self.log_dir / f"{name}.log", engine_env())
+            proc, pump = spawn_logged(cmd, self.log_dir / f"{name}.log", self._engine_env(name))
             self._names[name] = proc
             self._pumps.append(pump)
         watcher = threading.Thread(target=self._watch, name="engine-watch", daemon=True)
@@ -303,9 +303,13 @@ class ExternalCluster(ClusterBase):
 
     def _start_engines(self) -> None:
         assert self.router is not None
+        keys = self.config.control_keys
+        if not keys:  # the router made them: hand them over through the run folder
+            keys = str(self.router.keys.write(self.log_dir / "keys"))
         print(f"dualpath: waiting for {self.config.num_prefill} prefill + "
-              f"{self.config.num_decode} decode engines to join {self.router.address}",
-              flush=True)
+              f"{self.config.num_decode} decode engines to join {self.router.address}\n"
+              f"  each engine needs its key: copy {keys}/engines/NAME.json to its host only "
+              "and start it with `dualpath engine --key FILE`", flush=True)
 
     def _stop_engines(self) -> None:
         """Nothing to reap: joined engines exit when the router tells them (or falls silent)."""

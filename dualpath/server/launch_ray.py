@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dualpath.config import ClusterConfig
+from dualpath.control_keys import ENGINE_KEY_ENV
 from dualpath.errors import DualPathError
 from dualpath.server.launch import ClusterBase, engine_command, engine_roles
 
@@ -195,8 +196,9 @@ class RayCluster(ClusterBase):
 
     def _create_actor(self, name: str, node_id: int) -> ActorHandle:
         """Ask Ray for engine ``name``'s actor on config node ``node_id`` (not yet placed)."""
+        assert self.router is not None
         env = {**{k: v for k, v in os.environ.items() if k.startswith("DUALPATH_")},
-               **ENGINE_ENV}
+               **ENGINE_ENV, ENGINE_KEY_ENV: self.router.keys.engine_key(name).to_json()}
         options = {"num_cpus": 0, "resources": {node_resource(node_id): ENGINE_RESOURCE_SHARE},
                    "runtime_env": {"env_vars": env}, "max_restarts": 0}
         if self.config.engine.device.startswith("cuda"):

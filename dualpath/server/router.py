@@ -27,14 +27,25 @@ from typing import TypeVar
 
 import zmq
 
-from dualpath.config import ClusterConfig, cluster_config_to_json, engine_config_for
-from dualpath.control_socket import router_socket
+from dualpath.config import (
+    ClusterConfig,
+    cluster_config_to_json,
+    engine_config_for,
+    engine_roles,
+)
+from dualpath.control_keys import ClusterKeys
+from dualpath.control_socket import ZapHandler, router_socket
 from dualpath.errors import DualPathError, RequestError
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
 from dualpath.model.spec import load_spec, model_id, resolve_dtype, resolve_kv_dtype
 from dualpath.protocol import (
     HEARTBEAT_SUFFIX,
+    JOIN_SUFFIX,
+    Aborted,
+    BufferReady,
+    Failed,
+    Finished,
     GetMetrics,
     Heartbeat,
     HeartbeatAck,
@@ -43,7 +54,11 @@ from dualpath.protocol import (
     JoinConfig,
     Message,
     Metrics,
+    Prefilled,
+    ProtocolError,
+    ReadDone,
     Shutdown,
+    Tokens,
     decode,
     encode,
 )
@@ -84,7 +99,10 @@ class Router:
     """Routes requests through the engines of a cluster: the I/O around ``RouterState``."""
 
     def __init__(self, model_dir: str | Path, config: ClusterConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 keys: ClusterKeys | None = None) -> None:
+        """``keys``: the control plane's (default: read from ``config.control_keys``, else
+        made for the engines ``config`` names; launchers hand each engine its own)."""
         Mode(config.mode)  # ValueError names a bad mode
         ReadPath(config.read_path)  # ... or a bad read path
         self.config = config
@@ -101,12 +119,14 @@ class Router:
                             _kv_tokens(config, layout, "prefill"))
         self.state = RouterState(GlobalScheduler(scheduler_params(config, layout.full_block_bytes)),
                                  capacity, config.engine_timeout_s, config.heartbeat_s)
-        self.bad_messages = 0  # undecodable messages and handler errors, logged and skipped
+        self.bad_messages = 0  # handler errors, logged and skipped
+        self.refused_messages = 0  # frames dropped unread: malformed, or speaking for another
         self._ids = itertools.count(1)
         self._futures: dict[int, RequestFuture] = {}
         self._listeners: dict[int, Callable[[tuple[int, ...]], None]] = {}
         self._inbox: queue.Queue[Callable[[], Effects | None]] = queue.Queue()
-        self._metrics: dict[str, Future[dict]] = {}
+        # engine -> the scrapes waiting for its counters (one reply answers them all)
+        self._metrics: dict[str, list[Future[dict]]] = {}
         # oracle mode moves no KV, so the store never holds its blocks: its hits are the blocks
         # its own finished requests would have stored (a perfect cache, no I/O)
         self._oracle_blocks: set = set()
@@ -114,7 +134,15 @@ class Router:
         self._hello = threading.Condition()
         self.model_id = self.key_space.model_id
         self.cluster_id = secrets.token_hex(6)
-        self.socket, self.address = _bind(config.router_host, config.router_port)
+        self.keys = keys or cluster_keys(config)
+        self._context = zmq.Context()  # its own: its ZAP handler admits this cluster's engines
+        self._zap = ZapHandler(self._context, self.keys)
+        try:
+            self.socket, self.address = _bind(config.router_host, config.router_port, self.keys,
+                                              self._context)
+        except DualPathError:
+            self._close_context()
+            raise
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="router", daemon=True)
         self._thread.start()
@@ -173,6 +201,8 @@ class Router:
         return self._ask(lambda: {**self.state.counters(),
                                   "dropped_messages": self.state.dropped_messages,
                                   "bad_messages": self.bad_messages,
+                                  "refused_messages": self.refused_messages,
+                                  "refused_peers": self._zap.refused,
                                   "corrected": self.state.corrected,
                                   "drift": sum(self.state.drift.values())})
 
@@ -208,21 +238,24 @@ class Router:
         return result.result(10)
 
     def collect_metrics(self, timeout_s: float = 30.0) -> dict[str, dict]:
-        """Every engine's counters, by engine name (engines lost meanwhile are left out)."""
-        futures = {name: Future() for name in self.engines}
+        """Every engine's counters, by engine name; engines lost meanwhile, or silent for
+        ``timeout_s``, are left out. Concurrent callers each get a whole answer."""
+        futures: dict[str, Future[dict]] = {name: Future() for name in self.engines}
 
         def ask() -> None:
-            self._metrics.update(futures)
-            for name in futures:
+            for name, future in futures.items():
+                waiting = [f for f in self._metrics.get(name, []) if not f.done()]
+                self._metrics[name] = [*waiting, future]
                 self._send(name, GetMetrics())
 
         self._inbox.put(ask)
         out = {}
+        deadline = time.monotonic() + timeout_s
         for name, f in futures.items():
             try:
-                out[name] = f.result(timeout_s)
-            except RequestFailed:
-                continue
+                out[name] = f.result(max(0.0, deadline - time.monotonic()))
+            except (RequestFailed, TimeoutError):
+                f.cancel()  # the next scrape drops it
         return out
 
     def engine_lost(self, name: str) -> None:
@@ -240,41 +273,74 @@ class Router:
         self._inbox.put(stop)
         self._thread.join(timeout=10)
         self.store.close()
+        if not self._thread.is_alive():  # its socket is closed: the context can end
+            self._close_context()
+
+    def _close_context(self) -> None:
+        self._zap.close()
+        self._context.term()
 
     # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         next_tick = self._clock()
         while self._running:
-            if self.socket.poll(5):
-                self._receive()
-            self._drain_inbox()
-            now = self._clock()
-            if now >= next_tick:
-                self._apply(self.state.tick(now))
-                next_tick = now + HEARTBEAT_TICK_S
+            try:
+                if self.socket.poll(5):
+                    self._receive()
+                self._drain_inbox()
+                now = self._clock()
+                if now >= next_tick:
+                    next_tick = now + HEARTBEAT_TICK_S
+                    self._apply(self.state.tick(now))
+            except Exception:  # one bad step never ends the loop (a dead one: ``alive``)
+                self.bad_messages += 1
+                log.exception("router: a loop step failed")
         self.socket.close(0)
 
     def _receive(self) -> None:
-        """One message; a bad one is logged and counted, never the end of the loop."""
+        """One message; a bad one is counted (and logged), never the end of the loop. Each
+        engine speaks only for itself, each of its sockets only its own messages: the join
+        socket ``Join``, the heartbeat socket ``Heartbeat``, the main one the rest."""
+        frames = self.socket.recv_multipart(copy=False)
         try:
-            identity, raw = self.socket.recv_multipart()
-            sender = identity.decode().removesuffix(HEARTBEAT_SUFFIX)
-            msg = decode(raw)
-            if isinstance(msg, Join):
-                self._send(identity.decode(), self._join_config(msg))
-            elif isinstance(msg, Hello):
-                with self._hello:
-                    self._apply(self.state.on_message(sender, msg, self._clock()))
-                    self._hello.notify_all()
-            elif isinstance(msg, Metrics):
-                future = self._metrics.pop(msg.name, None)
-                if future is not None:
-                    future.set_result(msg.values)
-            else:
-                self._apply(self.state.on_message(sender, msg, self._clock()))
+            identity, raw = frames
+            name = identity.bytes.decode()
+            sender, channel = _channel(name)
+            if raw.get("User-Id") != sender:  # the engine whose key the connection holds
+                self._refuse(f"a frame of {raw.get('User-Id')!r} under the identity {name!r}")
+                return
+            msg = decode(raw.bytes)
+        except (ValueError, ProtocolError) as exc:
+            self._refuse(f"an undecodable frame: {exc}")
+            return
+        if not isinstance(msg, _CHANNELS[channel]) or getattr(msg, "name", sender) != sender:
+            self._refuse(f"{name} sent a {msg.type} it may not send")
+            return
+        try:
+            self._handle(sender, name, msg)
         except Exception:
             self.bad_messages += 1
             log.exception("router: a message could not be handled")
+
+    def _handle(self, sender: str, identity: str, msg: Message) -> None:
+        if isinstance(msg, Join):
+            self._send(identity, self._join_config(msg))
+        elif isinstance(msg, Hello):
+            with self._hello:
+                self._apply(self.state.on_message(sender, msg, self._clock()))
+                self._hello.notify_all()
+        elif isinstance(msg, Metrics):
+            for future in self._metrics.pop(sender, []):  # its own counters only
+                if not future.done():
+                    future.set_result(msg.values)
+        else:
+            self._apply(self.state.on_message(sender, msg, self._clock()))
+
+    def _refuse(self, why: str) -> None:
+        """Count a message that is dropped unread; log the first few and then every 1,000th."""
+        self.refused_messages += 1
+        if self.refused_messages <= 10 or self.refused_messages % 1000 == 0:
+            log.warning("router: dropped %s (%d dropped so far)", why, self.refused_messages)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -353,9 +419,9 @@ class Router:
         self._oracle_blocks.update(self.key_space.keys(out.prompt_ids + out.output_ids[:-1]))
 
     def _lose(self, name: str, reason: str) -> Effects:
-        pending_metrics = self._metrics.pop(name, None)
-        if pending_metrics is not None:
-            pending_metrics.set_exception(RequestFailed(reason))
+        for future in self._metrics.pop(name, []):
+            if not future.done():
+                future.set_exception(RequestFailed(reason))
         return self.state.lose(name, reason)
 
     def _hit_blocks(self, req: RequestState) -> int:
@@ -377,10 +443,32 @@ class Router:
             return 0
 
 
-def _bind(host: str, port: int) -> tuple[zmq.Socket, str]:
+_CHANNELS: dict[str, tuple[type[Message], ...]] = {
+    "join": (Join,), "hb": (Heartbeat,),
+    "main": (Hello, Metrics, BufferReady, ReadDone, Prefilled, Tokens, Finished, Failed,
+             Aborted)}
+
+
+def _channel(identity: str) -> tuple[str, str]:
+    """The engine a socket identity names and which of its sockets it is."""
+    for suffix, channel in ((HEARTBEAT_SUFFIX, "hb"), (JOIN_SUFFIX, "join")):
+        if identity.endswith(suffix):
+            return identity.removesuffix(suffix), channel
+    return identity, "main"
+
+
+def cluster_keys(config: ClusterConfig) -> ClusterKeys:
+    """The control keys of ``config.control_keys``, else new ones for the engines it names."""
+    if config.control_keys:
+        return ClusterKeys.load(config.control_keys)
+    return ClusterKeys.generate(name for name, _, _ in engine_roles(config))
+
+
+def _bind(host: str, port: int, keys: ClusterKeys,
+          context: zmq.Context) -> tuple[zmq.Socket, str]:
     """The engine endpoint, bound; and the address a local engine connects to."""
     try:
-        socket, port = router_socket(host, port)
+        socket, port = router_socket(host, port, keys, context)
     except zmq.ZMQError as exc:
         raise DualPathError(f"the router cannot bind tcp://{host}:{port or '*'}: {exc}") from exc
     local = "127.0.0.1" if host in ("0.0.0.0", "*") else host

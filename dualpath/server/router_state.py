@@ -128,7 +128,9 @@ class RouterState:
         """Apply one engine message; late, duplicated or unknown ones are counted and dropped."""
         out = Effects()
         self._now_s = now_s
-        if isinstance(msg, Hello):
+        if getattr(msg, "name", engine) != engine:
+            self.dropped_messages += 1  # a message speaks only for the engine that sent it
+        elif isinstance(msg, Hello):
             self._hello(msg, now_s, out)
         elif isinstance(msg, Heartbeat):
             self._heartbeat(engine, msg, now_s, out)

@@ -27,6 +27,7 @@ from multiturn import make_conversations, reference_outputs
 
 from dualpath.bench.netns import NetnsHosts, netns_unavailable
 from dualpath.config import EngineConfig
+from dualpath.control_keys import ClusterKeys
 from dualpath.request import SamplingParams
 from dualpath.server.launch import engine_command, engine_env
 
@@ -39,6 +40,7 @@ ROUTER_PORT, HTTP_PORT = 47011, 8011
 GEN_TOKENS = 8
 CUT_GEN_TOKENS = 600  # long enough to be mid-decode when the link is cut
 STARTUP_TIMEOUT_S = 180.0
+API_KEY = "sk-netns"
 SETTINGS = ["engine_timeout_s=3.0", "heartbeat_s=0.5", "router_timeout_s=60.0",
             "engine.kv_cache_mb=64", "host_pool_blocks=128", "serve.model_name=m"]
 
@@ -93,18 +95,24 @@ def hosts(tiny_with_tokenizer, tmp_path_factory) -> Iterator[Hosts]:
     net.up()
     router_ip = net.address("router")
     procs: dict[str, subprocess.Popen] = {}
-    client = httpx.Client(trust_env=False)
+    # with a key, /health shows its holder the engines' transfer endpoints
+    client = httpx.Client(trust_env=False, headers={"authorization": f"Bearer {API_KEY}"})
     try:
         serve = [sys.executable, "-m", "dualpath.cli", "serve", "--launcher", "none",
                  "--router-host", router_ip, "--router-port", str(ROUTER_PORT),
                  "--host", router_ip, "--port", str(HTTP_PORT), "--model",
-                 str(tiny_with_tokenizer), "--storage", str(tmp / "kv")]
-        for item in SETTINGS:
+                 str(tiny_with_tokenizer), "--storage", str(tmp / "kv"), "--api-key", API_KEY]
+        # the operator's keys: the router's folder, and each engine's own file on its host
+        # (and a spare, de9's, for the engine with other weights)
+        names = [*(name for name, _, _, _ in ENGINES), "de9"]
+        keys = ClusterKeys.generate(names).write(tmp / "keys")
+        for item in [*SETTINGS, f"control_keys={keys}"]:
             serve += ["--set", item]
         procs["serve"] = _spawn(net, "router", serve, tmp / "serve.log")
         for name, role, node_id, host in ENGINES:
             argv = engine_command(name, role, node_id, f"tcp://{router_ip}:{ROUTER_PORT}",
                                   tiny_with_tokenizer)
+            argv += ["--key", str(keys / "engines" / f"{name}.json")]
             procs[name] = _spawn(net, host, argv, tmp / f"{name}.log")
         hosts = Hosts(net, f"http://{router_ip}:{HTTP_PORT}", tiny_with_tokenizer, tmp, procs,
                       client)
@@ -201,6 +209,7 @@ def _wait_decoding(log: Path, timeout_s: float = 30.0) -> None:
 def test_netns_engine_with_other_weights_is_refused(hosts, tiny_llama_dir, tmp_path):
     argv = engine_command("de9", "decode", 9, f"tcp://{hosts.net.address('router')}:"
                           f"{ROUTER_PORT}", tiny_llama_dir)  # same weights, other folder name
+    argv += ["--key", str(hosts.logs / "keys" / "engines" / "de9.json")]
     done = subprocess.run(hosts.net.exec_argv("h1", argv), capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 2

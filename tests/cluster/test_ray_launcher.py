@@ -128,7 +128,8 @@ def assert_idle(cluster: RayCluster) -> None:
     """Every router counter of held resources back at zero."""
     def busy():
         return {k: v for k, v in cluster.router.counters().items()
-                if v and k not in ("dropped_messages", "bad_messages", "corrected")}
+                if v and k not in ("dropped_messages", "bad_messages", "refused_messages",
+                                   "corrected")}
     deadline = time.monotonic() + 20
     while busy() and time.monotonic() < deadline:
         time.sleep(0.1)

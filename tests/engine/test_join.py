@@ -10,6 +10,7 @@ import pytest
 from dualpath.cli import main
 from dualpath.config import ClusterConfig
 from dualpath.config_file import ConfigError, override_cluster_config
+from dualpath.control_keys import ENGINE_KEY_ENV, ClusterKeys
 from dualpath.engine.join import (
     EngineJoinError,
     Joined,
@@ -37,14 +38,22 @@ def test_malformed_router_addresses_are_named(address):
 def test_a_silent_router_fails_the_join_in_bounded_time():
     start = time.monotonic()
     with pytest.raises(EngineJoinError, match="no answer from the router"):
-        join_router(f"tcp://127.0.0.1:{_free_port()}", "de1", "decode", 1, timeout_s=1.5)
+        join_router(f"tcp://127.0.0.1:{_free_port()}", "de1", "decode", 1, timeout_s=1.5,
+                    key=ClusterKeys.generate(["de1"]).engine_key("de1"))
     assert time.monotonic() - start < 5
 
 
-def test_engine_cli_reports_a_silent_router_as_an_error(tiny_llama_dir, capsys):
+def test_engine_cli_reports_a_silent_router_as_an_error(tiny_llama_dir, tmp_path, capsys,
+                                                        monkeypatch):
+    monkeypatch.delenv(ENGINE_KEY_ENV, raising=False)
     argv = ["engine", "--router", f"tcp://127.0.0.1:{_free_port()}", "--role", "decode",
             "--node-id", "1", "--model", str(tiny_llama_dir), "--join-timeout-s", "1"]
     assert main(argv) == 2
+    assert "no engine key: pass --key FILE" in capsys.readouterr().err
+    keys = ClusterKeys.generate(["de1", "de2"]).write(tmp_path / "keys")
+    assert main([*argv, "--key", str(keys / "engines" / "de2.json"), "--name", "de1"]) == 2
+    assert "the key is for engine 'de2', not 'de1'" in capsys.readouterr().err
+    assert main([*argv, "--key", str(keys / "engines" / "de1.json")]) == 2
     assert "no answer from the router" in capsys.readouterr().err
 
 
@@ -53,11 +62,13 @@ def test_a_router_answers_with_its_config_model_and_run(tiny_llama_dir, tmp_path
     router = Router(tiny_llama_dir, config)
     try:
         assert router.address == f"tcp://127.0.0.1:{config.router_port}"
-        joined = join_router(router.address, "de2", "decode", 2, timeout_s=10)
+        joined = join_router(router.address, "de2", "decode", 2, timeout_s=10,
+                             key=router.keys.engine_key("de2"))
         assert joined.config == config
         assert joined.model_id == router.model_id and joined.cluster_id == router.cluster_id
-        with pytest.raises(EngineJoinError, match="role must be prefill or decode"):
-            join_router(router.address, "x1", "encode", 1, timeout_s=10)
+        with pytest.raises(EngineJoinError, match="role must be one of prefill, decode"):
+            join_router(router.address, "x1", "encode", 1, timeout_s=10,
+                        key=router.keys.engine_key("de2"))
         with pytest.raises(DualPathError, match="cannot bind"):  # the port is taken
             Router(tiny_llama_dir, config)
     finally:

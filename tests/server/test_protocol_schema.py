@@ -1,0 +1,97 @@
+"""A peer's frame becomes a message only if it fits its schema: mistyped, negative, non-finite,
+unknown or malformed frames are ``ProtocolError`` — never another exception, never a message
+that reaches the router's state with a wrong type in it."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dualpath.protocol import (
+    _TYPES,
+    Heartbeat,
+    Hello,
+    Join,
+    ProtocolError,
+    Tokens,
+    decode,
+    encode,
+)
+
+
+def _frame(**fields) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+@pytest.mark.parametrize("frame", [
+    _frame(type="hello", name="pe9", role="prefill", node_id="3", endpoint="e"),  # str id
+    _frame(type="hello", name="pe9", role="prefill", node_id=True, endpoint="e"),  # bool id
+    _frame(type="hello", name="pe9", role="prefill", node_id=-1, endpoint="e"),
+    _frame(type="hello", name="pe9", role="encode", node_id=1, endpoint="e"),  # unknown role
+    _frame(type="hello", name="../x", role="prefill", node_id=1, endpoint="e"),
+    _frame(type="hello", name="pe9", role="prefill", node_id=1),  # a field missing
+    _frame(type="heartbeat", name="de1", free_kv_blocks=1, free_host_slots=1,
+           read_queue_tokens=0, loop_age_s=math.nan),
+    _frame(type="heartbeat", name="de1", free_kv_blocks=1, free_host_slots=1,
+           read_queue_tokens=0, running=[1, "2"]),
+    _frame(type="tokens", items=[[1, 0, [5, 6]], [2, 0]]),  # a short row
+    _frame(type="tokens", items=[[1, 0, [5, -6]]]),  # a negative token id
+    _frame(type="finished", req_id=1, output_ids=[1, 2], finish_reason=7),
+    _frame(type="prefilled", req_id=1, first_token=2, num_hit_blocks=0, wait_s=-1.0),
+    _frame(type="no_such_message", req_id=1),
+    _frame(req_id=1),  # no type
+    msgpack.packb([1, 2, 3]),  # not a map
+    msgpack.packb({"type": ["hello"]}),  # an unhashable type
+    b"\xc1\xc1\xc1",  # not msgpack
+    b"",
+])
+def test_a_frame_that_does_not_fit_its_schema_is_a_protocol_error(frame):
+    with pytest.raises(ProtocolError):
+        decode(frame)
+
+
+def test_well_formed_frames_decode_as_before():
+    for message in (Hello("pe0", "prefill", 0, "ep", "tcp://h:1", 1 << 40, 4096),
+                    Join("de2", "decode", 2),
+                    Heartbeat("de1", 10, 4, 0, (3, 4), loop_age_s=0.25),
+                    Tokens(((1, 0, (5, 6)), (2, 3, ())))):
+        assert decode(encode(message)) == message
+    # a whole-number float field may come as an integer
+    assert decode(_frame(type="heartbeat", name="de1", free_kv_blocks=1, free_host_slots=1,
+                         read_queue_tokens=0, loop_age_s=2)).loop_age_s == 2
+
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
+                                                                max_size=3),
+    max_leaves=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(sorted(_TYPES)), st.dictionaries(
+    st.sampled_from(["req_id", "name", "role", "node_id", "endpoint", "items", "output_ids",
+                     "finish_reason", "error", "running", "values", "free_kv_blocks",
+                     "free_host_slots", "read_queue_tokens", "loop_age_s", "first_token",
+                     "num_hit_blocks", "buffer_addr", "num_blocks", "num_loaded_blocks",
+                     "peers", "known", "config_json", "model_id", "cluster_id"]),
+    _VALUES, max_size=8))
+def test_random_frames_decode_to_a_well_typed_message_or_a_protocol_error(kind, fields):
+    try:
+        message = decode(_frame(type=kind, **fields))
+    except ProtocolError:
+        return
+    assert decode(encode(message)) == message  # what got through is a message of its kind
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_bytes_are_a_protocol_error_or_a_message(raw):
+    with contextlib.suppress(ProtocolError):
+        decode(raw)
