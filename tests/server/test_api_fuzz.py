@@ -7,12 +7,15 @@ and a few GET endpoints. Every answer is either a 2xx with a well-formed body (w
 a 4xx in OpenAI's error shape; afterwards the server, its engines and the router are healthy
 and a normal request is answered. A request generated valid must be served (200). Valid
 generations are kept to a few tokens (``default_max_tokens=4``, generated ``max_tokens`` small
-or far out of range): 1,500 requests take about 25 s on two cores.
+or far out of range): 1,500 requests take about 25 s on two cores. Meanwhile two threads
+scrape ``/metrics`` back to back, and every scrape must be a whole page (the engines' counters
+too): concurrent scrapes once took each other's engine replies (a 500 after 2 s).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 
@@ -26,6 +29,7 @@ from dualpath.server.launch import LocalCluster
 from dualpath.server.metrics import ServeMetrics
 
 from .test_api_errors import MODEL, assert_openai_error, byte_model, serving, tiny_cluster_config
+from .test_api_hardening import assert_full_metrics
 
 EXAMPLES = 1500  # one request each
 MIN_REQUESTS = 1000
@@ -190,7 +194,8 @@ def test_fuzzed_requests_never_get_a_5xx(tiny_chaotic_dir, tmp_path):
         app = build_app(router, byte_model(tiny_chaotic_dir, router),
                         ServeConfig(default_max_tokens=4, allowed_modes=tuple(MODES)),
                         ServeMetrics(router))
-        with serving(app) as (url, thread), httpx.Client(base_url=url, timeout=10) as client:
+        with serving(app) as (url, thread), httpx.Client(base_url=url, timeout=10) as client, \
+                Scrapers(url, set(router.engines)) as scrapers:
 
             @settings(max_examples=EXAMPLES, deadline=None, database=None,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -205,6 +210,7 @@ def test_fuzzed_requests_never_get_a_5xx(tiny_chaotic_dir, tmp_path):
             start = time.monotonic()
             one_request()
             elapsed = time.monotonic() - start
+            scrapes = scrapers.stop()
 
             normal = client.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "still there?"}],
@@ -219,9 +225,49 @@ def test_fuzzed_requests_never_get_a_5xx(tiny_chaotic_dir, tmp_path):
                 time.sleep(0.05)
             assert counters["requests"] == 0 and counters["bad_messages"] == 0, counters
     total = sum(statuses.values())
-    figures = {"requests": total, "seconds": round(elapsed, 1),
+    figures = {"requests": total, "seconds": round(elapsed, 1), "scrapes": scrapes,
                "statuses": dict(sorted(statuses.items()))}
     (tmp_path / "fuzz.json").write_text(json.dumps(figures))
     print(f"fuzz: {figures}")
     assert total >= MIN_REQUESTS
     assert statuses[200] > 0 and any(400 <= s < 500 for s in statuses)  # both kinds ran
+    assert scrapes >= 10
+
+
+class Scrapers:
+    """Two threads scraping ``/metrics`` until stopped; each page must be whole."""
+
+    def __init__(self, url: str, engines: set[str]) -> None:
+        self.url, self.engines = url, engines
+        self.done = threading.Event()
+        self.count = 0
+        self.lock = threading.Lock()
+        self.failures: list[str] = []
+        self.threads = [threading.Thread(target=self._scrape, daemon=True) for _ in range(2)]
+
+    def __enter__(self) -> Scrapers:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+
+    def _scrape(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while not self.done.is_set():
+                try:
+                    assert_full_metrics(client.get("/metrics"), self.engines)
+                    with self.lock:
+                        self.count += 1
+                except Exception as exc:  # every failure is reported by stop()
+                    self.failures.append(repr(exc)[:300])
+                self.done.wait(0.02)  # some room for the fuzzed requests
+
+    def stop(self) -> int:
+        """Stop scraping: the number of whole pages (any other answer fails the test)."""
+        self.done.set()
+        for thread in self.threads:
+            thread.join(30)
+        assert not self.failures, self.failures[:3]
+        return self.count

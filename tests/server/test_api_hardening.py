@@ -2,8 +2,8 @@
 
 One ``LocalCluster`` of a tiny random Llama (1 PE + 1 DE, 8,192 positions so a long request
 stays decoding for seconds) serves the whole module; each test puts an app of its own settings
-in front of it (uvicorn on a loopback port). Covered: a failing engine query degrades
-``/metrics`` instead of a 500; only the allowed
+in front of it (uvicorn on a loopback port). Covered: concurrent ``/metrics`` scrapes are each a
+full answer and a failing engine query degrades the page instead of a 500; only the allowed
 modes may be named per request; the character and token-id limits apply before tokenizing, and
 tokenizing runs off the event loop; the API key covers ``/metrics`` and the docs, ``/health``
 never shows transfer endpoints to an unauthenticated client; ``cache_salt`` (and the key's
@@ -96,6 +96,15 @@ def assert_full_metrics(response: httpx.Response, engines: set[str]) -> None:
 
 
 # -- /metrics -----------------------------------------------------------------------------------
+
+
+def test_concurrent_metrics_scrapes_are_each_a_full_answer(cluster):
+    # before: one of two concurrent scrapes took the other's engine replies: a 500 after 2 s
+    engines = set(cluster.router.engines)
+    with cluster.app() as client, cf.ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            for response in pool.map(lambda _: client.get("/metrics"), range(8)):
+                assert_full_metrics(response, engines)
 
 
 def test_metrics_without_engine_counters_is_the_router_series_not_a_500(cluster, monkeypatch,
