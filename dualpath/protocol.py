@@ -198,7 +198,9 @@ class Heartbeat(Message):
     free_host_slots: int  # host-pool slots not in use
     read_queue_tokens: int  # the storage client's unfinished reads
     running: tuple[int, ...] = ()  # req ids this engine holds in any phase
-    loop_age_s: float = 0.0  # seconds since the engine's work loop last went round
+    # seconds since the engine's work loop last made progress (read its inbox or finished a
+    # layer of a forward): an engine holding work whose loop does not move is stuck
+    loop_age_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ from dualpath.storage.node_nic import node_nic_account
 
 log = logging.getLogger("dualpath.engine")
 IDLE_POLL_MS = 20
+FAULT_HANG_ENV = "DUALPATH_FAULT_HANG_DIR"  # tests only: see EngineProcess._fault_hang
 ROUTER_GONE_EXIT = 3  # exit status of an engine that stopped because its router fell silent
 
 
@@ -140,6 +141,7 @@ class EngineProcess:
             while self.socket.poll(timeout):
                 self._handle(self.socket.recv())
                 timeout = 0
+            self._fault_hang()
             if self._rejoin.is_set():
                 self._drop_everything()
             # what the heartbeat reports: the inbox was read just now, and what it gave us
@@ -214,7 +216,24 @@ class EngineProcess:
     def _state(self) -> Heartbeat:
         return Heartbeat(self.identity.name, self.worker.free_kv_blocks, self.host_pool.num_free,
                          self.storage.read_queue_tokens, self._held,
-                         round(time.monotonic() - self._loop_at_s, 3))
+                         round(self._progress_age_s(), 3))
+
+    def _progress_age_s(self) -> float:
+        """Seconds since the work loop last made progress: read its inbox, or finished a
+        layer of a forward (a forward of many seconds still moves; a loop stuck in a
+        transfer or a deadlock does not, and the router declares the engine stuck)."""
+        last = max(self._loop_at_s, self.engine.runner.layer_done_s)
+        return max(0.0, time.monotonic() - last)
+
+    def _fault_hang(self) -> None:
+        """Test-only fault: the loop hangs while ``$DUALPATH_FAULT_HANG_DIR/NAME`` exists
+        (the heartbeat thread goes on beating, as it would for a deadlocked loop)."""
+        folder = os.environ.get(FAULT_HANG_ENV)
+        if not folder:
+            return
+        flag = Path(folder) / self.identity.name
+        while flag.exists() and self._running:
+            time.sleep(0.05)
 
     def _has_work(self) -> bool:
         if isinstance(self.worker, PrefillWorker):

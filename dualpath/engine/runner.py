@@ -6,6 +6,7 @@ token, each prefilling sequence's context slots and each decoding sequence's blo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,9 @@ class ModelRunner:
         self.window = model.spec.sliding_window
         self._kv_layers = cache.layers()
         self.device = cache.data.device
+        # monotonic seconds when a layer of a forward last finished: a long forward still
+        # shows progress (the engine's heartbeat reports its age; see engine/loop.py)
+        self.layer_done_s = time.monotonic()
 
     def prepare(self, items: list[tuple[Sequence, int]]) -> StepInputs:
         """Build the flat inputs and attention metadata for ``items``."""
@@ -79,9 +83,28 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs, hooks: LayerHooks = NO_HOOKS) -> torch.Tensor:
         """Forward the step; return final hidden states of every row ``[T, hidden]``."""
-        return self.model(inputs.input_ids, inputs.positions, inputs.batch, self._kv_layers, hooks)
+        return self.model(inputs.input_ids, inputs.positions, inputs.batch, self._kv_layers,
+                          _Progress(self, hooks))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Logits of the given hidden rows: fp32, or in the model's dtype (for the sampler)."""
         return self.model.logits(hidden, fp32)
+
+
+class _Progress(LayerHooks):
+    """``hooks``, and the runner's ``layer_done_s`` stamped after every layer."""
+
+    def __init__(self, runner: ModelRunner, hooks: LayerHooks) -> None:
+        self.runner = runner
+        self.hooks = hooks
+
+    def before_layer(self, layer_idx: int) -> None:
+        self.hooks.before_layer(layer_idx)
+
+    def after_layer(self, layer_idx: int) -> None:
+        self.hooks.after_layer(layer_idx)
+        self.runner.layer_done_s = time.monotonic()
+
+    def finish(self) -> None:
+        self.hooks.finish()

@@ -204,6 +204,7 @@ class Router:
                                   "refused_messages": self.refused_messages,
                                   "refused_peers": self._zap.refused,
                                   "corrected": self.state.corrected,
+                                  "stuck": sum(self.state.stuck.values()),
                                   "drift": sum(self.state.drift.values())})
 
     def phases(self) -> dict[int, tuple[str, str, str]]:

@@ -72,6 +72,7 @@ from dualpath.server.router_types import (
 MAX_ATTEMPTS = 4  # placements of one request before an engine problem fails it
 UNSEEN_BEATS = 3  # heartbeats of a live engine not listing a request it should hold
 DECISIONS_KEPT = 10_000
+MAX_LOST = 1024  # lost engine names remembered
 
 
 class RouterState:
@@ -84,7 +85,9 @@ class RouterState:
         self.engine_timeout_s = engine_timeout_s
         self.heartbeat_s = engine_timeout_s / 10 if heartbeat_s is None else heartbeat_s
         self.engines: dict[str, EngineState] = {}
-        self.lost: set[str] = set()
+        # engines declared lost (they hear so when they beat again), the latest MAX_LOST
+        self.lost: dict[str, None] = {}
+        self.stuck: dict[str, int] = {}  # engine -> times it was declared stuck (registered)
         self.read_queue_tokens: dict[int, int] = {}  # node -> tokens being read for us
         self.requests: dict[int, RequestState] = {}  # every request not yet completed
         self.draining: dict[int, RequestState] = {}  # completed, the PE not yet let go
@@ -209,7 +212,7 @@ class RouterState:
     def _hello(self, msg: Hello, now_s: float, out: Effects) -> None:
         if msg.name in self.engines:  # restarted under the same name: its old work is gone
             self._lose(msg.name, f"engine {msg.name} restarted", out)
-        self.lost.discard(msg.name)
+        self.lost.pop(msg.name, None)
         info = EngineInfo(msg.name, msg.role, msg.node_id, msg.endpoint, msg.nic_address,
                           msg.ep_buffer_addr, msg.ep_buffer_bytes)
         self.engines[msg.name] = EngineState(info, now_s)
@@ -233,6 +236,14 @@ class RouterState:
             if engine in self.lost:  # it was declared lost: drop everything, say hello again
                 out.send(engine, HeartbeatAck(known=False))
             return  # a beat that overtook the engine's hello (another socket): nothing to say
+        if msg.loop_age_s > self.engine_timeout_s and (msg.running or self._held_by(engine)):
+            # alive but its work does not move (a transfer that never ends, a deadlock): lost
+            # like a silent one; its next beats hear so, and it rejoins once its loop moves
+            self._lose(engine, f"engine {engine} made no progress for {msg.loop_age_s:.1f} s "
+                               "while holding requests", out)
+            self.stuck[engine] = self.stuck.get(engine, 0) + 1
+            out.send(engine, HeartbeatAck(known=False))
+            return
         state.last_heard_s = now_s
         state.report = msg
         out.send(engine, HeartbeatAck(known=True))
@@ -259,7 +270,9 @@ class RouterState:
         if self.engines.pop(name, None) is None:
             return
         self._members_changed = True
-        self.lost.add(name)
+        self.lost[name] = None
+        while len(self.lost) > MAX_LOST:  # a server runs for weeks: forget the oldest
+            del self.lost[next(iter(self.lost))]
         self.drift.pop(name, None)
         for req in list(self.draining.values()):
             if name in (req.pe, req.de):

@@ -25,7 +25,7 @@ from multiturn import (
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.engine.llm_engine import LLMEngine
-from dualpath.engine.loop import ROUTER_GONE_EXIT
+from dualpath.engine.loop import FAULT_HANG_ENV, ROUTER_GONE_EXIT
 from dualpath.errors import RequestError
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
@@ -110,7 +110,7 @@ def assert_idle(cluster: LocalCluster, host_pool_blocks: int = 64) -> None:
         counters = cluster.router.counters()
         busy = {k: v for k, v in counters.items()
                 if v and k not in ("dropped_messages", "bad_messages", "refused_messages",
-                                   "corrected")}
+                                   "corrected", "stuck", "refused_peers")}
         reports = cluster.router.reports()
         pools = {n: r.free_host_slots for n, r in reports.items() if r is not None}
         leaks = {n: free for n, free in pools.items() if free != host_pool_blocks}
@@ -203,6 +203,35 @@ def test_a_stopped_decode_engine_is_detected_then_rejoins_without_corrupting_any
             cluster.process(de).send_signal(signal.SIGCONT)
         wait_for(lambda: de in cluster.router.engines, what="the engine to rejoin")
         assert detected_s < 2.0 + 1.5
+        agents.run_rest()
+        assert_idle(cluster)
+
+
+def test_a_decode_engine_whose_loop_is_stuck_is_declared_stuck_and_its_stream_moves(
+        tiny_long_dir, tmp_path, want, victim_want, monkeypatch):
+    """The engine's heartbeat thread goes on beating while its work loop hangs (the test-only
+    fault hook): the router declares it stuck within engine_timeout_s + a beat, the stream
+    moves with the fault-free tokens, and once the loop moves again the engine rejoins."""
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    monkeypatch.setenv(FAULT_HANG_ENV, str(hang))
+    with LocalCluster(tiny_long_dir, config(tmp_path), log_dir=tmp_path / "logs") as cluster:
+        agents = Agents(cluster, want)
+        agents.run_turn()
+        victim = cluster.submit(VICTIM_PROMPT, LONG)
+        _, _, de = wait_for(lambda: in_phase(cluster, victim.req_id, "decoding"), what="decode")
+        (hang / de).touch()
+        hung_at = time.monotonic()
+        wait_for(lambda: de not in cluster.router.engines, what="the engine declared stuck")
+        detected_s = time.monotonic() - hung_at
+        assert cluster.process(de).poll() is None  # alive all along, beating
+        out = victim.result(60)
+        assert out.output_ids == victim_want and out.decode_engine != de
+        assert cluster.router.counters()["stuck"] == 1
+        agents.run_turn()  # served by the other decode engine meanwhile
+        (hang / de).unlink()
+        wait_for(lambda: de in cluster.router.engines, what="the engine to rejoin")
+        assert detected_s < 2.0 + 0.2 + 1.0  # engine_timeout_s + a beat + the loop's slack
         agents.run_rest()
         assert_idle(cluster)
 

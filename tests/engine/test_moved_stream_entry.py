@@ -39,3 +39,4 @@ def test_prior_outputs_that_already_ended_the_request_drop_the_first_token(tiny_
     engine.start_prefilled(eos, 7)
     assert eos.is_finished and eos.finish_reason == "stop" and eos.output_ids[-1] == EOS
     assert engine.pool.num_free_blocks == 16 and not engine.has_unfinished
+

@@ -268,6 +268,32 @@ def test_a_request_aborted_while_it_moves_is_not_placed_again():
     assert moved.lookups == [1] and zero(state) == {}
 
 
+def test_an_engine_that_beats_but_makes_no_progress_with_work_is_declared_stuck():
+    """Beats from a live thread do not keep an engine whose work loop is stuck: past
+    engine_timeout_s without progress while it holds a request, it is lost (its stream moves)
+    and hears so; the same age with no work is only an idle engine."""
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    idle = state.on_message("de3", Heartbeat("de3", 1, 1, 0, (), loop_age_s=60.0), 1.0)
+    assert idle.sends == [("de3", HeartbeatAck(known=True))] and "de3" in state.engines
+    apply(state.submit(request(1), 0.0), done, sends, state)
+    de = _to_decoding(state, model, done, sends)
+    wire = state.requests[1].wire_id
+    busy = Heartbeat(de, 1, 1, 0, (wire,), loop_age_s=4.0)  # under the 5 s timeout: fine
+    apply(state.on_message(de, busy, 1.0), done, sends, state)
+    assert de in state.engines
+    sends.clear()
+    stuck = Heartbeat(de, 1, 1, 0, (wire,), loop_age_s=5.5)
+    effects = state.on_message(de, stuck, 2.0)
+    assert (de, HeartbeatAck(known=False)) in effects.sends and de not in state.engines
+    assert state.stuck == {de: 1}
+    apply(effects, done, sends, state)
+    model.alive.discard(de)
+    run_to_quiet(state, model, done, sends, 2.0)
+    assert isinstance(done[1], ClusterOutput) and done[1].decode_engine != de
+    assert zero(state) == {}
+
+
 def test_silent_engines_are_lost_and_hear_so_when_they_speak_again():
     state, done, sends = make_state(), {}, []
     hello_all(state, now=0.0)
