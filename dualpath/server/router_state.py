@@ -210,6 +210,10 @@ class RouterState:
 
     # -- engines --------------------------------------------------------------------------------
     def _hello(self, msg: Hello, now_s: float, out: Effects) -> None:
+        if any(e.info.node_id == msg.node_id and e.info.role != msg.role
+               for name, e in self.engines.items() if name != msg.name):
+            self.dropped_messages += 1  # a node hosts one role's engines (one scheduler group)
+            return
         if msg.name in self.engines:  # restarted under the same name: its old work is gone
             self._lose(msg.name, f"engine {msg.name} restarted", out)
         self.lost.pop(msg.name, None)

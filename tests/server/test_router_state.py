@@ -12,6 +12,8 @@ import random
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dualpath.errors import RequestError
 from dualpath.protocol import (
@@ -530,3 +532,49 @@ def test_the_output_says_where_the_time_to_first_token_went():
     t = done[1].timings
     assert t["ttft_s"] == 6.0 and t["queue_s"] == 0.5 and t["read_s"] == 2.0
     assert t["prefill_s"] == 2.0 and t["other_s"] == 1.5 and t["transfer_s"] == 0.5
+
+
+_IDS = st.integers(0, 40)
+_MESSAGES = st.one_of(
+    st.builds(BufferReady, _IDS, st.integers(0, 1 << 20), _IDS, _IDS),
+    st.builds(ReadDone, _IDS, _IDS),
+    st.builds(Prefilled, _IDS, _IDS, _IDS, _IDS),
+    st.builds(Tokens, st.lists(st.tuples(_IDS, _IDS, st.lists(_IDS, max_size=3).map(tuple)),
+                               max_size=3).map(tuple)),
+    st.builds(Finished, _IDS, st.lists(_IDS, max_size=4).map(tuple), st.sampled_from(
+        ["stop", "length"])),
+    st.builds(Failed, _IDS, st.text(max_size=5)), st.builds(Aborted, _IDS),
+    st.builds(Heartbeat, st.sampled_from(["pe0", "de2", "x9"]), _IDS, _IDS, _IDS,
+              st.lists(_IDS, max_size=3).map(tuple), st.floats(0, 10)),
+    st.builds(Hello, st.sampled_from(["pe0", "de3", "x9"]), st.sampled_from(["prefill",
+                                                                             "decode"]),
+              st.integers(0, 5), st.just("ep")))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["pe0", "pe1", "de2", "de3", "x9"]),
+                          st.one_of(_MESSAGES.map(encode), st.binary(max_size=24))),
+                max_size=60))
+def test_random_frames_from_any_peer_never_break_the_router_state(frames):
+    """Well- and ill-formed frames, from registered engines and from a stranger, some speaking
+    for another engine: decoded as the router does, none raises in the state, no counter goes
+    negative, and once the engines answer and the rest is aborted every counter is zero."""
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    for req_id in (1, 2, 3):
+        apply(state.submit(request(req_id), 0.0), done, sends, state)
+    for now, (sender, raw) in enumerate(frames):
+        try:
+            msg = decode(raw)
+        except ProtocolError:
+            continue
+        apply(state.on_message(sender, msg, float(now)), done, sends, state)
+        _check_non_negative(state)
+    for name, role, node in ENGINES:  # every engine back (a frame may have stalled one)
+        if name not in state.engines:
+            apply(state.on_message(name, Hello(name, role, node, "ep"), 99.0), done, sends, state)
+    run_to_quiet(state, model, done, sends, 99.0)
+    for req_id in list(state.requests):
+        apply(state.abort(req_id, "end of test"), done, sends, state)
+    run_to_quiet(state, model, done, sends, 99.0)
+    assert zero(state) == {} and sorted(done) == [1, 2, 3]
