@@ -92,3 +92,20 @@ def test_serve_refuses_a_capacity_that_is_not_a_positive_size(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--store-capacity-gb", "-1"])
     assert "expected a size in GB > 0" in capsys.readouterr().err
+
+
+def test_keys_writes_owner_only_files_the_router_and_engines_read(tmp_path, capsys):
+    import stat
+
+    from dualpath.control_keys import ClusterKeys, engine_key_from
+
+    assert main(["keys", str(tmp_path / "k"), "--engines", "pe0,de1"]) == 0
+    assert "control_keys=" in capsys.readouterr().out
+    keys = ClusterKeys.load(tmp_path / "k")
+    assert set(keys.engines) == {"pe0", "de1"}
+    de1 = engine_key_from(str(tmp_path / "k" / "engines" / "de1.json"), "de1")
+    assert de1.router_public == keys.router.public and de1.keys == keys.engines["de1"]
+    for path in [tmp_path / "k" / "router.json", *(tmp_path / "k" / "engines").iterdir()]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert main(["keys", str(tmp_path / "j"), "--engines", "pe0,../x"]) == 2
+    assert main(["keys", str(tmp_path / "j"), "--engines", "pe0,pe0"]) == 2
