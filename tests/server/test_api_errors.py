@@ -110,11 +110,15 @@ class Api:
 
     def wait_idle(self, timeout_s: float = 10.0) -> dict[str, int]:
         """The router's counters once it holds no request."""
-        deadline = time.monotonic() + timeout_s
-        while (counters := self.cluster.router.counters())["requests"] and (
-                time.monotonic() < deadline):
-            time.sleep(0.05)
-        return counters
+        return wait_idle(self.cluster.router, timeout_s)
+
+
+def wait_idle(router: Router, timeout_s: float = 10.0) -> dict[str, int]:
+    """``router``'s counters once it holds no request (or after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (counters := router.counters())["requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return counters
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,14 @@ from dualpath.server.api import ModelInfo, build_app
 from dualpath.server.launch import LocalCluster
 from dualpath.server.metrics import ServeMetrics
 
-from .test_api_errors import MODEL, assert_openai_error, byte_model, serving, tiny_cluster_config
+from .test_api_errors import (
+    MODEL,
+    assert_openai_error,
+    byte_model,
+    serving,
+    tiny_cluster_config,
+    wait_idle,
+)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
@@ -58,11 +65,7 @@ class Cluster:
 
     def wait_idle(self, timeout_s: float = 10.0) -> dict[str, int]:
         """The router's counters once it holds no request."""
-        deadline = time.monotonic() + timeout_s
-        while (counters := self.router.counters())["requests"] and (
-                time.monotonic() < deadline):
-            time.sleep(0.05)
-        return counters
+        return wait_idle(self.router, timeout_s)
 
 
 @pytest.fixture(scope="module")
