@@ -62,20 +62,16 @@ def decode(raw: bytes) -> Message:
     """Parse bytes into the message class their ``type`` names, checked against its schema;
     ``ProtocolError`` for anything else."""
     try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=False)
         if not isinstance(data, dict):
             raise ValueError("not a map")
         cls = _TYPES[data.pop("type")]
         names = {f.name for f in fields(cls)}
-        values = {k: _tuples(v) for k, v in data.items() if k in names}
+        values = {k: v for k, v in data.items() if k in names}  # arrays come as tuples
         check_fields(cls, values)
         return cls(**values)
     except (KeyError, TypeError, ValueError, RecursionError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"bad control message: {exc}") from exc
-
-
-def _tuples(value: Any) -> Any:
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 # -- engine -> router --------------------------------------------------------------------------
