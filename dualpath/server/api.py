@@ -119,13 +119,14 @@ def build_app(router: Router, model: ModelInfo, settings: ServeConfig,
         problem, engines = await probe.check()
         detailed = keys.open or keys.match(request) is not None
         if problem is not None:
-            return JSONResponse(error_body(problem if detailed else "the cluster is not ready",
-                                           "service_unavailable"), status_code=503)
+            body = error_body(problem if detailed else "the cluster is not ready",
+                              "service_unavailable")
+            if detailed and engines:  # which engines are still in, beside what is missing
+                body["engines"] = _shown(engines, keys.open)
+            return JSONResponse(body, status_code=503)
         if not detailed:
             return JSONResponse({"status": "ok"})
-        if keys.open:  # every client is unauthenticated: no transfer endpoint
-            engines = [{k: v for k, v in e.items() if k != "endpoint"} for e in engines]
-        return JSONResponse({"status": "ok", "engines": engines})
+        return JSONResponse({"status": "ok", "engines": _shown(engines, keys.open)})
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -325,6 +326,13 @@ def _check_model(name: str, model: ModelInfo) -> None:
 
 
 # -- health -------------------------------------------------------------------------------------
+
+
+def _shown(engines: list[dict[str, Any]], unauthenticated: bool) -> list[dict[str, Any]]:
+    """The engines as /health shows them: no transfer endpoint to an unauthenticated client."""
+    if not unauthenticated:
+        return engines
+    return [{k: v for k, v in e.items() if k != "endpoint"} for e in engines]
 
 
 class _HealthProbe:

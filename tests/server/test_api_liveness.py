@@ -77,6 +77,7 @@ def test_health_follows_the_router_thread_and_the_engines_and_serve_stops_withou
             assert time.monotonic() < deadline, "/health kept saying 200 without a decode engine"
             time.sleep(0.1)
         assert_openai_error(response, 503, "decode")
+        assert "pe0" in {e["name"] for e in response.json()["engines"]}  # who is still in
 
         # the router thread ended: before, /health said 200 (engines still registered)
         router.shutdown(notify_engines=False)
