@@ -11,7 +11,8 @@ the PE-read blocks plus the miss blocks.
 **Overlap.** Every move is asynchronous, through the traffic manager's lanes: while layer i
 computes, the loads of layers i+1 .. i+W-1 (as many as the window has slots for) and layer
 i-1's send are in flight (on a CPU engine the traffic manager's dispatcher threads do the
-copies; on CUDA a copy stream with events).
+copies; on CUDA a copy stream with events, and the compute stream is never synchronized: see
+``PrefillHooks``).
 
 **Device-memory window.** A layerwise PE keeps only W layers of a forward's KV resident
 (``PagedKVCache`` with a layer window, default W = 2: the layer computing and the one loading);
@@ -33,10 +34,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from dualpath.engine.cuda_events import EventWatcher, shared_watcher, stream_wait
 from dualpath.engine.futures import all_of
+from dualpath.engine.nic_copy import CopyIssue
 from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.cache import PagedKVCache
 from dualpath.kv.host_pool import HostPool
@@ -109,11 +113,31 @@ class CacheAddresses:
         return self.base + (slot * self.num_blocks + block) * self.layer_block_bytes
 
 
+@dataclass
+class _Load:
+    """One layer's loads: what the compute waits for, and when every byte has landed."""
+
+    host: list[Future[None]]  # waited on the host before the layer (reads, CPU copies)
+    issued: list[Future[list[Any]]]  # CUDA copies: their copy-stream events, once issued
+    landed: Future[None]  # every byte is in the cache (the sources may be reused after)
+
+
 class PrefillHooks(LayerHooks):
-    """Loads each layer's context KV ahead of it and forwards its new KV after it."""
+    """Loads each layer's context KV ahead of it and forwards its new KV after it.
+
+    On CUDA nothing synchronizes the compute stream: the compute stream waits on the events of
+    the host→device copies of a layer before computing it, and a layer's send chains on an
+    event recorded after its compute (``cuda_events``), so the compute thread keeps launching
+    later layers while earlier ones move. Reads over the compute network complete on the host
+    (the transfer engine reports them there), so the compute thread waits for those before it
+    launches the layer that needs them, and for a slot's previous tenant to have left.
+    """
 
     def __init__(self, plan: LayerPlan, cache: PagedKVCache, traffic: TrafficManager,
-                 host_pool: HostPool | None = None) -> None:
+                 host_pool: HostPool | None = None, watcher: EventWatcher | None = None,
+                 stream_ordered: bool | None = None) -> None:
+        """``stream_ordered`` (default: the cache is on CUDA) runs the CUDA pipeline above;
+        ``watcher`` turns compute events into futures (default: the device's shared one)."""
         if plan.mode == "basic" and cache.is_window:
             raise ValueError("basic prefill keeps every layer resident; this cache holds a "
                              f"window of {cache.resident_layers} layers")
@@ -125,19 +149,24 @@ class PrefillHooks(LayerHooks):
         self.window = cache.resident_layers
         self.lb = self.addrs.layer_block_bytes
         self.host_pool = host_pool
-        self._loads: dict[int, Future[None]] = {}
+        self._loads: dict[int, _Load] = {}
+        self._landed: list[Future[None]] = []
         self._sends: dict[int, Future[None]] = {}
+        self._computed: dict[int, Future[None]] = {}  # CUDA: the device finished layer i
         self._moves = plan.mode != "oracle"
         self._has_loads = self._moves and bool(plan.host_loads() or plan.de_loads())
-        self._on_cuda = cache.data.is_cuda
+        self._on_cuda = cache.data.is_cuda if stream_ordered is None else stream_ordered
+        self._watcher = watcher if watcher is not None or not self._on_cuda \
+            else shared_watcher(cache.data.device)
         self.wait_s = 0.0  # the forward's time blocked on this request's loads and sends
+        self.num_stream_waits = 0  # CUDA: copy events the compute stream waited on
 
     # -- hooks --------------------------------------------------------------------------------
     def before_layer(self, layer_idx: int) -> None:
         if self.plan.mode == "basic":
             if layer_idx == 0 and self._has_loads:
-                for future in [self._start_load(i) for i in range(self.num_layers)]:
-                    self._wait(future)
+                for load in [self._start_load(i) for i in range(self.num_layers)]:
+                    self._await_load(load)
             return
         if self._has_loads:
             # prefetch: every later layer the window has a slot for loads while this one
@@ -145,79 +174,127 @@ class PrefillHooks(LayerHooks):
             for ahead in range(layer_idx, min(layer_idx + self.window, self.num_layers)):
                 if ahead not in self._loads:
                     self._loads[ahead] = self._start_load(ahead)
-            self._wait(self._loads.pop(layer_idx))
+            self._await_load(self._loads.pop(layer_idx))
         self._wait_slot_free(layer_idx)  # the compute writes into the slot
 
     def after_layer(self, layer_idx: int) -> None:
-        if self.plan.mode != "basic" and self._moves and self.plan.forward_blocks():
-            self._sync_device()
-            self._sends[layer_idx] = self._start_forward(layer_idx)
+        if self.plan.mode == "basic" or not self._moves:
+            return
+        computed = self._device_done()
+        if computed is not None and self.cache.is_window:
+            self._computed[layer_idx] = computed
+        if self.plan.forward_blocks():
+            self._sends[layer_idx] = self._start_forward(layer_idx, computed)
 
     def finish(self) -> None:
         if self.plan.mode == "basic" and self._moves and self.plan.forward_blocks():
-            self._sync_device()
+            computed = self._device_done()
             for i in range(self.num_layers):
-                self._sends[i] = self._start_forward(i)
+                self._sends[i] = self._start_forward(i, computed)
         errors = []
-        for future in self._sends.values():
+        for future in [*self._sends.values(), *self._landed]:
             if (exc := self._wait(future, raises=False)) is not None:
                 errors.append(exc)
         self._sends.clear()
+        self._landed.clear()
+        self._computed.clear()
         if errors:
             raise errors[0]
 
     def settle(self) -> None:
         """After a failed forward: wait until no load or send of it can still touch the cache
         (their errors are the caller's business already)."""
-        wait([*self._loads.values(), *self._sends.values()])
+        wait([*self._landed, *self._sends.values(), *self._computed.values()])
         self._loads.clear()
+        self._landed.clear()
         self._sends.clear()
+        self._computed.clear()
 
     # -- moves --------------------------------------------------------------------------------
     def _slot_tenant(self, layer_idx: int) -> Future[None] | None:
-        """The send of the layer that held ``layer_idx``'s slot before it (None: no wait)."""
-        return self._sends.get(layer_idx - self.window)
+        """What must settle before ``layer_idx`` may take its slot: the send of the layer that
+        held the slot before it, or on CUDA with nothing to send, that layer's compute."""
+        tenant = layer_idx - self.window
+        return self._sends.get(tenant) or self._computed.get(tenant)
 
     def _wait_slot_free(self, layer_idx: int) -> None:
         tenant = self._slot_tenant(layer_idx)
         if tenant is not None:
             self._wait(tenant)
 
-    def _wait(self, future: Future[None], raises: bool = True) -> BaseException | None:
-        """Block until ``future`` settles, counting the time in ``wait_s``; its error raised
-        (``raises``) or returned."""
+    def _await_load(self, load: _Load) -> None:
+        """Make ``load`` visible to the layer about to compute: host waits for what completes
+        on the host, a device-side wait for what a copy stream will complete."""
+        for future in load.host:
+            self._wait(future)
+        for issued in load.issued:
+            events = self._wait(issued)
+            self.num_stream_waits += stream_wait(events, self._compute_stream())
+
+    def _wait(self, future: Future[Any], raises: bool = True) -> Any:
+        """Block until ``future`` settles, counting the time in ``wait_s``; its result (or,
+        not ``raises``, its error)."""
         if not future.done():
             started_s = time.perf_counter()
             wait([future])
             self.wait_s += time.perf_counter() - started_s
-        if raises:
-            future.result()
-        return future.exception()
+        if not raises:
+            return future.exception()
+        return future.result()
 
-    def _start_load(self, layer_idx: int) -> Future[None]:
+    def _device_done(self) -> Future[None] | None:
+        """On CUDA, a future that completes once the device has run everything launched so
+        far (an event on the compute stream); None on a CPU, where that is already so."""
+        if not self._on_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._compute_stream())
+        assert self._watcher is not None
+        return self._watcher.watch(event)
+
+    def _compute_stream(self) -> Any:
+        return torch.cuda.current_stream(self.cache.data.device)
+
+    def _start_load(self, layer_idx: int) -> _Load:
         """Layer ``layer_idx``'s context KV into its slot, once the slot's tenant has left."""
         plan, after = self.plan, self._slot_tenant(layer_idx)
-        futures = []
+        load_host: list[Future[None]] = []
+        issued: list[Future[list[Any]]] = []
+        landed: list[Future[None]] = []
         host = plan.host_loads()
         if host:  # PE host buffer -> device (CNIC-assisted copies, one submission a layer)
             assert self.host_pool is not None
             pairs = [(self._cache_view(layer_idx, plan.pe_blocks[j]),
                       self._host_view(plan.pe_slots[j], layer_idx)) for j in host]
-            futures.append(self.traffic.submit_copies(pairs, Lane.KV_LOAD, "h2d", after=after))
+            if self._on_cuda:  # the compute stream waits for the copy stream's events
+                issue = CopyIssue()
+                copied = self.traffic.submit_copies(pairs, Lane.KV_LOAD, "h2d", after=after,
+                                                    issue=issue)
+                issued.append(issue.future)
+            else:
+                copied = self.traffic.submit_copies(pairs, Lane.KV_LOAD, "h2d", after=after)
+                load_host.append(copied)
+            landed.append(copied)
         remote = plan.de_loads()
         if remote:  # DE host buffer -> device over the compute network
             segments = [(self.addrs.layer_block(layer_idx, plan.pe_blocks[j]),
                          plan.de_layer_block(layer_idx, j, self.lb), self.lb) for j in remote]
-            futures.append(self.traffic.submit("read", plan.de_endpoint, segments,
-                                               Lane.KV_LOAD, after=after))
-        return futures[0] if len(futures) == 1 else all_of(futures)
+            read = self.traffic.submit("read", plan.de_endpoint, segments, Lane.KV_LOAD,
+                                       after=after)
+            landed.append(read)
+            load_host.append(read)
+        load = _Load(load_host, issued, landed[0] if len(landed) == 1 else all_of(landed))
+        self._landed.append(load.landed)
+        return load
 
-    def _start_forward(self, layer_idx: int) -> Future[None]:
+    def _start_forward(self, layer_idx: int, computed: Future[None] | None) -> Future[None]:
+        """Layer ``layer_idx``'s new KV to the DE buffer, once ``computed`` (if any) is done."""
         plan = self.plan
         segments = [(self.addrs.layer_block(layer_idx, plan.pe_blocks[j]),
                      plan.de_layer_block(layer_idx, j, self.lb), self.lb)
                     for j in plan.forward_blocks()]
-        return self.traffic.submit("write", plan.de_endpoint, segments, Lane.KV_FORWARD)
+        return self.traffic.submit("write", plan.de_endpoint, segments, Lane.KV_FORWARD,
+                                   after=computed)
 
     def _cache_view(self, layer_idx: int, block: int) -> torch.Tensor:
         return self.cache.layer(layer_idx)[block].view(-1).view(torch.uint8)
@@ -225,9 +302,4 @@ class PrefillHooks(LayerHooks):
     def _host_view(self, slot: int, layer_idx: int) -> torch.Tensor:
         assert self.host_pool is not None
         return self.host_pool.tensor(slot)[layer_idx * self.lb : (layer_idx + 1) * self.lb]
-
-    def _sync_device(self) -> None:
-        """On CUDA, the layer's KV must be written before a send reads it."""
-        if self._on_cuda:
-            torch.cuda.current_stream(self.cache.data.device).synchronize()
 

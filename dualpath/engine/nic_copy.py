@@ -10,10 +10,19 @@ stream per device, after an event recorded on the submitter's stream at submit t
 copy sees the compute that produced its source), and waits on an event of its own before it
 counts the piece done. Pieces smaller than a chunk (the blocks of one layer) share a work
 item (``group_pieces``): one queue turn, and on CUDA one event, for the group.
+
+A submitter that consumes the copy on a CUDA stream (the layerwise prefill's loads) need not
+wait on the host for the bytes to land: with a ``CopyIssue`` in the context, each group's
+event is handed over as soon as it is recorded, and ``CopyIssue.future`` resolves with all of
+them once every group is issued; the consumer's stream waits on those events
+(``cuda_events.stream_wait``). The submission's own future still means "landed" (whoever frees
+a copy's source waits for that one).
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +82,56 @@ def _tensor_pieces(dst: Any, src: Any, chunk_bytes: int) -> list[Piece]:
             for r in range(0, rows, step)]
 
 
+class CopyIssue:
+    """The CUDA events one copy submission's work items record on their copy streams.
+
+    ``expect(n)`` says how many items will report; ``future`` resolves with the list of events
+    once all ``n`` have (or at once for ``n == 0``), or with the submission's error. Thread-safe:
+    items report from dispatcher threads.
+    """
+
+    def __init__(self) -> None:
+        self.future: Future[list[Any]] = Future()
+        self.future.set_running_or_notify_cancel()
+        self._events: list[Any] = []
+        self._expected: int | None = None
+        self._lock = threading.Lock()
+
+    def expect(self, num_items: int) -> None:
+        """Set the number of work items that will report an event (once, before any runs)."""
+        with self._lock:
+            self._expected = num_items
+        self._resolve_if_complete()
+
+    def add(self, event: Any) -> None:
+        """One work item's copies are issued; ``event`` completes when they have landed."""
+        with self._lock:
+            self._events.append(event)
+        self._resolve_if_complete()
+
+    def follow(self, landed: Future[Any]) -> None:
+        """Settle with ``landed`` (the submission's future) if it settles first: its error, or,
+        landed without every event (nothing to wait for then), the events seen so far."""
+        landed.add_done_callback(self._on_landed)
+
+    def _on_landed(self, landed: Future[Any]) -> None:
+        exc = landed.exception()
+        with self._lock:
+            if self.future.done():
+                return
+            if exc is not None:
+                self.future.set_exception(exc)
+            else:
+                self.future.set_result(list(self._events))
+
+    def _resolve_if_complete(self) -> None:
+        with self._lock:
+            if self.future.done() or self._expected is None:
+                return
+            if len(self._events) >= self._expected:
+                self.future.set_result(list(self._events))
+
+
 @dataclass(frozen=True)
 class TensorContext:
     """What a tensor copy takes from its submitter's thread: device, stream order, torch modes.
@@ -85,10 +144,12 @@ class TensorContext:
     ready: Any | None  # an event on the submitter's current stream of that device
     inference: bool
     grad: bool
+    issue: CopyIssue | None = None  # where each group's copy-stream event is reported
 
 
-def tensor_context(dst: Any, src: Any) -> TensorContext | None:
-    """The submitter's context for a tensor copy (None for buffers); call on its thread."""
+def tensor_context(dst: Any, src: Any, issue: CopyIssue | None = None) -> TensorContext | None:
+    """The submitter's context for a tensor copy (None for buffers); call on its thread.
+    ``issue`` receives the copy-stream events of CUDA copies (ignored for host copies)."""
     if not is_tensor(dst):
         return None
     import torch
@@ -99,10 +160,11 @@ def tensor_context(dst: Any, src: Any) -> TensorContext | None:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
     return TensorContext(device, ready, torch.is_inference_mode_enabled(),
-                         torch.is_grad_enabled())
+                         torch.is_grad_enabled(), issue if device is not None else None)
 
 
-def submission_context(pairs: list[tuple[Any, Any]]) -> TensorContext | None:
+def submission_context(pairs: list[tuple[Any, Any]],
+                       issue: CopyIssue | None = None) -> TensorContext | None:
     """The one context a submission's copies share (one copy stream, one ready event), taken
     from a pair that touches CUDA if any; None for buffer copies. Raises ``ValueError`` when
     ``pairs`` mix tensors and buffers or span CUDA devices. Call on the submitter's thread."""
@@ -112,7 +174,7 @@ def submission_context(pairs: list[tuple[Any, Any]]) -> TensorContext | None:
     devices = {t.device for pair in on_cuda for t in pair if t.is_cuda}
     if len(devices) > 1:
         raise ValueError(f"one submission's copies span devices {sorted(map(str, devices))}")
-    return tensor_context(*(on_cuda or pairs)[0]) if pairs else None
+    return tensor_context(*(on_cuda or pairs)[0], issue) if pairs else None
 
 
 def group_pieces(pieces: list[Piece], chunk_bytes: int) -> list[list[Piece]]:
@@ -130,17 +192,28 @@ def group_pieces(pieces: list[Piece], chunk_bytes: int) -> list[list[Piece]]:
 
 
 class PieceCopier:
-    """Runs pieces: host copies inline, CUDA copies on a dedicated stream per device.
-
-    Used by one dispatcher thread only (its streams are not shared).
-    """
+    """Runs pieces: host copies inline, CUDA copies on a dedicated stream per device and
+    calling thread (threads that share a copier never share a stream)."""
 
     def __init__(self) -> None:
-        self._streams: dict[Any, Any] = {}
+        self._local = threading.local()
+
+    def stream(self, device: Any) -> Any:
+        """This thread's copy stream on ``device`` (created on first use)."""
+        streams: dict[Any, Any] | None = getattr(self._local, "streams", None)
+        if streams is None:
+            streams = self._local.streams = {}
+        stream = streams.get(device)
+        if stream is None:
+            import torch
+
+            stream = streams[device] = torch.cuda.Stream(device=device)
+        return stream
 
     def copy_all(self, pieces: list[Piece], ctx: TensorContext | None) -> None:
-        """Copy ``pieces`` in order; returns once all their bytes have landed (on CUDA: one
-        wait for the submitter's stream, one for the copy stream)."""
+        """Copy ``pieces`` in order; returns once all their bytes have landed (on CUDA: the
+        copy stream waits for the submitter's stream on the device, the copies are issued,
+        their event goes to ``ctx.issue`` at once, and this thread waits for it)."""
         if ctx is None:
             for dst, src, _ in pieces:
                 dst[:] = src
@@ -152,9 +225,7 @@ class PieceCopier:
                 for dst, src, _ in pieces:
                     dst.copy_(src)
                 return
-            stream = self._streams.get(ctx.device)
-            if stream is None:
-                stream = self._streams[ctx.device] = torch.cuda.Stream(device=ctx.device)
+            stream = self.stream(ctx.device)
             with torch.cuda.stream(stream):
                 if ctx.ready is not None:
                     stream.wait_event(ctx.ready)
@@ -162,4 +233,6 @@ class PieceCopier:
                     dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)
+        if ctx.issue is not None:
+            ctx.issue.add(done)
         done.synchronize()

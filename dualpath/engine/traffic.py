@@ -48,7 +48,13 @@ from typing import Any, Literal
 
 from dualpath.config import TrafficConfig
 from dualpath.engine.nic_chunks import coalesce, split_chunks, validated
-from dualpath.engine.nic_copy import PieceCopier, copy_pieces, group_pieces, submission_context
+from dualpath.engine.nic_copy import (
+    CopyIssue,
+    PieceCopier,
+    copy_pieces,
+    group_pieces,
+    submission_context,
+)
 from dualpath.engine.nic_grant_client import GrantClient, PendingGrant
 from dualpath.engine.nic_grants import GrantServer
 from dualpath.engine.nic_queues import NicDirection, direction_metrics
@@ -144,13 +150,16 @@ class TrafficManager:
 
     def submit_copies(self, pairs: Sequence[tuple[Any, Any]], lane: Lane,
                       direction: CopyDirection | None = None,
-                      after: Future[Any] | None = None) -> Future[None]:
+                      after: Future[Any] | None = None,
+                      issue: CopyIssue | None = None) -> Future[None]:
         """``submit_copy`` of several ``(dst, src)`` pairs as one submission: one future.
 
         Small pieces of consecutive pairs share a NIC work item of at most the lane's chunk
         (e.g. the blocks of one layer), so a layer of many blocks costs a few queue turns, not
         one per block. The pairs are all tensors (CUDA ones on one device) or all buffers:
-        ``ValueError`` otherwise. Empty ``pairs`` complete at once.
+        ``ValueError`` otherwise. Empty ``pairs`` complete at once. ``issue``, for copies a
+        CUDA stream consumes, receives each work item's copy-stream event as soon as it is
+        issued (``nic_copy.CopyIssue``); the returned future still means "landed".
         """
         lane = Lane(lane)
         direction = direction or ("d2h" if lane is Lane.KV_SAVE else "h2d")
@@ -159,10 +168,14 @@ class TrafficManager:
         side = _NIC_SIDE[direction]
         chunk_bytes = self.config.lane_chunk_bytes(lane.value)
         pieces = [p for dst, src in pairs for p in copy_pieces(dst, src, chunk_bytes)[0]]
-        ctx = submission_context(list(pairs))
+        ctx = submission_context(list(pairs), issue)
         copier = self._copiers[side]
         groups = group_pieces(pieces, chunk_bytes)
         sub = Submission(len(groups))
+        if issue is not None:  # host copies: the issue settles when they have landed
+            if ctx is not None and ctx.issue is not None:
+                issue.expect(len(groups))
+            issue.follow(sub.future)
         items: list[Work] = [CopyWork(sub, lane, sum(n for _, _, n in g),
                                       partial(copier.copy_all, g, ctx)) for g in groups]
         self._live.accept(sub, after, partial(self._dirs[side].put, items))
