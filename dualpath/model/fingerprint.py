@@ -23,7 +23,8 @@ from typing import Any
 
 CACHE_FILE = "weight-digests.json"
 CACHE_VERSION = 1
-WEIGHT_PATTERNS = ("*.safetensors",)  # what loader.load_weights reads (no .bin/.pt loader)
+# what loader.load_weights reads (no .bin/.pt loader), and a random-weight folder's settings
+WEIGHT_PATTERNS = ("*.safetensors", "dummy_weights.json")
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

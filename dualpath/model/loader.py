@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from dualpath.errors import ModelLoadError
+from dualpath.model.dummy import dummy_settings, fill_random
 from dualpath.model.llama import LlamaForCausalLM
 from dualpath.model.spec import ModelSpec, load_spec
 
@@ -90,31 +91,44 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
 
-def _materialize_on_cpu(model: torch.nn.Module) -> None:
-    """Give every meta parameter and buffer uninitialized CPU memory (the checkpoint fills it).
+def _materialize(model: torch.nn.Module, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None) -> None:
+    """Give every meta parameter and buffer uninitialized memory on ``device`` (in ``dtype``
+    for floating-point ones, when given): the checkpoint, or random draws, fill it.
 
     ``Module.to_empty`` does the same through ``empty_like`` on meta tensors, whose reference
     implementation imports torch's symbolic-shape machinery: a second of every engine start.
     A parameter two modules share (tied weights) stays shared.
     """
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        kind = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
+        return torch.empty(t.shape, dtype=kind, device=device)
+
     made: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in made:
-                empty = torch.empty(param.shape, dtype=param.dtype)
-                made[id(param)] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+                made[id(param)] = torch.nn.Parameter(empty(param),
+                                                     requires_grad=param.requires_grad)
             setattr(module, name, made[id(param)])
         for name, buf in module.named_buffers(recurse=False):
-            setattr(module, name, torch.empty(buf.shape, dtype=buf.dtype))
+            setattr(module, name, empty(buf))
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                spec: ModelSpec | None = None, device: str = "cpu") -> LlamaForCausalLM:
-    """Build the model for ``model_dir``'s config and load its weights in ``dtype``."""
+    """Build the model for ``model_dir``'s config and load its weights in ``dtype`` (random
+    ones drawn on ``device`` for a ``model/dummy.py`` folder)."""
     spec = spec or load_spec(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(spec)
-    _materialize_on_cpu(model)
+    random = dummy_settings(model_dir)
+    if random is not None:  # drawn in place on the device: no host copy of the weights
+        _materialize(model, device, dtype)
+        with torch.no_grad():
+            fill_random(list(model.named_parameters()), int(random["seed"]), random["std"])
+        return model.eval().requires_grad_(False)
+    _materialize(model)
     load_weights(model, model_dir)
     model.to(dtype=dtype, device=device)
     return model.eval().requires_grad_(False)
