@@ -303,9 +303,10 @@ class EngineProcess:
         return values
 
     def close(self) -> None:
-        """Stop helpers and release the socket."""
+        """Stop helpers, unpin the host pool and release the socket."""
         self.storage.close()
         self.traffic.close()
+        self.host_pool.close()
         self.socket.close(0)
 
 

@@ -27,6 +27,11 @@ def _pin(tensor: torch.Tensor) -> bool:
     return int(result) == 0
 
 
+def _unpin(tensor: torch.Tensor) -> bool:
+    """Undo ``_pin`` (the memory stays valid, pageable again)."""
+    return int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())) == 0
+
+
 class HostPool:
     """``num_slots`` slots of ``payload_bytes`` each (slots padded to 4 KiB)."""
 
@@ -50,6 +55,14 @@ class HostPool:
         self.pinned = pin and _pin(self.slab)
         self._is_free = [True] * num_slots
         self._num_free = num_slots
+
+    def close(self) -> None:
+        """Unpin the slab (once registered with CUDA, until this is called); idempotent. The
+        slab stays readable: a transfer still holding its address fails cleanly, not on freed
+        memory (the mapping lives as long as this pool)."""
+        if self.pinned:
+            self.pinned = False
+            _unpin(self.slab)
 
     @property
     def base_address(self) -> int:

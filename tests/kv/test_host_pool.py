@@ -144,3 +144,27 @@ def test_a_touched_pool_holds_its_memory_from_the_start():
 
     assert grown_mb(False) < 16
     assert grown_mb(True) > 56
+
+
+def test_close_unpins_once(monkeypatch):
+    import dualpath.kv.host_pool as host_pool
+
+    calls = []
+    monkeypatch.setattr(host_pool, "_pin", lambda t: calls.append(("pin", t.data_ptr())) or True)
+    monkeypatch.setattr(host_pool, "_unpin",
+                        lambda t: calls.append(("unpin", t.data_ptr())) or True)
+    pool = HostPool(4096, 2, pin=True)
+    assert pool.pinned
+    pool.close()
+    pool.close()
+    assert calls == [("pin", pool.base_address), ("unpin", pool.base_address)]
+    assert not pool.pinned
+    pool.tensor(0).fill_(1)  # still usable memory, only pageable again
+
+
+@pytest.mark.gpu
+def test_a_cuda_pinned_pool_unpins():
+    pool = HostPool(1 << 20, 2, pin=True)
+    assert pool.pinned and pool.slab.is_pinned()
+    pool.close()
+    assert not pool.slab.is_pinned()
