@@ -39,24 +39,41 @@ def dualpath_system(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
                       "cores": "one torch thread; the engine's step loop runs on it too"}
 
 
+def _transformers_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """The HF model of ``model_dir`` on ``device``: its checkpoint, or for a random-weight
+    folder (``model/dummy.py``) HF's own random initialization of that config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dualpath.model.dummy import dummy_settings
+
+    if dummy_settings(model_dir) is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    config = AutoConfig.from_pretrained(model_dir)
+    with device:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def transformers_system(spec: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
-    """``transformers`` ``generate``, greedy, exactly N tokens (EOS never stops it)."""
+    """``transformers`` ``generate``, greedy, exactly N tokens (EOS never stops it), on the
+    device our engine runs on (``--set device=...``)."""
     import transformers
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(spec["threads"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"]))
+    device = torch.device(spec.get("engine", {}).get("device", "cpu"))
+    model = _transformers_model(spec["model"], getattr(torch, spec["dtype"]), device).eval()
     model.generation_config.eos_token_id = None
 
     @torch.inference_mode()
     def generate(prompts: list[list[int]], new_tokens: int) -> None:
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        if device.type == "cuda":  # the timer stops when the tokens exist, not when queued
+            torch.cuda.synchronize(device)
         assert out.shape[1] == ids.shape[1] + new_tokens
 
     return generate, {"dtype": spec["dtype"], "threads": torch.get_num_threads(),
-                      "version": transformers.__version__,
+                      "version": transformers.__version__, "device": str(device),
                       "cores": "one torch thread; generate's loop runs on it too"}
 
 
