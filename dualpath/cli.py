@@ -7,9 +7,14 @@ import argparse
 import os
 import sys
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from dualpath.config import EngineConfig
 from dualpath.errors import DualPathError
+
+if TYPE_CHECKING:
+    from dualpath.bench.demo import DemoOptions
+    from dualpath.config_file import AppConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,20 +23,35 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--block-size", type=int, default=64, help="KV block size in tokens")
+    _add_device_arg(p, "auto")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override an EngineConfig field, e.g. --set kv_cache_mb=256")
 
 
+DEVICE_HELP = ("the engines' device: cpu, cuda, cuda:N or auto (cuda where this host has a GPU, "
+               "else cpu); a local cluster puts each engine on its own GPU, round robin")
+
+
+def _add_device_arg(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--device", default=default,
+                   help=DEVICE_HELP + (f" (default {default})" if default else ""))
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the common flags plus ``--set key=value`` overrides."""
+    """EngineConfig from the common flags plus ``--set key=value`` overrides; a device of
+    ``auto`` is resolved against this host's GPUs."""
     values: dict[str, object] = {"dtype": args.dtype, "threads": args.threads,
-                                 "block_size": args.block_size}
+                                 "block_size": args.block_size, "device": args.device}
     types = {f.name: f.type for f in fields(EngineConfig)}
     for item in args.set:
         key, sep, raw = item.partition("=")
         if not sep or key not in types:
             raise DualPathError(f"--set {item!r}: expected KEY=VALUE with KEY in {sorted(types)}")
         values[key] = _parse_value(raw)
+    if values["device"] != "cpu":
+        from dualpath.server.launch import resolve_local_device
+
+        values["device"] = resolve_local_device(str(values["device"]))
     return EngineConfig(**values)  # type: ignore[arg-type]
 
 
@@ -77,14 +97,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from dualpath.bench.demo import DemoOptions, run_demo
+    from dualpath.bench.demo import run_demo
+
+    run_demo(demo_options(args))
+    return 0
+
+
+def demo_options(args: argparse.Namespace) -> DemoOptions:
+    """The :class:`DemoOptions` of a parsed ``dualpath demo`` command line."""
+    from dualpath.bench.demo import DemoOptions
 
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    run_demo(DemoOptions(model=args.model, read_cap_mb_s=args.read_cap_mb_s,
-                         compute_cap_mb_s=args.compute_cap_mb_s, sessions=args.sessions,
-                         turns=args.turns, modes=modes, block_size=args.block_size,
-                         dtype=args.dtype, json_path=args.json or None, work_dir=args.dir))
-    return 0
+    return DemoOptions(model=args.model, read_cap_mb_s=args.read_cap_mb_s,
+                       compute_cap_mb_s=args.compute_cap_mb_s, sessions=args.sessions,
+                       turns=args.turns, modes=modes, block_size=args.block_size,
+                       dtype=args.dtype, device=args.device, json_path=args.json or None,
+                       work_dir=args.dir)
 
 
 def _cmd_prepare_model(args: argparse.Namespace) -> int:
@@ -116,8 +144,16 @@ def _cmd_bench_scheduler(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from dualpath.config_file import load_config
     from dualpath.server.serve import serve
+
+    serve(serve_config(args))
+    return 0
+
+
+def serve_config(args: argparse.Namespace) -> AppConfig:
+    """The configuration of a parsed ``dualpath serve`` command line: the file's, then the
+    flags, then each ``--set``."""
+    from dualpath.config_file import load_config
 
     base: dict[str, object] = {}
     for key, value in (("serve.host", args.host), ("serve.port", args.port),
@@ -125,12 +161,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        ("serve.model", args.model), ("storage.root", args.storage),
                        ("storage.capacity_gb", args.store_capacity_gb),
                        ("serve.api_key", args.api_key), ("serve.launcher", args.launcher),
-                       ("serve.ray_address", args.ray_address),
+                       ("serve.ray_address", args.ray_address), ("engine.device", args.device),
                        ("router_host", args.router_host), ("router_port", args.router_port)):
         if value is not None:
             base[key] = value
-    serve(load_config(args.config, args.set, base))
-    return 0
+    return load_config(args.config, args.set, base)
 
 
 def _cmd_store_verify(args: argparse.Namespace) -> int:
@@ -291,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="float32", help="compute and KV dtype (default "
                       "float32: faster than bf16 on CPUs without native bf16)")
     demo.add_argument("--block-size", type=int, default=64)
+    _add_device_arg(demo, "auto")
     demo.add_argument("--dir", default=None, help="work folder, kept (default: temporary)")
     demo.set_defaults(func=_cmd_demo)
 
@@ -303,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill", type=int, default=None, help="prefill engines (default 1)")
     srv.add_argument("--decode", type=int, default=None, help="decode engines (default 2)")
     srv.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
+    _add_device_arg(srv, None)  # None: the config's engine.device (cpu unless it says)
     srv.add_argument("--storage", default=None, help="KV store root (an fs directory)")
     srv.add_argument("--store-capacity-gb", type=_gigabytes, default=None, metavar="GB",
                      help="cap on the fs store's block files (default: half of the free disk "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -20,7 +21,13 @@ class EngineConfig:
     # Device memory holds this many layers of each block (None: all). Only a layerwise prefill
     # engine runs with a window; the budget then holds num_layers / window times the blocks.
     layer_window: int | None = None
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    # "cpu", "cuda", "cuda:N", or "auto": cuda where the engine's host has a GPU, else cpu.
+    # Local launchers give each engine its GPU through CUDA_VISIBLE_DEVICES (dualpath/devices.py).
+    device: str = "cpu"
+    # The share of its GPU's memory an engine process may allocate (torch's per-process memory
+    # fraction: weights, KV and activations; the paged KV takes kv_cache_mb of it). None: the
+    # launcher's split, 1 / the engines it put on that GPU (all of it for an engine alone).
+    gpu_memory_fraction: float | None = None
     threads: int = 1  # torch intra-op threads (one per engine process, see README)
     seed: int = 0
     # The CPU fast path: linear weights prepacked for oneDNN (model/linear.py) and the C
@@ -39,6 +46,11 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
         if self.gil_switch_ms is not None and not self.gil_switch_ms > 0:
             raise ValueError(f"gil_switch_ms must be > 0 (or None), got {self.gil_switch_ms}")
+        if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        fraction = self.gpu_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1] (or None), got {fraction}")
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,9 @@ class AgentsOptions:
     read_cap_mb_s: float | None = None
     compute_cap_mb_s: float | None = None  # None: COMPUTE_PER_STORAGE x read_cap_mb_s
     dtype: str = "float32"  # bf16 matmul is 3x slower on CPUs without AVX512_BF16 (demo.py)
+    # The engines' device: auto is cuda where this host has a GPU (each engine on its own,
+    # round robin: LocalCluster), else cpu; run_bench resolves it before the first cluster.
+    device: str = "auto"
     block_size: int = 64
     host_pool_blocks: int = 384
     save_staging_blocks: int = 64  # agent turns add many blocks and generate few (demo.py)
@@ -136,7 +139,8 @@ def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterCon
     """The cluster of one mode: ``round_robin`` is ``dualpath`` with the round-robin scheduler."""
     return testbed_config(
         store, "dualpath" if mode == "round_robin" else mode, dtype=options.dtype,
-        block_size=options.block_size, read_cap_mb_s=options.applied_read_cap_mb_s,
+        device=options.device, block_size=options.block_size,
+        read_cap_mb_s=options.applied_read_cap_mb_s,
         compute_cap_mb_s=options.compute_cap_mb_s, read_deadline_s=options.read_deadline_s,
         policy="round_robin" if mode == "round_robin" else "dualpath",
         num_prefill=options.prefill, num_decode=options.decode,
@@ -275,9 +279,11 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
     from dualpath.bench.workloads import load_workload
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec
+    from dualpath.server.launch import resolve_local_device
 
     console = console or Console()
     began = time.perf_counter()
+    options = replace(options, device=resolve_local_device(options.device))
     model_dir = resolve_model(options.model)
     vocab = load_spec(model_dir).vocab_size
     kwargs = {k: v for k, v in (("agents", options.agents), ("turns", options.turns),
@@ -340,7 +346,8 @@ def _headline(options: AgentsOptions, workload: Any, model_dir: Path) -> str:
     caps = (f"{options.read_cap_mb_s:g} MB/s per node" if options.read_cap_mb_s else
             f"calibrated on the oracle ({STORAGE_BOUND:g} x its JCT to read the hits on one)")
     return (f"[bold]dualpath bench agents[/]: {workload.name}, {n} agents, {turns} turns, via "
-            f"{options.via}; {model_dir.name} ({options.dtype}); {options.prefill} PE + "
+            f"{options.via}; {model_dir.name} ({options.dtype}, {options.device}); "
+            f"{options.prefill} PE + "
             f"{options.decode} DE; storage NICs {caps}; "
             f"modes {', '.join(options.modes) if options.offline else '-'}; online "
             f"{', '.join(options.online_modes) or '-'}")

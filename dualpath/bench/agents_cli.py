@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dualpath.bench.agents import AgentsOptions
 
 
 def _modes(raw: str) -> tuple[str, ...]:
@@ -42,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a dualpath profile JSON: also predict the JCTs with the simulator")
     p.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
     p.add_argument("--dtype", default=None, help="engine dtype (default float32)")
+    p.add_argument("--device", default=None,
+                   help="the engines' device: cpu, cuda, cuda:N or auto (default auto: cuda "
+                   "where this host has a GPU, each engine on its own GPU round robin)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (64)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", default="results/agents.json",
@@ -52,16 +59,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def command(args: argparse.Namespace) -> int:
     """Run the benchmark with the options given."""
-    from dualpath.bench.agents import AgentsOptions, run_bench, with_overrides
+    from dualpath.bench.agents import run_bench
 
-    options = with_overrides(
+    run_bench(options_from(args))
+    return 0
+
+
+def options_from(args: argparse.Namespace) -> AgentsOptions:
+    """The :class:`AgentsOptions` the parsed command line asks for (defaults where unset)."""
+    from dualpath.bench.agents import AgentsOptions, with_overrides
+
+    return with_overrides(
         AgentsOptions(), workload=args.workload, modes=_modes(args.modes),
         online_modes=_modes(args.online_modes), offline=not args.offline_off, via=args.via,
         agents=args.agents, turns=args.turns, scale=args.scale, trace_dir=args.trace_dir,
         read_cap_mb_s=args.read_cap_mb_s, compute_cap_mb_s=args.compute_cap_mb_s,
         online_trials=args.online_trials, prime_first_turns=not args.cold_start,
         ttft_slo_s=args.ttft_slo_s, profile=args.profile, model=args.model, dtype=args.dtype,
-        block_size=args.block_size, split_read=args.split_read or None,
+        device=args.device, block_size=args.block_size, split_read=args.split_read or None,
         seed=args.seed, json_path=args.json or "", work_dir=args.dir)
-    run_bench(options)
-    return 0

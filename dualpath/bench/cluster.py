@@ -244,14 +244,14 @@ COMPUTE_PER_STORAGE = 8  # compute-NIC cap per engine / storage-NIC cap per node
 
 def testbed_config(store: Path, mode: str, *, dtype: str, block_size: int,
                    read_cap_mb_s: float, compute_cap_mb_s: float | None,
-                   read_deadline_s: float, **cluster: Any) -> ClusterConfig:
-    """The capped testbed of the demo and ``bench agents``: one-thread engines, a storage-NIC
-    read cap per node and compute NICs at ``compute_cap_mb_s`` (default
-    :data:`COMPUTE_PER_STORAGE` × the storage cap); ``cluster`` sets other ClusterConfig
-    fields."""
+                   read_deadline_s: float, device: str = "cpu", **cluster: Any) -> ClusterConfig:
+    """The capped testbed of the demo and ``bench agents``: one-thread engines on ``device``
+    (each on its own GPU where there are several: ``LocalCluster``), a storage-NIC read cap per
+    node and compute NICs at ``compute_cap_mb_s`` (default :data:`COMPUTE_PER_STORAGE` × the
+    storage cap); ``cluster`` sets other ClusterConfig fields."""
     cnic = compute_cap_mb_s or COMPUTE_PER_STORAGE * read_cap_mb_s
     return ClusterConfig(
-        engine=EngineConfig(dtype=dtype, threads=1, block_size=block_size),
+        engine=EngineConfig(dtype=dtype, threads=1, block_size=block_size, device=device),
         storage=StorageConfig(root=str(store), read_cap_mb_s=read_cap_mb_s,
                               read_deadline_s=read_deadline_s),
         traffic=TrafficConfig(compute_send_cap_mb_s=cnic, compute_recv_cap_mb_s=cnic),

@@ -29,7 +29,7 @@ import datetime
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,9 @@ class DemoOptions:
     # 286-369 tok/s in float32 (512- and 2,224-token prompts, 1 thread). The KV is float32 too
     # (46 KB per token for SmolLM2), which the storage cap below accounts for.
     dtype: str = "float32"
+    # The engines' device: auto is cuda where this host has a GPU (each engine on its own,
+    # round robin: LocalCluster), else cpu; run_demo resolves it before starting the cluster.
+    device: str = "auto"
     # A DE persists a turn's new full blocks through this many staging slots while it decodes
     # (past them, a finished turn's blocks take any free slot). Agent turns add many blocks and
     # generate few tokens: with 8 slots 11 of 34 blocks of a 2,224-token first turn with 5
@@ -120,7 +123,7 @@ def agent_turns(sessions: list[DemoSession], vocab: int, seed: int) -> list[list
 
 def _config(options: DemoOptions, mode: str, store: Path) -> ClusterConfig:
     return testbed_config(
-        store, mode, dtype=options.dtype, block_size=options.block_size,
+        store, mode, dtype=options.dtype, device=options.device, block_size=options.block_size,
         read_cap_mb_s=options.read_cap_mb_s, compute_cap_mb_s=options.compute_cap_mb_s,
         read_deadline_s=options.read_deadline_s,
         num_prefill=1, num_decode=2, host_pool_blocks=options.host_pool_blocks,
@@ -184,9 +187,11 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, 
     """Replay the excerpt in every mode; print the table; write JSON (+ PNG); return it."""
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec
+    from dualpath.server.launch import resolve_local_device
 
     console = console or Console()
     began = time.perf_counter()
+    options = replace(options, device=resolve_local_device(options.device))
     sessions, header = load_demo_trace(Path(options.trace_path) if options.trace_path else None)
     sessions = [DemoSession(s.trace, s.turns[:options.turns]) for s in sessions[:options.sessions]]
     if not sessions or min(len(s.turns) for s in sessions) < 2:
@@ -199,9 +204,10 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, 
     turns = max(len(s.turns) for s in sessions)
     console.print(f"[bold]dualpath demo[/]: {len(sessions)} real agent sessions (Weka trace, "
                   f"token counts / {header.get('scale', 1)}), {turns} turns each, turns 2-"
-                  f"{turns} timed, on {model_dir.name} ({options.dtype}); 1 prefill + 2 decode "
-                  f"engine processes; storage NICs capped at {options.read_cap_mb_s:g} MB/s per "
-                  f"node; modes: {', '.join(options.modes)}. CPU: {cpu_model()}.")
+                  f"{turns} timed, on {model_dir.name} ({options.dtype}, {options.device}); "
+                  f"1 prefill + 2 decode engine processes; storage NICs capped at "
+                  f"{options.read_cap_mb_s:g} MB/s per node; modes: {', '.join(options.modes)}. "
+                  f"CPU: {cpu_model()}.")
     work = Path(options.work_dir or tempfile.mkdtemp(prefix="dualpath-demo-"))
     for stale in ("kv", "first-turns"):
         shutil.rmtree(work / stale, ignore_errors=True)
@@ -252,6 +258,7 @@ def _result(options: DemoOptions, header: dict[str, Any], sessions: list[DemoSes
     return {"benchmark": "demo", "date": datetime.date.today().isoformat(),
             "machine": machine_profile(), "model": model,
             "cluster": {"prefill": 1, "decode": 2, "engine_threads": 1, "dtype": options.dtype,
+                        "device": options.device,
                         "block_size": options.block_size,
                         "read_deadline_s": options.read_deadline_s,
                         "host_pool_blocks": options.host_pool_blocks,

@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from dualpath.config import ClusterConfig, EngineConfig, engine_config_for
 from dualpath.control_keys import EngineKey
 from dualpath.control_socket import engine_socket
 from dualpath.engine.decode import DecodeWorker
+from dualpath.engine.device_setup import prepare_engine_device
 from dualpath.engine.ep_traffic import EpPeer, EpTraffic, ep_metrics_off
 from dualpath.engine.join import Advertised
 from dualpath.engine.llm_engine import LLMEngine
@@ -89,6 +90,9 @@ class EngineProcess:
         from dualpath.transfer.mooncake import MooncakeBackend
 
         apply_process_settings(config.engine)
+        # auto resolved, Mooncake's build checked against the device, a shared GPU's share set
+        device = prepare_engine_device(engine_config_for(config, identity.role))
+        config = replace(config, engine=replace(config.engine, device=device))
         self.identity = identity
         self.engine = LLMEngine(model_dir, engine_config_for(config, identity.role))
         layout = self.engine.layout

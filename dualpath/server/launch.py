@@ -9,6 +9,12 @@ subclass places the engines: ``LocalCluster`` as children of this process (logs 
 that join by ``dualpath engine --router tcp://HOST:PORT``.
 Every launcher starts an engine with the same command line (``engine_command``): the engine
 takes its configuration from the router, never from its arguments.
+
+Engines on CUDA (``engine.device`` ``cuda``, ``cuda:N``, or ``auto`` on a host with a GPU):
+``LocalCluster`` gives each engine process its own GPU through ``CUDA_VISIBLE_DEVICES``, round
+robin over the GPUs this process sees, and the engines sharing one GPU an even share of its
+memory (``dualpath/devices.py`` states the rule); it refuses at once a Mooncake build that cannot
+move GPU memory (``transfer/mooncake_build.py``; each engine checks again when it starts).
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from pathlib import Path
 
 from dualpath.config import ClusterConfig, engine_roles
 from dualpath.control_keys import ENGINE_KEY_ENV
+from dualpath.devices import DevicePlan, plan_devices, resolve_device, visible_gpu_ids
 from dualpath.errors import DualPathError
 from dualpath.request import SamplingParams
 from dualpath.server.router import ClusterOutput, RequestFuture, Router
@@ -51,6 +59,40 @@ def engine_command(name: str, role: str, node_id: int, router_address: str,
 def engine_env() -> dict[str, str]:
     """The environment an engine process runs with (one OpenMP thread, unbuffered logs)."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def local_gpu_ids(env: Mapping[str, str] | None = None) -> list[str]:
+    """The GPUs this process sees, as ids for ``CUDA_VISIBLE_DEVICES`` (torch's count; no CUDA
+    context is created)."""
+    import torch
+
+    return visible_gpu_ids(os.environ if env is None else env, torch.cuda.device_count())
+
+
+def resolve_local_device(device: str) -> str:
+    """``device`` for engines on this host: ``auto`` becomes ``cuda`` where it has a GPU, else
+    ``cpu``; a CUDA device it does not have is a ``DevicePlacementError``."""
+    if device == "cpu":
+        return device
+    return resolve_device(device, len(local_gpu_ids()))
+
+
+def local_device_plan(config: ClusterConfig,
+                      gpu_ids: Sequence[str] | None = None) -> tuple[ClusterConfig, DevicePlan]:
+    """Where a local cluster's engines run (``plan_devices`` over ``gpu_ids``, default the GPUs
+    this process sees) and the config whose engines say so (``cpu`` or ``cuda``). A CUDA plan
+    first checks the installed Mooncake build."""
+    engine = config.engine
+    if engine.device == "cpu":
+        return config, DevicePlan("cpu")
+    ids = local_gpu_ids() if gpu_ids is None else list(gpu_ids)
+    names = [name for name, _, _ in engine_roles(config)]
+    plan = plan_devices(names, engine.device, ids, engine.gpu_memory_fraction)
+    if plan.device != "cpu":
+        from dualpath.transfer.mooncake_build import check_build, installed_builds
+
+        check_build(plan.device, installed_builds())
+    return replace(config, engine=replace(engine, device=plan.device)), plan
 
 
 class ClusterBase:
@@ -147,10 +189,14 @@ class ClusterBase:
 
 
 class LocalCluster(ClusterBase):
-    """Engines as child processes of this one, logging to ``log_dir/NAME.log``."""
+    """Engines as child processes of this one, logging to ``log_dir/NAME.log``; on CUDA each on
+    its GPU (``local_device_plan``; ``gpu_ids``: the GPUs to use, default those this process
+    sees)."""
 
     def __init__(self, model_dir: str | Path, config: ClusterConfig,
-                 log_dir: str | Path | None = None) -> None:
+                 log_dir: str | Path | None = None,
+                 gpu_ids: Sequence[str] | None = None) -> None:
+        config, self.devices = local_device_plan(config, gpu_ids)
         super().__init__(model_dir, config, log_dir)
         self._names: dict[str, subprocess.Popen] = {}  # engine name -> its process
         self._pumps: list[threading.Thread] = []  # each copies an engine's output to its log
@@ -162,7 +208,8 @@ class LocalCluster(ClusterBase):
             print(f"dualpath: removed {removed} storage-NIC files of dead processes", flush=True)
         for name, role, node_id in engine_roles(self.config):
             cmd = self._engine_argv(name, role, node_id)
-            proc, pump = spawn_logged(cmd, self.log_dir / f"{name}.log", self._engine_env(name))
+            env = {**self._engine_env(name), **self.devices.env(name)}
+            proc, pump = spawn_logged(cmd, self.log_dir / f"{name}.log", env)
             self._names[name] = proc
             self._pumps.append(pump)
         watcher = threading.Thread(target=self._watch, name="engine-watch", daemon=True)

@@ -9,8 +9,11 @@ resource ``dualpath_node_N`` (``NODE_RESOURCE`` below). Give every Ray node the 
 config nodes it hosts, one unit each, e.g. ``ray start --resources '{"dualpath_node_0": 1}'``;
 as an engine takes only a small share of its node's unit, several engines of one config node fit
 on that Ray node. Engines ask for ``num_cpus=0`` (they use one torch/OpenMP thread each, set
-through the actor's ``runtime_env``), so placement never waits for CPUs, and one GPU when the
-engine's device is ``cuda`` (Ray then picks the device through ``CUDA_VISIBLE_DEVICES``). A
+through the actor's ``runtime_env``), so placement never waits for CPUs. On CUDA (``cuda``,
+``cuda:N`` or ``auto`` where the Ray cluster offers GPUs) each asks for ``1 / k`` of a GPU, ``k``
+the engines that must share one for all to fit on the cluster's GPUs (``devices.ray_gpu_share``),
+Ray picks the device through ``CUDA_VISIBLE_DEVICES``, and the engine may allocate that same
+share of the GPU's memory (or ``engine.gpu_memory_fraction``). A
 config node that no Ray node offers fails ``start()`` at once, naming the missing resource; an
 engine that Ray cannot place within ``placement_timeout_s`` (its node's unit used up, say)
 fails it then. The model folder, the store root and ``log_dir`` are paths on each engine's host.
@@ -34,11 +37,13 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from dualpath.config import ClusterConfig
 from dualpath.control_keys import ENGINE_KEY_ENV
+from dualpath.devices import MEMORY_FRACTION_ENV, ray_gpu_share
 from dualpath.errors import DualPathError
 from dualpath.server.launch import ClusterBase, engine_command, engine_roles
 
@@ -130,6 +135,8 @@ class RayCluster(ClusterBase):
         self._runs: dict[ray.ObjectRef, str] = {}  # pending run() result -> engine name
         self._placed: dict[str, dict[str, Any]] = {}  # engine name -> what ready() said
         self._connected_ray = False
+        self._gpu_share: float | None = None  # of a GPU, per engine (None: CPU engines)
+        self._memory_fraction: float | None = None  # of its GPU's memory, per engine
         self._started = False  # every engine joined the router
         self._watcher: threading.Thread | None = None
 
@@ -143,6 +150,28 @@ class RayCluster(ClusterBase):
         return self._placed[name]
 
     # -- ClusterBase ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect to Ray, place the engines' devices on its GPUs (the router hands engines the
+        resolved config), then start as every cluster does."""
+        self._connect()
+        try:
+            self._place_devices()
+        except DualPathError:
+            self._stop_engines()  # none placed yet: disconnects the Ray this cluster connected
+            raise
+        super().start()
+
+    def _place_devices(self) -> None:
+        """The engines' device, GPU share and memory share, from the GPUs Ray offers."""
+        engine = self.config.engine
+        if engine.device == "cpu":
+            return
+        count = len(engine_roles(self.config))
+        device, self._gpu_share, self._memory_fraction = ray_gpu_share(
+            count, engine.device, ray.cluster_resources().get("GPU", 0.0),
+            engine.gpu_memory_fraction)
+        self.config = replace(self.config, engine=replace(engine, device=device))
+
     def _start_engines(self) -> None:
         """Place every engine's actor, start the engines, wait until each joined the router
         (all within the startup timeout)."""
@@ -199,10 +228,12 @@ class RayCluster(ClusterBase):
         assert self.router is not None
         env = {**{k: v for k, v in os.environ.items() if k.startswith("DUALPATH_")},
                **ENGINE_ENV, ENGINE_KEY_ENV: self.router.keys.engine_key(name).to_json()}
-        options = {"num_cpus": 0, "resources": {node_resource(node_id): ENGINE_RESOURCE_SHARE},
-                   "runtime_env": {"env_vars": env}, "max_restarts": 0}
-        if self.config.engine.device.startswith("cuda"):
-            options["num_gpus"] = 1
+        options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0,
+                                   "resources": {node_resource(node_id): ENGINE_RESOURCE_SHARE}}
+        if self._gpu_share is not None:  # Ray sets the actor's CUDA_VISIBLE_DEVICES
+            options["num_gpus"] = self._gpu_share
+            env[MEMORY_FRACTION_ENV] = f"{self._memory_fraction:.6g}"
+        options["runtime_env"] = {"env_vars": env}
         return _REMOTE_ENGINE.options(**options).remote(str(self.log_dir / f"{name}.log"))
 
     def _wait_placed(self, deadline: float) -> None:

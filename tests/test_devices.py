@@ -1,0 +1,124 @@
+"""Where a cluster's engines run (``dualpath/devices.py``): ``auto`` resolved, GPUs handed out
+round robin through ``CUDA_VISIBLE_DEVICES``, a shared GPU's memory split explicitly; and the
+device fields of ``EngineConfig``. Fake GPU counts: no device needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath.config import EngineConfig
+from dualpath.devices import (
+    GPU_ENV,
+    MEMORY_FRACTION_ENV,
+    DevicePlacementError,
+    memory_fraction_from,
+    plan_devices,
+    ray_gpu_share,
+    resolve_device,
+    visible_gpu_ids,
+)
+from dualpath.errors import DualPathError
+
+ENGINES = ["pe0", "de1", "de2"]
+
+
+def test_auto_is_cuda_only_where_a_gpu_is_visible():
+    assert resolve_device("auto", 0) == "cpu"
+    assert resolve_device("auto", 2) == "cuda"
+    assert resolve_device("cpu", 4) == "cpu"
+    assert resolve_device("cuda:1", 2) == "cuda:1"
+
+
+def test_a_cuda_device_the_host_lacks_is_refused():
+    with pytest.raises(DevicePlacementError, match="no CUDA device"):
+        resolve_device("cuda", 0)
+    with pytest.raises(DevicePlacementError, match="only 2 CUDA"):
+        resolve_device("cuda:2", 2)
+    assert issubclass(DevicePlacementError, DualPathError)
+
+
+def test_visible_gpu_ids_follow_the_parents_own_visible_devices():
+    assert visible_gpu_ids({}, 3) == ["0", "1", "2"]
+    assert visible_gpu_ids({GPU_ENV: "2,5"}, 2) == ["2", "5"]
+    assert visible_gpu_ids({GPU_ENV: "GPU-aa, GPU-bb"}, 2) == ["GPU-aa", "GPU-bb"]
+    assert visible_gpu_ids({GPU_ENV: "4,6,7"}, 1) == ["4"]  # torch counts what it can use
+    assert visible_gpu_ids({GPU_ENV: ""}, 0) == []
+
+
+def test_engines_take_the_gpus_round_robin_and_split_a_shared_ones_memory():
+    plan = plan_devices(ENGINES, "cuda", ["0", "1"])
+    assert plan.device == "cuda"
+    assert plan.env("pe0") == {GPU_ENV: "0", MEMORY_FRACTION_ENV: "0.5"}
+    assert plan.env("de1") == {GPU_ENV: "1", MEMORY_FRACTION_ENV: "1"}
+    assert plan.env("de2") == {GPU_ENV: "0", MEMORY_FRACTION_ENV: "0.5"}
+    assert plan.engines_per_gpu() == {"0": 2, "1": 1}
+
+
+def test_each_engine_has_a_gpu_of_its_own_when_there_are_enough():
+    plan = plan_devices(ENGINES, "auto", ["3", "5", "6", "7"])
+    assert [plan.env(n)[GPU_ENV] for n in ENGINES] == ["3", "5", "6"]
+    assert {plan.env(n)[MEMORY_FRACTION_ENV] for n in ENGINES} == {"1"}
+
+
+def test_engines_on_one_gpu_share_it_evenly():
+    plan = plan_devices(ENGINES, "cuda", ["0"])
+    assert {n: plan.engines[n].gpu for n in ENGINES} == {n: "0" for n in ENGINES}
+    assert all(plan.engines[n].memory_fraction == pytest.approx(1 / 3) for n in ENGINES)
+    assert plan.env("pe0")[MEMORY_FRACTION_ENV] == "0.333333"
+
+
+def test_a_numbered_device_pins_every_engine_to_that_visible_gpu():
+    plan = plan_devices(ENGINES, "cuda:1", ["4", "6"])
+    assert plan.device == "cuda"  # inside each engine its one visible GPU is cuda:0
+    assert {plan.env(n)[GPU_ENV] for n in ENGINES} == {"6"}
+
+
+def test_a_configured_fraction_is_used_unless_it_overcommits_a_gpu():
+    plan = plan_devices(ENGINES, "cuda", ["0"], memory_fraction=0.3)
+    assert {plan.env(n)[MEMORY_FRACTION_ENV] for n in ENGINES} == {"0.3"}
+    with pytest.raises(DevicePlacementError, match="3 engines on GPU 0"):
+        plan_devices(ENGINES, "cuda", ["0"], memory_fraction=0.4)
+    assert plan_devices(ENGINES, "cuda", ["0", "1", "2"], memory_fraction=0.9).env("de2") == {
+        GPU_ENV: "2", MEMORY_FRACTION_ENV: "0.9"}
+
+
+def test_cpu_engines_get_no_placement():
+    for device, gpus in (("cpu", ["0", "1"]), ("auto", [])):
+        plan = plan_devices(ENGINES, device, gpus)
+        assert plan.device == "cpu"
+        assert plan.env("pe0") == {}
+        assert plan.engines_per_gpu() == {}
+
+
+def test_ray_engines_ask_for_the_share_of_a_gpu_that_lets_them_all_fit():
+    assert ray_gpu_share(3, "cuda", 1.0) == ("cuda", pytest.approx(1 / 3), pytest.approx(1 / 3))
+    assert ray_gpu_share(3, "auto", 2.0) == ("cuda", 0.5, 0.5)
+    assert ray_gpu_share(3, "cuda:1", 8.0) == ("cuda", 1.0, 1.0)  # Ray picks the GPU
+    assert ray_gpu_share(3, "auto", 0.0) == ("cpu", None, None)
+    assert ray_gpu_share(3, "cuda", 1.0, memory_fraction=0.25)[2] == 0.25
+    with pytest.raises(DevicePlacementError, match=r"at most 0\.333"):
+        ray_gpu_share(3, "cuda", 1.0, memory_fraction=0.5)
+    with pytest.raises(DevicePlacementError):
+        ray_gpu_share(3, "cuda", 0.5)  # no whole GPU
+
+
+def test_an_engine_takes_its_launchers_share_else_the_configs():
+    assert memory_fraction_from({MEMORY_FRACTION_ENV: "0.25"}, 0.5) == 0.25
+    assert memory_fraction_from({}, 0.5) == 0.5
+    assert memory_fraction_from({}, None) is None
+    for bad in ("0", "1.5", "half"):
+        with pytest.raises(DevicePlacementError, match=MEMORY_FRACTION_ENV):
+            memory_fraction_from({MEMORY_FRACTION_ENV: bad}, None)
+
+
+def test_engine_config_names_a_device_and_a_fraction_it_can_use():
+    assert EngineConfig().device == "cpu"  # the library default stays the CPU
+    for device in ("cpu", "auto", "cuda", "cuda:3"):
+        assert EngineConfig(device=device).device == device
+    for device in ("gpu", "cuda:", "cuda:x", "CUDA"):
+        with pytest.raises(ValueError, match="device must be"):
+            EngineConfig(device=device)
+    assert EngineConfig(gpu_memory_fraction=1.0).gpu_memory_fraction == 1.0
+    for fraction in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="gpu_memory_fraction"):
+            EngineConfig(gpu_memory_fraction=fraction)
