@@ -17,7 +17,7 @@ APT_cpu := libibverbs1 iproute2
 APT_cuda := libibverbs1 iproute2 ibverbs-providers libnuma1
 STAMP := $(VENV)/.dualpath-installed$(if $(filter cuda,$(FLAVOUR)),-cuda,)
 
-.PHONY: setup model demo test lint bench peers soak clean gpu-wheels
+.PHONY: setup model demo test lint bench peers soak clean gpu-wheels gpu-check
 
 setup: $(STAMP) model
 
@@ -103,6 +103,22 @@ gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps $(GPU_PLATFORM) -d $(GPU_WHEELS) $$pins
 	$(PYTHON) -m dualpath.transfer.mooncake_wheel trim $(GPU_WHEELS)/mooncake_transfer_engine-*.whl
 	@du -ch $(GPU_WHEELS)/*.whl | tail -1
+
+# The GPU acceptance in one command (dualpath/bench/gpu_check.py): random-weight models of
+# SmolLM2-135M's and Llama-3-8B's shapes built on the spot, the gpu tests, bench engine vs
+# transformers and bench agents' ladder on CUDA, one table of ratios against their floors,
+# results/gpu_check.json; within GPU_CHECK_BUDGET_S (8 min on an H200). On a GPU machine with
+# torch but no network it installs only the wheels `make gpu-wheels` left in .whl/ (carried
+# there), into GPU_SITE, and runs on that machine's python; with `make setup` done, on the venv.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_SITE ?= /tmp/dualpath-site
+GPU_CHECK_BUDGET_S ?= 480
+gpu-check:
+	@if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+			--upgrade --target $(GPU_SITE) $(GPU_WHEELS)/*.whl; fi
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m dualpath.bench.gpu_check \
+		--budget-s $(GPU_CHECK_BUDGET_S) --json results/gpu_check.json
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) .cache results $(GPU_WHEELS)

@@ -231,7 +231,7 @@ class GpuCheck:
     def _engine(self, model: Path, result: StepResult) -> None:
         out = self.work / "engine.json"
         cmd = [sys.executable, "-m", "dualpath.cli", "bench", "engine", "--json", str(out),
-               "--model", str(model), "--dtype", "bfloat16", "--set", "device=cuda",
+               "--model", str(model), "--dtype", "bfloat16", "--device", "cuda",
                "--prompt-tokens", "4096", "--decode-batches", "1,8,32",
                "--decode-tokens", "64", "--decode-prompt-tokens", "128",
                "--repeats", str(self.options.engine_repeats), "--against", "transformers"]
