@@ -8,13 +8,16 @@ back from the cache, so a token's attention sees exactly the cached (possibly do
 whether its prefix was computed in this step, an earlier chunk, or loaded from elsewhere.
 
 The functions here are the plain-torch path (and the reference the C kernels of
-``model/kernels.py`` are tested against); the kernels read the same metadata.
+``model/kernels.py`` and the GPU path of ``model/attention_flex.py`` are tested against); both
+read the same metadata. ``upload`` moves a step's host-built index tensors to the device in one
+non-blocking copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +61,9 @@ class DecodeSlice:
     ctx_lens: torch.Tensor  # [B] int32: tokens of each context, the new one included
     block_size: int
     window: int | None = None
+    # the longest context, known on the host when the slice is built: the reference path sizes
+    # its gather with it rather than reading ``ctx_lens.max()`` back from the device each layer
+    max_ctx: int | None = None
 
     @classmethod
     def build(cls, rows: list[int], tables: list[list[int]], ctx_lens: list[int],
@@ -68,25 +74,28 @@ class DecodeSlice:
         padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         return cls(torch.tensor(rows, dtype=torch.long),
                    torch.tensor(padded, dtype=torch.int32),
-                   torch.tensor(ctx_lens, dtype=torch.int32), block_size, window)
+                   torch.tensor(ctx_lens, dtype=torch.int32), block_size, window, max(ctx_lens))
+
+    def longest(self) -> int:
+        """The longest context in tokens (host-known, else read back from the device)."""
+        return self.max_ctx if self.max_ctx is not None else int(self.ctx_lens.max())
 
     def slot_ids(self) -> torch.Tensor:
         """``[B, max_ctx]`` flat cache slot of every context position (padding: slot 0's)."""
-        max_ctx = int(self.ctx_lens.max())
+        max_ctx = self.longest()
         pos = torch.arange(max_ctx, device=self.block_table.device)
         blocks = self.block_table.long()[:, pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
     def mask(self) -> torch.Tensor:
         """``[B, max_ctx]`` bool: which keys each query attends (also hides the padding)."""
-        max_ctx = int(self.ctx_lens.max())
-        k_pos = torch.arange(max_ctx, device=self.ctx_lens.device)
+        k_pos = torch.arange(self.longest(), device=self.ctx_lens.device)
         return window_mask(self.ctx_lens.long() - 1, k_pos, self.window)
 
     def to(self, device: torch.device) -> DecodeSlice:
         """The same slice with its tensors on ``device``."""
         return DecodeSlice(self.token_idx.to(device), self.block_table.to(device),
-                           self.ctx_lens.to(device), self.block_size, self.window)
+                           self.ctx_lens.to(device), self.block_size, self.window, self.max_ctx)
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,8 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [T] flat slot of each new token
     prefills: list[PrefillSlice]
     decode: DecodeSlice | None
+    # the GPU path's per-step plan (``attention_flex.plan_for``), built on the first layer
+    flex: Any = field(default=None, repr=False, compare=False)
 
     @cached_property
     def kernel_meta(self) -> KernelMeta:
@@ -151,6 +162,21 @@ class AttentionBatch:
                     for p in self.prefills]
         decode = self.decode and self.decode.to(device)
         return AttentionBatch(self.slot_mapping.to(device), prefills, decode)
+
+
+def upload(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """1-D int64 host tensors on ``device``: packed into one buffer (pinned where CUDA is),
+    copied with one non-blocking transfer, handed back as views of the device copy. On the
+    CPU the tensors come back as they are."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return parts
+    sizes = [p.numel() for p in parts]
+    host = torch.cat([p.reshape(-1).to(torch.long) for p in parts]) if parts else \
+        torch.empty(0, dtype=torch.long)
+    if torch.cuda.is_available():
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split(sizes))
 
 
 def write_kv(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,

@@ -7,7 +7,9 @@ Two paths compute the same layers: plain torch ops (the reference), and, once
 ``use_kernels`` hands the model the C kernels of ``model/kernels.py``, a fused path: one pass
 each for RMSNorm with its residual add, the rotary embedding with the KV write, SiLU-and-mul
 and attention over the paged cache. Both call every ``DecoderLayer`` module, so module hooks
-see each layer compute either way.
+see each layer compute either way. On the torch path, attention over a CUDA cache reads it in
+place through flex attention (and SDPA for prefills from position 0), ``attention_flex.py``;
+the reference ``paged_attention`` is the CPU's.
 
 On the fast path each weight is held once, packed (``pack_weights``: oneDNN's layout for every
 linear, the dense matrices dropped; ``use_kernels``: an output head tied to the embeddings in
@@ -23,7 +25,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dualpath.model.attention import AttentionBatch, paged_attention, write_kv
+from dualpath.model import attention_flex
+from dualpath.model.attention import AttentionBatch, write_kv
 from dualpath.model.fused import FusedLayer
 from dualpath.model.hooks import NO_HOOKS, LayerHooks
 from dualpath.model.kernels import CpuKernels
@@ -60,8 +63,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = RotaryEmbedding.apply(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = RotaryEmbedding.apply(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        write_kv(kv_layer, batch.slot_mapping, k, v.view(tokens, self.num_kv_heads, -1))
-        out = paged_attention(q, kv_layer, batch, self.scale)
+        v = v.view(tokens, self.num_kv_heads, -1)
+        write_kv(kv_layer, batch.slot_mapping, k, v)
+        out = attention_flex.attend(q, k, v, kv_layer, batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -176,6 +180,10 @@ class LlamaForCausalLM(nn.Module):
         Call after ``pack_weights`` (the fused layers take the packed weights as they are
         then). With the kernels, a head tied to the embeddings is packed here, once."""
         spec = self.spec
+        if kernels is not None and attention_flex.forced():
+            log.warning("dualpath CPU kernels off: %s=flex forces the flex attention path",
+                        attention_flex.ENV_SWITCH)
+            kernels = None
         if kernels is not None:
             why = kernels.refusal(self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                   spec.max_position)
