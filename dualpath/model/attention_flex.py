@@ -13,13 +13,17 @@ cost more than the attention. This path reads the cache where it lies:
   ``mask_mod`` maps a physical slot back to its logical position through ``p2l`` (block →
   logical block index in that sequence, -1 when not its block) to apply causality, the
   sequence's length and the sliding window.
-* **Decode** rows run as a batch of ``B`` one-token queries (padded to a power of two, so a
-  compiled kernel sees a few static batch sizes); every block is listed as a partial block
-  (flex decoding spreads a query's listed blocks over its KV splits only when there are no
-  "full" blocks).
+* **Decode** rows run as a batch of ``B`` one-token queries (padded to a power of two);
+  every block is listed as a partial block (flex decoding spreads a query's listed blocks
+  over its KV splits only when there are no "full" blocks).
 * **Prefill** chunks that continue a cached prefix (``pos0 > 0``) or slide a window run as one
-  flat sequence of their packed queries; query blocks wholly inside one sequence list the
-  cache blocks every row attends in full as full blocks (no mask evaluation there).
+  flat sequence of their packed queries, each chunk from a query block boundary (so a query
+  block never lists two chunks' blocks, which may be the same shared prefix blocks); the
+  cache blocks every row of a query block attends in full are listed as full blocks (no mask
+  evaluation there).
+* **Static shapes**: compiled kernels see a few shapes, whatever the step: block lists are
+  ``num_blocks`` wide, and decode batches, packed prefill lengths and chunk counts are padded
+  to powers of two.
 * **Prefill from position 0** with the cache in the compute dtype runs plain causal SDPA on
   the new tokens' K/V as they leave the projection (the same values the cache now holds), no
   read-back; on CUDA that is FlashAttention.
@@ -146,9 +150,12 @@ class DecodePlan:
 
 @dataclass
 class PrefillPlan:
-    """Prefill chunks over a cached prefix (or a window), packed into one flat query."""
+    """Prefill chunks over a cached prefix (or a window), packed into one flat query: each
+    chunk from a query block boundary, so a query block never mixes chunks."""
 
-    rows: torch.Tensor  # [Tp] int64: the step's rows, in packed order
+    rows: torch.Tensor  # [Tr] int64: the chunks' rows of the step
+    at: torch.Tensor  # [Tr] int64: where each lands in the packed query
+    source: torch.Tensor  # [Tp] int64: the step row each packed row is read from
     block_mask: BlockMask
 
 
@@ -189,10 +196,10 @@ class FlexPlan:
         cache_k, cache_v = cache_views(kv_layer)
         if self.prefill is not None:
             p = self.prefill
-            qp = q.index_select(0, p.rows).transpose(0, 1).unsqueeze(0)  # [1, H, Tp, D]
+            qp = q.index_select(0, p.source).transpose(0, 1).unsqueeze(0)  # [1, H, Tp, D]
             o = run_flex("prefill", qp, cache_k, cache_v, p.block_mask, scale,
                          self.kernel_options)
-            out.index_copy_(0, p.rows, o[0].transpose(0, 1))
+            out.index_copy_(0, p.rows, o[0].transpose(0, 1).index_select(0, p.at))
         if self.decode is not None:
             d = self.decode
             qd = q.index_select(0, d.rows)
@@ -236,14 +243,14 @@ def _decode_plan(batch: AttentionBatch, num_blocks: int, block_size: int) -> Dec
     rows = d.token_idx.long()
     padded = decode_bucket(rows.shape[0])
     ctx, table = _pad_rows(d.ctx_lens.long(), padded), _pad_rows(d.block_table.long(), padded)
-    width = table.shape[1]
     lo = (ctx - d.window).clamp(min=0) if d.window is not None else torch.zeros_like(ctx)
     owned = (ctx + block_size - 1) // block_size  # blocks holding the context
     first = lo // block_size  # the first block the window reaches
-    cols = torch.arange(width, device=table.device)
     kv_num = (owned - first).clamp(min=0).to(torch.int32).view(padded, 1, 1)
-    shifted = (first[:, None] + cols[None, :]).clamp(max=width - 1)
-    kv_idx = table.gather(1, shifted).to(torch.int32).view(padded, 1, 1, width)
+    # the block list is num_blocks wide whatever the tables' width: one shape per batch size
+    cols = torch.arange(num_blocks, device=table.device)
+    shifted = (first[:, None] + cols[None, :]).clamp(max=table.shape[1] - 1)
+    kv_idx = table.gather(1, shifted).to(torch.int32).view(padded, 1, 1, num_blocks)
     p2l = physical_to_logical(table, owned, num_blocks)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
@@ -282,23 +289,25 @@ def _prefill_plan(chunks: list[PrefillSlice], num_blocks: int, block_size: int,
     """The packed prefill: host index arithmetic on the slices' ints, one upload, then
     gathers of the block tables (``slot_ids`` every ``block_size``-th entry) on the device."""
     spans = _spans(chunks, block_size)
-    rows, docs, positions = _packed_rows(chunks)
-    partial, full = prefill_blocks(spans, rows.shape[0], block_size, chunks[0].window)
+    packed = packed_length(spans)
+    rows, at, source, docs, positions = _packed_rows(chunks, spans, packed)
+    partial, full = prefill_blocks(spans, packed, block_size, chunks[0].window)
     col_doc = torch.cat([torch.full((s.blocks,), i, dtype=torch.long)
                          for i, s in enumerate(spans)])
     col_j = torch.cat([torch.arange(s.blocks) for s in spans])
-    host = [rows, docs, positions, col_doc, col_j, partial[0], partial[1].reshape(-1),
-            full[0], full[1].reshape(-1)]
-    (rows, docs, positions, col_doc, col_j, p_num, p_idx, f_num,
+    host = [rows, at, source, docs, positions, col_doc, col_j, partial[0],
+            partial[1].reshape(-1), full[0], full[1].reshape(-1)]
+    (rows, at, source, docs, positions, col_doc, col_j, p_num, p_idx, f_num,
      f_idx) = upload(host, device)
     tables = torch.cat([c.slot_ids[::block_size] // block_size for c in chunks])  # [L]
-    p2l = torch.full((len(chunks), num_blocks + 1), -1, dtype=torch.int32, device=device)
+    p2l = torch.full((decode_bucket(len(chunks)), num_blocks + 1), -1, dtype=torch.int32,
+                     device=device)
     p2l.view(-1).scatter_(0, col_doc * (num_blocks + 1) + tables, col_j.to(torch.int32))
     window = chunks[0].window
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                  kv_idx: torch.Tensor) -> torch.Tensor:
-        q_pos = positions[q_idx]
+        q_pos = positions[q_idx]  # -1 on padding rows: they see nothing
         logical = p2l[docs[q_idx], kv_idx // block_size]
         k_pos = logical * block_size + kv_idx % block_size
         keep = (logical >= 0) & (k_pos <= q_pos)
@@ -306,21 +315,30 @@ def _prefill_plan(chunks: list[PrefillSlice], num_blocks: int, block_size: int,
             keep &= k_pos > q_pos - window
         return keep
 
-    q_blocks = partial[0].shape[0]
+    q_blocks = packed // Q_BLOCK_TOKENS
     mask = BlockMask.from_kv_blocks(
         p_num.to(torch.int32).view(1, 1, q_blocks),
-        tables[p_idx].to(torch.int32).view(1, 1, q_blocks, -1),
+        _physical(tables, p_idx, q_blocks, num_blocks),
         f_num.to(torch.int32).view(1, 1, q_blocks),
-        tables[f_idx].to(torch.int32).view(1, 1, q_blocks, -1),
+        _physical(tables, f_idx, q_blocks, num_blocks),
         BLOCK_SIZE=(Q_BLOCK_TOKENS, block_size), mask_mod=mask_mod,
-        seq_lengths=(rows.shape[0], num_blocks * block_size), compute_q_blocks=False)
-    return PrefillPlan(rows, mask)
+        seq_lengths=(packed, num_blocks * block_size), compute_q_blocks=False)
+    return PrefillPlan(rows, at, source, mask)
+
+
+def _physical(tables: torch.Tensor, idx: torch.Tensor, q_blocks: int,
+              num_blocks: int) -> torch.Tensor:
+    """Block-list positions in the concatenated tables as cache blocks ``[1, 1, Q,
+    num_blocks]`` int32 (one width whatever the step: compiled kernels see one shape)."""
+    blocks = tables[idx].to(torch.int32).view(q_blocks, -1)
+    return F.pad(blocks, (0, num_blocks - blocks.shape[1])).view(1, 1, q_blocks, num_blocks)
 
 
 @dataclass(frozen=True)
 class Span:
-    """One packed prefill chunk: packed rows ``start..start + length`` at positions
-    ``pos0..``, its table's ``blocks`` in the concatenated tables from ``offset``."""
+    """One packed prefill chunk: packed rows ``start..start + length`` (``start`` on a query
+    block boundary) at positions ``pos0..``, its table's ``blocks`` in the concatenated
+    tables from ``offset``."""
 
     start: int
     length: int
@@ -334,49 +352,66 @@ def _spans(chunks: list[PrefillSlice], block_size: int) -> list[Span]:
     for c in chunks:
         blocks = -(-c.slot_ids.shape[0] // block_size)
         spans.append(Span(start, c.q_len, c.pos0, blocks, offset))
-        start += c.q_len
+        start += -(-c.q_len // Q_BLOCK_TOKENS) * Q_BLOCK_TOKENS
         offset += blocks
     return spans
 
 
-def _packed_rows(chunks: list[PrefillSlice]) -> tuple[torch.Tensor, ...]:
-    """Host ``rows`` (the step's), ``docs`` (chunk index) and ``positions`` of the packed
-    queries."""
+def packed_length(spans: list[Span]) -> int:
+    """Rows of the packed query: every chunk from a query block boundary, the total padded
+    to a power of two of query blocks (compiled kernels see a few lengths)."""
+    last = spans[-1]
+    used = -(-(last.start + last.length) // Q_BLOCK_TOKENS)
+    return decode_bucket(used) * Q_BLOCK_TOKENS
+
+
+def _packed_rows(chunks: list[PrefillSlice], spans: list[Span],
+                 packed: int) -> tuple[torch.Tensor, ...]:
+    """Host index tensors of the packed query: the step's ``rows`` and where each lands
+    (``at``); for every packed row, the step row it is read from (``source``: padding reads
+    the chunk's first row), its chunk (``docs``) and its position (``positions``, -1 on
+    padding)."""
     rows = torch.cat([torch.arange(c.q_start, c.q_start + c.q_len) for c in chunks])
-    docs = torch.cat([torch.full((c.q_len,), i, dtype=torch.long) for i, c in enumerate(chunks)])
-    positions = torch.cat([torch.arange(c.pos0, c.pos0 + c.q_len) for c in chunks])
-    return rows, docs, positions
+    at = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
+    source = torch.full((packed,), chunks[0].q_start, dtype=torch.long)
+    docs = torch.zeros(packed, dtype=torch.long)
+    positions = torch.full((packed,), -1, dtype=torch.long)
+    for i, (c, s) in enumerate(zip(chunks, spans, strict=True)):
+        end = s.start + -(-s.length // Q_BLOCK_TOKENS) * Q_BLOCK_TOKENS
+        source[s.start : end] = c.q_start
+        docs[s.start : end] = i
+    source[at] = rows
+    positions[at] = torch.cat([torch.arange(c.pos0, c.pos0 + c.q_len) for c in chunks])
+    return rows, at, source, docs, positions
 
 
 BlockList = tuple[torch.Tensor, torch.Tensor]  # per query block: count, then indices
 
 
-def prefill_blocks(spans: list[Span], rows: int, block_size: int,
+def prefill_blocks(spans: list[Span], packed: int, block_size: int,
                    window: int | None) -> tuple[BlockList, BlockList]:
     """Which cache blocks each query block of the packed prefill visits, as positions in the
-    concatenated block tables: ``(partial, full)``, each ``(count [Q], indices [Q, K])``. A
-    block is full for a query block that lies wholly inside one chunk when every row sees all
-    of its slots; the other blocks any row sees are partial (the mask decides per slot)."""
-    q_blocks = -(-rows // Q_BLOCK_TOKENS)
+    concatenated block tables: ``(partial, full)``, each ``(count [Q], indices [Q, K])``.
+    Every query block holds one chunk's rows (and padding, which sees nothing); a block is
+    full when every row of the chunk in that query block sees all of its slots, partial when
+    some row sees some of them (the mask decides per slot)."""
+    q_blocks = packed // Q_BLOCK_TOKENS
     total = sum(s.blocks for s in spans)
     partial = torch.zeros(q_blocks, total, dtype=torch.bool)
     full = torch.zeros(q_blocks, total, dtype=torch.bool)
     for s in spans:
         first, last = s.start // Q_BLOCK_TOKENS, (s.start + s.length - 1) // Q_BLOCK_TOKENS
         qb = torch.arange(first, last + 1)
-        r0 = torch.clamp(qb * Q_BLOCK_TOKENS, min=s.start)
+        r0 = qb * Q_BLOCK_TOKENS
         r1 = torch.clamp((qb + 1) * Q_BLOCK_TOKENS, max=s.start + s.length) - 1
-        pure = (r0 == qb * Q_BLOCK_TOKENS) & (r1 == torch.clamp((qb + 1) * Q_BLOCK_TOKENS,
-                                                                 max=rows) - 1)
         p_min, p_max = s.pos0 + r0 - s.start, s.pos0 + r1 - s.start
         j = torch.arange(s.blocks)
         lo = (p_min - window + 1).clamp(min=0) if window is not None else torch.zeros_like(p_min)
         seen = (j[None, :] >= (lo // block_size)[:, None]) & \
             (j[None, :] <= (p_max // block_size)[:, None])
-        whole = ((j + 1) * block_size - 1)[None, :] <= p_min[:, None]
+        whole = seen & (((j + 1) * block_size - 1)[None, :] <= p_min[:, None])
         if window is not None:
             whole &= (j * block_size)[None, :] > (p_max - window)[:, None]
-        whole &= seen & pure[:, None]
         cols = slice(s.offset, s.offset + s.blocks)
         full[first : last + 1, cols] = whole
         partial[first : last + 1, cols] = seen & ~whole
@@ -397,8 +432,7 @@ def _ordered(dense: torch.Tensor) -> BlockList:
 def run_flex(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              block_mask: BlockMask, scale: float, options: dict[str, int]) -> torch.Tensor:
     """``flex_attention`` of ``q [B, H, L, D]`` over the cache views, compiled on CUDA
-    (``kind`` names the compiled function: decode batches are static shapes, prefill lengths
-    vary)."""
+    (``kind`` names the compiled function, ``decode`` or ``prefill``)."""
     if q.device.type != "cuda":
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     return _compiled(kind)(q, k, v, block_mask, scale, options)
@@ -423,14 +457,14 @@ def compile_errors() -> tuple[type[BaseException], ...]:
 
 @functools.cache
 def _compiled(kind: str) -> Callable[..., torch.Tensor]:
-    # one compiled entry per decode bucket (static batch: flex decoding needs it) and per layer
-    # view shape; a recompile limit below the buckets would drop to eager flex, which scores
-    # the whole cache
+    # static shapes: one compiled entry per decode batch bucket (flex decoding needs a static
+    # batch) and per packed prefill length bucket and chunk count; a recompile limit below
+    # that would drop to eager flex, which scores the whole cache
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(
         torch._dynamo.config.accumulated_recompile_limit, 1024)
     fn = _decode_call if kind == "decode" else _prefill_call
-    return torch.compile(fn, dynamic=False if kind == "decode" else None, fullgraph=True)
+    return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
 def _decode_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,

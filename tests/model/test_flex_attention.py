@@ -131,17 +131,20 @@ def _listed(block_mask, full: bool) -> torch.Tensor:
     return out
 
 
-def _check_block_mask(block_mask, q_len: int, kv_len: int) -> None:
-    exact = _exact_mask(block_mask, q_len, kv_len)
-    batch = exact.shape[0]
+def _check_block_mask(block_mask, real_rows: torch.Tensor) -> None:
+    """Every block some real query row sees is listed; a full block is seen whole by every
+    real row of its query block (padding rows are don't-cares)."""
+    q_len, kv_len = block_mask.seq_lengths
     q_blocks = -(-q_len // Q_BLOCK_TOKENS)
-    padded = torch.zeros(batch, q_blocks * Q_BLOCK_TOKENS, kv_len, dtype=torch.bool)
-    padded[:, :q_len] = exact
-    blocks = padded.view(batch, q_blocks, Q_BLOCK_TOKENS, kv_len // BLOCK, BLOCK)
+    exact = torch.zeros(block_mask.kv_num_blocks.shape[0], q_blocks * Q_BLOCK_TOKENS, kv_len,
+                        dtype=torch.bool)
+    exact[:, :q_len] = _exact_mask(block_mask, q_len, kv_len)
+    batch = exact.shape[0]
+    real = torch.zeros(q_blocks * Q_BLOCK_TOKENS, dtype=torch.bool)
+    real[real_rows] = True
+    blocks = exact.view(batch, q_blocks, Q_BLOCK_TOKENS, kv_len // BLOCK, BLOCK)
     seen = blocks.any(dim=(2, 4))
-    rows_all = torch.ones_like(padded)  # rows past q_len: none to see
-    rows_all[:, :q_len] = exact
-    whole = rows_all.view_as(blocks).all(dim=4).all(dim=2)
+    whole = (exact | ~real[None, :, None]).view_as(blocks).all(dim=4).all(dim=2)
     partial = _listed(block_mask, False)
     full = _listed(block_mask, True) if block_mask.full_kv_num_blocks is not None else \
         torch.zeros_like(partial)
@@ -158,8 +161,9 @@ def test_block_masks_list_every_visible_block_and_only_whole_ones_as_full():
         batch, _ = _step(seqs, tables, window)
         plan = FlexPlan.build(batch, cache.shape[0], BLOCK, cache.device, torch.float32)
         kv_len = cache.shape[0] * BLOCK
-        _check_block_mask(plan.decode.block_mask, 1, kv_len)
-        _check_block_mask(plan.prefill.block_mask, plan.prefill.rows.shape[0], kv_len)
+        assert plan.decode.block_mask.seq_lengths == (1, kv_len)
+        _check_block_mask(plan.decode.block_mask, torch.tensor([0]))
+        _check_block_mask(plan.prefill.block_mask, plan.prefill.at)
         if window is None:  # (a window narrower than a query block leaves no block whole)
             assert plan.prefill.block_mask.full_kv_num_blocks.sum() > 0
 
@@ -181,3 +185,42 @@ def test_building_a_plan_reads_nothing_back_from_the_device():
     assert plan.decode.block_mask.kv_indices.is_meta
     assert plan.prefill.block_mask.full_kv_indices.is_meta
     assert meta.decode.slot_ids().shape == (2, 34) and meta.decode.mask().shape == (2, 34)
+
+
+def test_chunks_sharing_prefix_blocks_match_and_never_share_a_query_block():
+    # two chunks over the same cached prefix blocks (prefix reuse) in one step: were their
+    # rows in one query block, it would list the shared blocks twice and count them twice
+    g = torch.Generator().manual_seed(4)
+    seqs = [(2 * BLOCK, 20), (2 * BLOCK, 9), (5, 1)]
+    cache, tables = paged_cache(g, [p + n for p, n in seqs], BLOCK, 2, 16, torch.float32)
+    tables[1][:2] = tables[0][:2]
+    batch, rows = _step(seqs, tables, None)
+    q = torch.randn(rows, 4, 16, generator=g)
+    new = cache.view(-1, 2, 2, 16)[batch.slot_mapping]
+    plan = FlexPlan.build(batch, cache.shape[0], BLOCK, cache.device, torch.float32)
+    assert plan.prefill.at.tolist() == [*range(20), *range(128, 137)]
+    _close(plan.attend(q, new[:, 0], new[:, 1], cache, 0.25),
+           paged_attention(q, cache, batch, 0.25), torch.float32)
+    bm = plan.prefill.block_mask
+    for i in range(bm.kv_num_blocks.shape[-1]):
+        listed = torch.cat((bm.kv_indices[0, 0, i, : bm.kv_num_blocks[0, 0, i]],
+                            bm.full_kv_indices[0, 0, i, : bm.full_kv_num_blocks[0, 0, i]]))
+        assert listed.unique().numel() == listed.numel()
+
+
+def test_steps_in_one_size_bucket_give_the_compiled_kernels_one_shape():
+    # on CUDA every new shape compiles anew: block lists are num_blocks wide, and batches,
+    # packed lengths and chunk counts are padded to powers of two
+    g = torch.Generator().manual_seed(6)
+    shapes = []
+    steps = ([(40, 300), (20, 30), (9, 1), (30, 1), (10, 50), (12, 1)],
+             [(70, 450), (5, 20), (130, 1), (8, 9), (3, 1), (30, 40), (5, 1)])
+    for seqs in steps:  # 3 and 4 chunks in 5 and 7 query blocks, 3 decode rows: one bucket
+        cache, tables = paged_cache(g, [600] * 7, BLOCK, 2, 16, torch.float32)
+        batch, _ = _step(seqs, tables[: len(seqs)], 24)
+        plan = FlexPlan.build(batch, cache.shape[0], BLOCK, cache.device, torch.float32)
+        masks = (plan.prefill.block_mask, plan.decode.block_mask)
+        shapes.append([(m.seq_lengths, *(t.shape for t in m.as_tuple()[2:6] if t is not None),
+                        *(c.cell_contents.shape for c in m.mask_mod.__closure__
+                          if isinstance(c.cell_contents, torch.Tensor))) for m in masks])
+    assert shapes[0] == shapes[1]
