@@ -460,9 +460,10 @@ def _compiled(kind: str) -> Callable[..., torch.Tensor]:
     # static shapes: one compiled entry per decode batch bucket (flex decoding needs a static
     # batch) and per packed prefill length bucket and chunk count; a recompile limit below
     # that would drop to eager flex, which scores the whole cache
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.accumulated_recompile_limit = max(
-        torch._dynamo.config.accumulated_recompile_limit, 1024)
+    config = torch._dynamo.config
+    for name, floor in (("recompile_limit", 64), ("accumulated_recompile_limit", 1024)):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), floor))
     fn = _decode_call if kind == "decode" else _prefill_call
     return torch.compile(fn, dynamic=False, fullgraph=True)
 

@@ -132,6 +132,8 @@ class DecodeGraphs:
         if replay is not None:
             return replay()[:rows].clone()
         out = self._forward(padded)  # the warm-up: compiles, and is this step's result
+        if not self.fits(batch):  # the compile failed: the reference path cannot be captured
+            return out[:rows]
         try:
             self.replays[padded] = self.capture_with.capture(lambda: self._forward(padded))
         except (RuntimeError, *attention_flex.compile_errors()) as exc:

@@ -1,7 +1,7 @@
 """The compiled GPU attention path and decode CUDA graphs on a real device (skipped without
 CUDA): compiled flex attention over the paged cache against the reference ``paged_attention``
-on the same GPU (Llama-3-8B's heads: 32 of 128, 8 KV heads), and an engine whose decode steps
-replay CUDA graphs giving the tokens of the same engine with graphs off."""
+on the same GPU (Llama-3-8B's heads: 32 of 128, 8 KV heads), and an engine on CUDA whose
+decode steps replay CUDA graphs giving the CPU's greedy tokens and those of graphs off."""
 
 from __future__ import annotations
 
@@ -84,17 +84,20 @@ def llama3_heads_dir(tmp_path_factory):
                              num_key_value_heads=8, head_dim=128)
 
 
-def test_decode_graphs_replay_the_eager_tokens(llama3_heads_dir, monkeypatch):
+def test_decode_graphs_and_compiled_flex_give_the_cpu_tokens(llama3_heads_dir, monkeypatch):
+    # fp32: the CPU's C kernels, CUDA with graphs off and on agree token for token (bf16 GEMMs
+    # of 3 rows and of 4 padded ones may round differently); chunks of 128 tokens make the
+    # long prompt prefill over its own cached chunks (compiled flex), the others run SDPA
     prompts = [list(range(3, 300)), list(range(7, 90)), list(range(11, 40))]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 16, 8)]
     outs = {}
-    for graphs in ("0", "1"):
+    for device, graphs in (("cpu", "1"), ("cuda", "0"), ("cuda", "1")):
         monkeypatch.setenv(attention_graphs.ENV_SWITCH, graphs)
-        engine = LLMEngine(llama3_heads_dir, EngineConfig(dtype="bfloat16", device="cuda",
-                                                          num_kv_blocks=64))
-        outs[graphs] = [o.output_ids for o in engine.generate(prompts, params)]
-        if graphs == "1":
+        engine = LLMEngine(llama3_heads_dir, EngineConfig(
+            dtype="float32", device=device, num_kv_blocks=64, max_num_batched_tokens=128))
+        outs[device, graphs] = [o.output_ids for o in engine.generate(prompts, params)]
+        if device == "cuda" and graphs == "1":
             assert engine.runner.graphs is not None and not engine.runner.graphs.failed
             assert set(engine.runner.graphs.replays) == {1, 2, 4}
-    assert outs["0"] == outs["1"]
+    assert outs["cuda", "1"] == outs["cuda", "0"] == outs["cpu", "1"]
     assert not attention_flex._broken

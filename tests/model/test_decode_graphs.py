@@ -110,3 +110,19 @@ def test_a_failed_capture_keeps_the_eager_result_and_turns_graphs_off():
     assert out[:, 0].tolist() == [19010, 4011]
     assert "stream is capturing" in graphs.failed
     assert not graphs.fits(batch)
+
+
+def test_a_warm_up_that_leaves_the_flex_path_captures_nothing(monkeypatch):
+    # a compile that fails in the warm-up turns flex off; the reference path it falls back to
+    # reads lengths back from the device, which a capture cannot hold
+    class Fails(Recorder):
+        def __call__(self, ids, positions, batch):
+            monkeypatch.setenv(attention_flex.ENV_SWITCH, "reference")
+            return super().__call__(ids, positions, batch)
+
+    forward = Fails()
+    graphs = DecodeGraphs(forward, torch.zeros(12, BLOCK, 2, 1, 16), None, 4, torch.float32,
+                          FailingCapture(), max_batch=8)
+    out = graphs.run(*_step([20, 5], [[3, 4], [7]]))
+    assert out[:, 0].tolist() == [19010, 4011]
+    assert not graphs.replays and not graphs.failed
