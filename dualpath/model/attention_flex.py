@@ -21,12 +21,12 @@ cost more than the attention. This path reads the cache where it lies:
   block never lists two chunks' blocks, which may be the same shared prefix blocks); the
   cache blocks every row of a query block attends in full are listed as full blocks (no mask
   evaluation there).
+* **Prefill from position 0** with the cache in the compute dtype runs plain causal SDPA on
+  the new tokens' K/V as they leave the projection (the same values the cache now holds), no
+  read-back; on CUDA in bf16 that is FlashAttention.
 * **Static shapes**: compiled kernels see a few shapes, whatever the step: block lists are
   ``num_blocks`` wide, and decode batches, packed prefill lengths and chunk counts are padded
   to powers of two.
-* **Prefill from position 0** with the cache in the compute dtype runs plain causal SDPA on
-  the new tokens' K/V as they leave the projection (the same values the cache now holds), no
-  read-back; on CUDA that is FlashAttention.
 
 Everything a step needs (block masks, ``p2l``, the packed query rows) is built once per step,
 on the first layer, from the step's ``AttentionBatch``: index arithmetic on the host where it
