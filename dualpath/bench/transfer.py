@@ -193,6 +193,7 @@ def _result(args: argparse.Namespace, layout: KVLayout, times: dict[str, list[fl
                   "segments": layout.num_layers * args.blocks,
                   "segment_bytes": layout.layer_block_bytes, "total_bytes": total,
                   "repeats": args.repeats, "chunk_bytes": TrafficConfig().chunk_bytes,
+                  "inflight_chunks": TrafficConfig().inflight_chunks,
                   "layout": layout.layout_id},
         "machine": machine_profile(),
         "measured": {"seconds": times, "gb_s": gb_s},

@@ -6,8 +6,14 @@ A ``NicDirection`` (the send side or the receive side) holds ``Work`` items of a
 is charged for them) and ``copy`` (a piece of a host↔device copy). One dispatcher thread picks
 the next item — by smooth weighted round robin over the backlogged lanes, or in arrival order
 over all lanes when QoS lanes are off — paces it through the direction's token bucket when the
-NIC is capped, runs it, and counts its bytes per kind and lane. It also tracks the most bytes
-charged in any 100 ms window.
+NIC is capped, starts it, and counts its bytes per kind and lane once it has finished. It also
+tracks the most bytes charged in any 100 ms window.
+
+Up to ``window`` items are in flight at once: an item whose ``start`` returns before its bytes
+have moved (a transfer through a backend with an asynchronous API) is polled by an
+``InFlightPoller`` while the dispatcher starts the next ones; the dispatcher picks an item only
+when a slot is free, so the lanes' order is kept at every pick and a high-lane item waits for
+at most one slot. Copies and grant requests finish inside ``start`` (no slot held after).
 
 With lanes, a high-lane item that arrives while a lower lane's item waits out its pacing goes
 first (one that was already waiting when the arbiter gave the lower lane its weighted turn
@@ -30,6 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
+from dualpath.engine.nic_inflight import InFlightPoller
 from dualpath.engine.nic_work import WORK_KINDS, Work, WorkKind
 from dualpath.errors import TransferError
 from dualpath.storage.throttle import TokenBucket
@@ -62,12 +69,20 @@ class PeakWindow:
 
 
 class NicDirection:
-    """One direction of the compute NIC with its dispatcher thread (the copy thread too)."""
+    """One direction of the compute NIC with its dispatcher thread (the copy thread too).
+
+    ``window``: how many items may be in flight at once (at least 1).
+    """
 
     def __init__(self, side: NicSide, bucket: TokenBucket | None, weights: Mapping[Lane, int],
                  qos_lanes: bool = True, clock: Callable[[], float] = time.monotonic,
-                 recheck_s: float = 0.05) -> None:
+                 recheck_s: float = 0.05, window: int = 1) -> None:
+        if window < 1:
+            raise ValueError(f"a NIC direction's window must be >= 1, got {window}")
         self.side = side
+        self.window = window
+        self.inflight = 0  # items started and not finished yet
+        self._poller = InFlightPoller(f"traffic-{side}-poll", self._finished)
         self.bucket = bucket  # touched only by the dispatcher thread
         self._clock = clock
         self._recheck_s = recheck_s  # how often a lane whose head is not ready is re-checked
@@ -125,16 +140,32 @@ class NicDirection:
     # --- the dispatcher -----------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        """Pick, pace, run, count; until closed and drained."""
+        """Pick, pace, start, count; until closed, drained and nothing is in flight."""
         while (item := self._next()) is not None:
             if self.bucket is not None and not self._paced(item):
                 continue  # a high-lane item came first: ``item`` is back in its lane
             charged_s = self._clock()
-            moved = item.run()
+            moved = item.start()
             with self.cond:
                 self.peak.add(charged_s, item.nbytes)
-                if moved:
+                if moved is None:
+                    self.inflight += 1
+                elif moved:
                     self.bytes[item.kind][item.lane] += item.nbytes
+            if moved is None:
+                self._poller.add(item)
+        with self.cond:
+            while self.inflight:
+                self.cond.wait()
+        self._poller.close()
+
+    def _finished(self, item: Work, moved: bool) -> None:
+        """An item in flight has finished (on the poller's thread): count it, free its slot."""
+        with self.cond:
+            self.inflight -= 1
+            if moved:
+                self.bytes[item.kind][item.lane] += item.nbytes
+            self.cond.notify()
 
     def _paced(self, item: Work) -> bool:
         """Wait out ``item``'s share of the cap (the emulated NIC's pacing); False when a
@@ -173,6 +204,9 @@ class NicDirection:
             dropped: list[Work] = []
             with self.cond:
                 while True:
+                    if self.inflight >= self.window:  # no progress_s: all slots stuck is a stall
+                        self.cond.wait()
+                        continue
                     self.progress_s = now = self._clock()
                     item, blocked = self._pop(now, dropped)
                     if item is not None or dropped:

@@ -10,6 +10,7 @@ starts them (now or after another future) and lets a closing manager wait for th
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
@@ -17,10 +18,12 @@ from functools import partial
 from typing import Any, ClassVar, Literal
 
 from dualpath.errors import TransferError
+from dualpath.transfer.base import PendingTransfer
 from dualpath.transfer.lanes import Lane
 
 WorkKind = Literal["active", "passive", "copy"]
 WORK_KINDS: tuple[WorkKind, ...] = ("active", "passive", "copy")
+RUN_POLL_S = 50e-6  # ``MoveWork.run``'s wait between polls
 
 
 class Submission:
@@ -156,7 +159,12 @@ class LiveSubmissions:
 
 
 class Work(ABC):
-    """One item of a NIC direction's queues: at most its lane's chunk, on one lane."""
+    """One item of a NIC direction's queues: at most its lane's chunk, on one lane.
+
+    Once paced, the dispatcher calls ``start``: an item either finishes inside it (``run``,
+    the default) or returns None and is polled (``poll``) until it has finished, while the
+    dispatcher starts the next ones (several items in flight per direction).
+    """
 
     __slots__ = ("lane", "nbytes", "paid_bytes")
     kind: ClassVar[WorkKind]
@@ -178,6 +186,16 @@ class Work(ABC):
         """Called (outside the queue lock) for an item that ``dropped`` skipped."""
         return None
 
+    def start(self) -> bool | None:
+        """Start the work, once paced: whether its bytes moved if it has finished already,
+        None if it is still moving (then ``poll`` says when it has). Must not raise."""
+        return self.run()
+
+    def poll(self) -> bool | None:
+        """For an item that ``start`` left moving: None while it still moves, else whether its
+        bytes moved. Never waits; must not raise."""
+        raise NotImplementedError(f"{type(self).__name__} finishes inside start()")
+
     @abstractmethod
     def run(self) -> bool:
         """Do the work, once paced; True if its bytes moved (then they are counted).
@@ -196,7 +214,7 @@ class SubmissionWork(Work):
     __slots__ = ("op", "release", "sub")
 
     def __init__(self, sub: Submission, lane: Lane, nbytes: int,
-                 op: Callable[[], None]) -> None:
+                 op: Callable[[], Any]) -> None:
         super().__init__(lane, nbytes)
         self.sub = sub
         self.op = op
@@ -210,30 +228,71 @@ class SubmissionWork(Work):
         try:
             self.op()
         except Exception as exc:  # any failure belongs to the caller's future
-            err = exc
-            if not isinstance(exc, TransferError):
-                err = TransferError(f"{'transfer' if self.kind == 'active' else 'copy'}: {exc}")
-                err.__cause__ = exc
-            self.sub.fail(err)
-            moved = False
-        else:
-            self.sub.chunk_done()
-            moved = True
-        if self.release is not None:
-            self.on_drop()
-        return moved
+            return self._failed(exc)
+        return self._moved()
 
     def on_drop(self) -> None:
         release, self.release = self.release, None
         if release is not None:
             release()
 
+    def _moved(self) -> bool:
+        """The chunk moved: count it done (the last one completes the submission)."""
+        self.sub.chunk_done()
+        self.on_drop()
+        return True
+
+    def _failed(self, exc: Exception) -> bool:
+        """The chunk failed: fail the submission with a ``TransferError`` (chained)."""
+        err = exc
+        if not isinstance(exc, TransferError):
+            err = TransferError(f"{'transfer' if self.kind == 'active' else 'copy'}: {exc}")
+            err.__cause__ = exc
+        self.sub.fail(err)
+        self.on_drop()
+        return False
+
 
 class MoveWork(SubmissionWork):
-    """A chunk of a transfer this engine started: one backend call."""
+    """A chunk of a transfer this engine started: one backend call, left in flight.
 
-    __slots__ = ()
+    ``op`` starts the transfer (``TransferBackend.start_write``/``start_read``) and returns
+    its ``PendingTransfer``; the direction polls it until it has landed.
+    """
+
+    __slots__ = ("pending",)
     kind = "active"
+
+    def __init__(self, sub: Submission, lane: Lane, nbytes: int,
+                 op: Callable[[], PendingTransfer]) -> None:
+        super().__init__(sub, lane, nbytes, op)
+        self.pending: PendingTransfer | None = None
+
+    def start(self) -> bool | None:
+        """Start the transfer; None while it moves, else whether it moved."""
+        try:
+            self.pending = self.op()
+        except Exception as exc:  # any failure belongs to the caller's future
+            return self._failed(exc)
+        return self.poll()
+
+    def poll(self) -> bool | None:
+        """Check the transfer once: None while it moves; done or failed settle the chunk."""
+        assert self.pending is not None
+        try:
+            if not self.pending.poll():
+                return None
+        except Exception as exc:  # a failed transfer: its submission's error
+            return self._failed(exc)
+        return self._moved()
+
+    def run(self) -> bool:
+        """Start the transfer and wait for it (the dispatcher uses ``start`` and ``poll``)."""
+        moved = self.start()
+        while moved is None:
+            time.sleep(RUN_POLL_S)
+            moved = self.poll()
+        return moved
 
 
 class CopyWork(SubmissionWork):

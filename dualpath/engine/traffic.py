@@ -9,9 +9,11 @@ and receive (reads, host → device copies) — has one dispatcher thread
 backlogged lane goes next (or, with ``qos_lanes=False``, takes every
 lane's work from one FIFO in arrival order: the ablation of the lanes), paces the chunk through
 a token bucket when the NIC is capped (the testbed's emulated NIC; off on real hardware) and
-runs it. So high-lane traffic gets about 99% of a busy link, KV traffic the rest, and KV
-traffic all of an idle one. Everything is asynchronous: ``submit``/``submit_copy`` return a
-future at once and may wait for another future (``after``) before their chunks queue.
+starts it; up to ``inflight_chunks`` transfer chunks are in flight at once per direction
+(``nic_inflight``), and the lanes pick whenever a slot frees. So high-lane traffic gets about
+99% of a busy link, KV traffic the rest, and KV traffic all of an idle one. Everything is
+asynchronous: ``submit``/``submit_copy`` return a future at once and may wait for another future
+(``after``) before their chunks queue.
 
 Caps bind both ends of a transfer: a capped traffic manager runs a grant server
 (``nic_address``); told a peer's grant server (``set_peer_nic``), it asks that peer's NIC for a
@@ -76,8 +78,8 @@ class TrafficManager:
     """An engine's data movement: lanes, chunking, compute-NIC caps (both ends) and counters.
 
     ``nic_host`` is the address a capped manager's grant server binds (peers must reach it).
-    Returned futures complete on a dispatcher thread: their callbacks must not wait on this
-    manager (chain with ``after=`` instead).
+    Returned futures complete on a dispatcher thread or a NIC direction's poller thread: their
+    callbacks must not wait on this manager (chain with ``after=`` instead).
     """
 
     def __init__(self, backend: TransferBackend | None, config: TrafficConfig | None = None,
@@ -91,7 +93,8 @@ class TrafficManager:
                 "recv": self.config.compute_recv_cap_mb_s}
         self._dirs: dict[str, NicDirection] = {
             side: NicDirection(side, self._bucket(cap), weights,  # type: ignore[arg-type]
-                               self.config.qos_lanes, clock, self.config.grant_timeout_s / 8)
+                               self.config.qos_lanes, clock, self.config.grant_timeout_s / 8,
+                               self.config.inflight_chunks)
             for side, cap in caps.items()}
         self._copiers = {side: PieceCopier() for side in self._dirs}
         self._live = LiveSubmissions(self.config.grant_timeout_s)
@@ -128,7 +131,7 @@ class TrafficManager:
         chunks = split_chunks(coalesce(validated(segments)),
                               self.config.lane_chunk_bytes(lane.value))
         sub = Submission(len(chunks))
-        op = backend.write if kind == "write" else backend.read
+        op = backend.start_write if kind == "write" else backend.start_read
         items: list[Work] = [MoveWork(sub, lane, sum(s[2] for s in c), partial(op, peer, c))
                              for c in chunks]
         start = partial(self._start_transfer, _NIC_SIDE[kind], peer, sub, items)

@@ -4,6 +4,11 @@ A backend moves bytes between memory registered on this side and memory register
 backend, named by the peer's ``endpoint``. ``write`` copies local → remote, ``read`` copies
 remote → local; both take a batch of segments and submit them together, because many small
 segments in one submission cost far less than one call per segment.
+
+``start_write``/``start_read`` are the same calls without the wait: they return a
+``PendingTransfer`` that the caller polls, so one thread can keep several transfers in flight
+(the traffic manager's NIC directions do). A backend without an asynchronous API inherits
+versions that move the bytes before they return.
 """
 
 from __future__ import annotations
@@ -16,6 +21,29 @@ from dualpath.errors import TransferError
 
 Segment = tuple[int, int, int]
 """One contiguous copy: ``(local_addr, remote_addr, nbytes)``."""
+
+
+class PendingTransfer(ABC):
+    """A transfer that ``start_write``/``start_read`` started: poll it until it has landed."""
+
+    @abstractmethod
+    def poll(self) -> bool:
+        """Whether every segment has landed, without waiting.
+
+        Raises ``TransferError`` once every segment has settled and any failed (nothing of the
+        transfer still moves then). After True or an error, the transfer is over.
+        """
+
+
+class Landed(PendingTransfer):
+    """A transfer that had moved all its bytes before it was returned."""
+
+    def poll(self) -> bool:
+        """Always True."""
+        return True
+
+
+LANDED = Landed()
 
 
 class TransferBackend(ABC):
@@ -41,6 +69,20 @@ class TransferBackend(ABC):
 
         Raises ``TransferError`` if any segment fails (the others may have landed).
         """
+
+    def start_write(self, peer: str, segments: Sequence[Segment]) -> PendingTransfer:
+        """``write`` without the wait: poll the result until it has landed.
+
+        This default moves the bytes before it returns (a backend with an asynchronous API
+        overrides it). Raises ``TransferError`` if the transfer cannot start.
+        """
+        self.write(peer, segments)
+        return LANDED
+
+    def start_read(self, peer: str, segments: Sequence[Segment]) -> PendingTransfer:
+        """``read`` without the wait; as ``start_write``."""
+        self.read(peer, segments)
+        return LANDED
 
     @abstractmethod
     def close(self) -> None:

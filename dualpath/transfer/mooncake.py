@@ -13,18 +13,21 @@ Mooncake's synchronous batch calls busy-poll until the transfer ends: measured h
 from a peer that answered after 1 s burned 0.83 s of CPU, and on a 2-core testbed that spinning
 starves the engines whose work the transfer waits for. So each segment is submitted as its own
 asynchronous batch and polled with ``transfer_check_status`` (non-blocking; it checks a batch's
-first task, hence one segment per batch), spinning only briefly and then sleeping with backoff.
+first task, hence one segment per batch): ``start_write``/``start_read`` return the batches as a
+``PendingTransfer`` for the caller to poll beside others (several transfers in flight from one
+thread), and ``write``/``read`` poll theirs, spinning only briefly and then sleeping with backoff.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from dualpath.errors import TransferError
-from dualpath.transfer.base import RegionSet, Segment, TransferBackend
+from dualpath.transfer.base import PendingTransfer, RegionSet, Segment, TransferBackend
 
 SPIN_CHECKS = 20  # status checks before the first sleep (a small transfer ends within these)
 POLL_MIN_S = 50e-6
@@ -70,11 +73,19 @@ class MooncakeBackend(TransferBackend):
 
     def write(self, peer: str, segments: Sequence[Segment]) -> None:
         """All segments local → peer, submitted together; returns when all have landed."""
-        self._batch("write", peer, segments)
+        wait_landed(self.start_write(peer, segments))
 
     def read(self, peer: str, segments: Sequence[Segment]) -> None:
         """All segments peer → local, submitted together; returns when all have landed."""
-        self._batch("read", peer, segments)
+        wait_landed(self.start_read(peer, segments))
+
+    def start_write(self, peer: str, segments: Sequence[Segment]) -> PendingTransfer:
+        """Submit all segments local → peer; returns at once with the transfer to poll."""
+        return self._start("write", peer, segments)
+
+    def start_read(self, peer: str, segments: Sequence[Segment]) -> PendingTransfer:
+        """Submit all segments peer → local; returns at once with the transfer to poll."""
+        return self._start("read", peer, segments)
 
     def close(self) -> None:
         """Unregister every region and drop the engine (its threads stop with it)."""
@@ -88,10 +99,8 @@ class MooncakeBackend(TransferBackend):
             engine.batch_unregister_memory([address for address, _ in regions])
         del engine
 
-    def _batch(self, kind: str, peer: str, segments: Sequence[Segment]) -> None:
-        """Check local ranges, then submit every segment in one synchronous batch."""
-        if not segments:
-            return
+    def _start(self, kind: str, peer: str, segments: Sequence[Segment]) -> PendingTransfer:
+        """Check local ranges, then submit every segment as its own asynchronous batch."""
         with self._lock:
             engine = self._live()
             for local_addr, _, nbytes in segments:
@@ -99,41 +108,57 @@ class MooncakeBackend(TransferBackend):
         submit = (engine.batch_transfer_async_write if kind == "write"
                   else engine.batch_transfer_async_read)
         total = sum(s[2] for s in segments)
-        pending = []
+        what = f"Mooncake {kind} of {len(segments)} segments ({total} bytes) with {peer}"
+        batches: list[int] = []
         for local, remote, nbytes in segments:
             batch = submit(peer, [local], [remote], [nbytes])
             if not batch:
-                self._settle(engine, pending)  # nothing may still write into the caller's buffer
+                with contextlib.suppress(TransferError):  # nothing may still write into the
+                    wait_landed(MooncakeTransfer(engine, batches, what))  # caller's buffer
                 raise TransferError(f"Mooncake could not submit a {kind} of {nbytes} bytes "
                                     f"with {peer}")
-            pending.append(batch)
-        failed = self._settle(engine, pending)
-        if failed:
-            raise TransferError(f"Mooncake {kind} of {len(segments)} segments ({total} bytes) "
-                                f"with {peer}: {failed} failed or timed out")
-
-    @staticmethod
-    def _settle(engine: Any, batches: list[int]) -> int:
-        """Wait for every batch (a short spin, then sleeps backing off to ``POLL_MAX_S``);
-        returns how many failed or timed out."""
-        failed, spins, sleep_s = 0, 0, POLL_MIN_S
-        while batches:
-            still = []
-            for batch in batches:
-                status = engine.transfer_check_status(batch)
-                if status == 0:
-                    still.append(batch)
-                elif status < 0:
-                    failed += 1
-            batches = still
-            if batches:
-                spins += 1
-                if spins > SPIN_CHECKS:
-                    time.sleep(sleep_s)
-                    sleep_s = min(2 * sleep_s, POLL_MAX_S)
-        return failed
+            batches.append(batch)
+        return MooncakeTransfer(engine, batches, what)
 
     def _live(self) -> Any:
         if self._engine is None:
             raise TransferError(f"Mooncake backend {self.endpoint} is closed")
         return self._engine
+
+
+class MooncakeTransfer(PendingTransfer):
+    """Submitted Mooncake batches (one segment each) that have not all settled yet."""
+
+    def __init__(self, engine: Any, batches: list[int], what: str) -> None:
+        self._engine = engine
+        self._batches = batches
+        self._failed = 0
+        self._what = what
+
+    def poll(self) -> bool:
+        """Check each unsettled batch once; True when all landed, ``TransferError`` when all
+        settled and any failed or timed out."""
+        still = []
+        for batch in self._batches:
+            status = self._engine.transfer_check_status(batch)
+            if status == 0:
+                still.append(batch)
+            elif status < 0:
+                self._failed += 1
+        self._batches = still
+        if still:
+            return False
+        if self._failed:
+            raise TransferError(f"{self._what}: {self._failed} failed or timed out")
+        return True
+
+
+def wait_landed(pending: PendingTransfer) -> None:
+    """Poll ``pending`` until it has landed (a short spin, then sleeps backing off to
+    ``POLL_MAX_S``); raises its ``TransferError``."""
+    spins, sleep_s = 0, POLL_MIN_S
+    while not pending.poll():
+        spins += 1
+        if spins > SPIN_CHECKS:
+            time.sleep(sleep_s)
+            sleep_s = min(2 * sleep_s, POLL_MAX_S)

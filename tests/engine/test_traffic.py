@@ -7,7 +7,8 @@ import mmap
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from dualpath.config import TrafficConfig
 from dualpath.engine.traffic import TrafficManager, split_chunks
 from dualpath.errors import TransferError
-from dualpath.transfer.base import Segment, TransferBackend
+from dualpath.transfer.base import PendingTransfer, Segment, TransferBackend
 from dualpath.transfer.lanes import Lane
 from dualpath.transfer.local import LocalBackend
 
@@ -28,10 +29,11 @@ def _address(buf: mmap.mmap) -> int:
 
 
 class Link:
-    """Two local backends with an 8 MB registered buffer each; ``tm`` sends from ``a`` to ``b``."""
+    """Two local backends with an 8 MB registered buffer each; ``tm`` sends from ``a`` to ``b``
+    (``a``: ``sender`` if given)."""
 
-    def __init__(self, config: TrafficConfig) -> None:
-        self.a, self.b = LocalBackend(), LocalBackend()
+    def __init__(self, config: TrafficConfig, sender: LocalBackend | None = None) -> None:
+        self.a, self.b = sender or LocalBackend(), LocalBackend()
         self.abuf, self.bbuf = mmap.mmap(-1, 8 * MB), mmap.mmap(-1, 8 * MB)
         self.aaddr, self.baddr = _address(self.abuf), _address(self.bbuf)
         self.tm = TrafficManager(self.a, config)
@@ -117,9 +119,32 @@ def _lane_rate(tm: TrafficManager, lane: Lane, seconds: float) -> float:
     return (after - before) / (t1 - t0)
 
 
-def test_high_lane_keeps_the_capped_link_and_kv_takes_it_when_idle():
-    cap = 200e6
-    link = Link(TrafficConfig(compute_send_cap_mb_s=cap / 1e6))
+class SlowLanding(LocalBackend):
+    """A local backend whose transfers land 10 ms after they start (once polled), so a NIC
+    direction keeps several in flight."""
+
+    def start_write(self, peer: str, segments: Sequence[Segment]) -> PendingTransfer:
+        """Check the ranges now; move the bytes at the first poll 10 ms on."""
+        self._check(peer, segments)
+        return _Later(partial(self.write, peer, list(segments)), time.monotonic() + 0.01)
+
+
+class _Later(PendingTransfer):
+    def __init__(self, land: Callable[[], None], at_s: float) -> None:
+        self._land, self._at_s = land, at_s
+
+    def poll(self) -> bool:
+        if time.monotonic() < self._at_s:
+            return False
+        self._land()
+        return True
+
+
+@pytest.mark.parametrize("inflight", [1, 4], ids=["one-at-a-time", "four-in-flight"])
+def test_high_lane_keeps_the_capped_link_and_kv_takes_it_when_idle(inflight):
+    cap = 200e6  # 1 MB chunks: 5 ms of the cap each
+    link = Link(TrafficConfig(compute_send_cap_mb_s=cap / 1e6, inflight_chunks=inflight),
+                sender=None if inflight == 1 else SlowLanding())
     kv = Flow(link, Lane.KV_FORWARD, offset=0)
     high = Flow(link, Lane.HIGH, offset=4 * MB)
     try:

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -98,6 +99,55 @@ def test_read_many_segments(pair):
     segments = _scattered(a, b, 300, seed=4)
     a.backend.read(b.backend.endpoint, segments)
     _expect(b, a, segments, write=False)
+
+
+def test_started_transfers_land_together_once_polled(pair):
+    a, b = pair
+    _fill(a, 11)
+    _fill(b, 12)
+    writes = [(a.addr + i * 8192, b.addr + (31 - i) * 8192, 4000 + i) for i in range(32)]
+    reads = [(a.addr + SIZE // 2 + i * 4096, b.addr + SIZE // 2 + i * 4096, 4096)
+             for i in range(32)]
+    pending = [a.backend.start_write(b.backend.endpoint, writes[i: i + 8]) for i in range(0, 32, 8)]
+    pending += [a.backend.start_read(b.backend.endpoint, reads[i: i + 8]) for i in range(0, 32, 8)]
+    deadline = time.monotonic() + 10
+    while not all([p.poll() for p in pending]):  # every one polled each round
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    _expect(a, b, writes, write=True)
+    _expect(b, a, reads, write=False)
+
+
+def test_a_started_transfer_to_a_bad_address_fails(pair):
+    a, b = pair
+    bad = [(a.addr, b.addr + SIZE + 4096, 64)]
+    with pytest.raises(TransferError):  # at the start, or when polled
+        pending = a.backend.start_write(b.backend.endpoint, bad)
+        deadline = time.monotonic() + 10
+        while not pending.poll():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+
+
+class FakeEngine:
+    """Mooncake's ``transfer_check_status`` from a script: batch → statuses, one per check."""
+
+    def __init__(self, statuses: dict[int, list[int]]) -> None:
+        self.statuses = statuses
+
+    def transfer_check_status(self, batch: int) -> int:
+        return self.statuses[batch].pop(0)
+
+
+def test_mooncake_transfer_raises_only_once_every_batch_has_settled():
+    from dualpath.transfer.mooncake import MooncakeTransfer
+
+    landed = MooncakeTransfer(FakeEngine({1: [0, 1], 2: [0, 0, 1]}), [1, 2], "write")
+    assert [landed.poll(), landed.poll(), landed.poll()] == [False, False, True]
+    failed = MooncakeTransfer(FakeEngine({1: [-1], 2: [0, 0, 1]}), [1, 2], "write of 2")
+    assert [failed.poll(), failed.poll()] == [False, False]  # batch 2 may still move bytes
+    with pytest.raises(TransferError, match="write of 2: 1 failed"):
+        failed.poll()
 
 
 def test_empty_batch_is_a_no_op(pair):
