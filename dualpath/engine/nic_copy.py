@@ -211,20 +211,27 @@ class PieceCopier:
         return stream
 
     def copy_all(self, pieces: list[Piece], ctx: TensorContext | None) -> None:
-        """Copy ``pieces`` in order; returns once all their bytes have landed (on CUDA: the
-        copy stream waits for the submitter's stream on the device, the copies are issued,
-        their event goes to ``ctx.issue`` at once, and this thread waits for it)."""
+        """Copy ``pieces`` in order; returns once all their bytes have landed."""
+        done = self.issue(pieces, ctx)
+        if done is not None:
+            done.synchronize()
+
+    def issue(self, pieces: list[Piece], ctx: TensorContext | None) -> Any | None:
+        """Copy ``pieces`` in order: host copies at once (returns None once they are done);
+        CUDA copies issued on this thread's copy stream after the submitter's ``ready`` event,
+        returning the event that completes when they have landed (also handed to
+        ``ctx.issue`` at once). Never waits for the device."""
         if ctx is None:
             for dst, src, _ in pieces:
                 dst[:] = src
-            return
+            return None
         import torch
 
         with torch.inference_mode(ctx.inference), torch.set_grad_enabled(ctx.grad):
             if ctx.device is None:
                 for dst, src, _ in pieces:
                     dst.copy_(src)
-                return
+                return None
             stream = self.stream(ctx.device)
             with torch.cuda.stream(stream):
                 if ctx.ready is not None:
@@ -235,4 +242,4 @@ class PieceCopier:
                 done.record(stream)
         if ctx.issue is not None:
             ctx.issue.add(done)
-        done.synchronize()
+        return done

@@ -296,7 +296,47 @@ class MoveWork(SubmissionWork):
 
 
 class CopyWork(SubmissionWork):
-    """A piece of a host↔device copy (the dispatcher is the copy thread)."""
+    """A group of pieces of a host↔device copy (the dispatcher is the copy thread).
 
-    __slots__ = ()
+    ``op`` copies them (``PieceCopier.issue``): host copies finish inside ``start``; CUDA
+    copies are issued on a copy stream and return an event, which the direction polls while
+    it starts the next items (several copies in flight per direction).
+    """
+
+    __slots__ = ("done",)
     kind = "copy"
+
+    def __init__(self, sub: Submission, lane: Lane, nbytes: int,
+                 op: Callable[[], Any]) -> None:
+        super().__init__(sub, lane, nbytes, op)
+        self.done: Any | None = None  # the CUDA event of the issued copies
+
+    def start(self) -> bool | None:
+        """Copy (host) or issue (CUDA); None while issued copies are still landing."""
+        try:
+            self.done = self.op()
+        except Exception as exc:  # any failure belongs to the caller's future
+            return self._failed(exc)
+        return self._moved() if self.done is None else self.poll()
+
+    def poll(self) -> bool | None:
+        """None while the issued copies are landing, else count the group done."""
+        assert self.done is not None
+        try:
+            if not self.done.query():
+                return None
+        except Exception as exc:  # a device error: the submission's
+            return self._failed(exc)
+        return self._moved()
+
+    def run(self) -> bool:
+        """Copy and wait until the bytes have landed (the dispatcher uses ``start``/``poll``)."""
+        moved = self.start()
+        if moved is None:
+            assert self.done is not None
+            try:
+                self.done.synchronize()
+            except Exception as exc:  # a device error: the submission's
+                return self._failed(exc)
+            return self._moved()
+        return moved

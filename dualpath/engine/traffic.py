@@ -180,7 +180,7 @@ class TrafficManager:
                 issue.expect(len(groups))
             issue.follow(sub.future)
         items: list[Work] = [CopyWork(sub, lane, sum(n for _, _, n in g),
-                                      partial(copier.copy_all, g, ctx)) for g in groups]
+                                      partial(copier.issue, g, ctx)) for g in groups]
         self._live.accept(sub, after, partial(self._dirs[side].put, items))
         return sub.future
 

@@ -345,3 +345,59 @@ def test_a_host_copy_with_an_issue_settles_once_landed():
         assert issue.future.result(5) == []  # no copy stream on a CPU: nothing to wait on
         assert landed.done()
     assert torch.equal(dst, src)
+
+
+class _CopyEvent:
+    """A copy stream's event: landed once the test says so."""
+
+    def __init__(self) -> None:
+        self.landed = False
+        self.error: Exception | None = None
+        self.waited = False
+
+    def query(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.landed = True
+
+
+def _copy_work(event):
+    from dualpath.engine.nic_work import CopyWork, Submission
+    from dualpath.transfer.lanes import Lane
+
+    sub = Submission(1)
+    return sub, CopyWork(sub, Lane.KV_LOAD, 1024, lambda: event)
+
+
+def test_an_issued_cuda_copy_stays_in_flight_until_its_event_completes():
+    event = _CopyEvent()
+    sub, work = _copy_work(event)
+    assert work.start() is None  # issued: the dispatcher moves on to the next item
+    assert work.poll() is None and not sub.future.done()
+    event.landed = True
+    assert work.poll() is True
+    assert sub.future.result(0) is None
+
+
+def test_a_device_error_while_a_copy_lands_fails_its_submission():
+    from dualpath.errors import TransferError
+
+    event = _CopyEvent()
+    sub, work = _copy_work(event)
+    assert work.start() is None
+    event.error = RuntimeError("illegal address")
+    assert work.poll() is False
+    with pytest.raises(TransferError, match="illegal address"):
+        sub.future.result(0)
+
+
+def test_run_waits_for_an_issued_copy_and_host_copies_finish_at_once():
+    event = _CopyEvent()
+    sub, work = _copy_work(event)
+    assert work.run() is True and event.waited and sub.future.done()
+    host_sub, host_work = _copy_work(None)
+    assert host_work.start() is True and host_sub.future.done()
