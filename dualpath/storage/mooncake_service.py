@@ -31,6 +31,7 @@ from dualpath.errors import StorageError
 from dualpath.storage.mooncake_store import INSTALL_HINT, connect, master_reachable
 
 READY_LINE = "mooncake-segment-ready"  # a holder prints it once its segment is mounted
+CLOSE_TIMEOUT_S = 10.0  # a stopping holder waits this long for its segment to unmount
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now."""
@@ -154,7 +155,15 @@ def serve(master: str, segment_mb: int, *, host: str = "127.0.0.1",
     print(f"{READY_LINE} {segment_mb} MB on {host} for master {master}", flush=True)
     while not stopping.wait(1.0):
         pass
-    client.close()
+    # Unmounting asks the master; a busy or gone master must not keep a stopping holder alive
+    # (its segment leaves with the process either way).
+    closer = threading.Thread(target=client.close, name="segment-close", daemon=True)
+    closer.start()
+    closer.join(CLOSE_TIMEOUT_S)
+    if closer.is_alive():
+        print(f"segment holder: close did not finish in {CLOSE_TIMEOUT_S:.0f} s; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(0)  # not through finalization, which would wait on the native call
     return 0
 
 

@@ -352,3 +352,31 @@ def test_mooncake_store_start_master_refuses_a_taken_port(mooncake_store_master)
     port = int(mooncake_store_master.rsplit(":", 1)[1])
     with pytest.raises(StorageError, match="already listens"):
         start_master(port)
+
+
+def test_a_segment_holder_whose_close_hangs_still_exits(monkeypatch):
+    """Unmounting asks the master: a hung close must not keep a stopping holder alive."""
+    import threading
+
+    from dualpath.storage import mooncake_service
+
+    release = threading.Event()
+
+    class HangingClient:
+        def close(self) -> None:
+            release.wait(30)
+
+    exits = []
+    monkeypatch.setattr(mooncake_service, "connect", lambda *a, **k: HangingClient())
+    monkeypatch.setattr(mooncake_service, "CLOSE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(mooncake_service.os, "_exit", lambda code: exits.append(code))
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    timer = threading.Timer(0.2, signal.raise_signal, (signal.SIGTERM,))
+    timer.start()
+    try:
+        assert mooncake_service.serve("127.0.0.1:1", 1) == 0
+    finally:
+        release.set()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert exits == [0]
