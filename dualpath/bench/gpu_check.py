@@ -103,15 +103,17 @@ def engine_ratios(result: dict[str, Any], hbm_bytes_s: float | None) -> dict[str
     return out
 
 
+def floor_of(name: str) -> float | None:
+    """The floor a figure must reach (every ratio against transformers shares one), or None."""
+    if "vs_transformers" in name:
+        return FLOORS["vs_transformers"]
+    return next((f for key, f in FLOORS.items() if name.startswith(key)), None)
+
+
 def verdicts(figures: dict[str, float]) -> dict[str, bool]:
     """Each figure with a floor: whether it meets it."""
-    out = {}
-    for name, value in figures.items():
-        floor = next((f for key, f in FLOORS.items() if name.startswith(key)
-                      or (key == "vs_transformers" and "vs_transformers" in name)), None)
-        if floor is not None:
-            out[name] = value >= floor
-    return out
+    return {name: value >= floor for name, value in figures.items()
+            if (floor := floor_of(name)) is not None}
 
 
 def gpu_test_files(root: Path) -> list[str]:
@@ -288,8 +290,7 @@ def render_table(steps: list[StepResult]) -> Table:
         ratios = {k: v for k, v in step.figures.items() if isinstance(v, float)}
         ok = verdicts(ratios)
         for name, value in ratios.items():
-            floor = next((f for k, f in FLOORS.items() if name.startswith(k)
-                          or (k == "vs_transformers" and "vs_transformers" in name)), None)
+            floor = floor_of(name)
             table.add_row(step.name, name, f"{value:.3g}", "" if floor is None else f"{floor}",
                           {True: "yes", False: "NO"}.get(ok.get(name), ""))
         if not ratios:

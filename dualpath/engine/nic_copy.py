@@ -7,9 +7,10 @@ transfers. A piece is a flat ``uint8`` view when both sides are contiguous tenso
 dtype (or plain buffers), else a slice along the leading dimension (``data[:, block]`` of a
 paged cache). On CUDA the dispatcher thread issues ``copy_(non_blocking=True)`` on a dedicated
 stream per device, after an event recorded on the submitter's stream at submit time (so the
-copy sees the compute that produced its source), and waits on an event of its own before it
-counts the piece done. Pieces smaller than a chunk (the blocks of one layer) share a work
-item (``group_pieces``): one queue turn, and on CUDA one event, for the group.
+copy sees the compute that produced its source), records an event of its own and leaves the
+group in flight: the direction polls that event before it counts the group done. Pieces
+smaller than a chunk (the blocks of one layer) share a work item (``group_pieces``): one queue
+turn, and on CUDA one event, for the group.
 
 A submitter that consumes the copy on a CUDA stream (the layerwise prefill's loads) need not
 wait on the host for the bytes to land: with a ``CopyIssue`` in the context, each group's
@@ -209,12 +210,6 @@ class PieceCopier:
 
             stream = streams[device] = torch.cuda.Stream(device=device)
         return stream
-
-    def copy_all(self, pieces: list[Piece], ctx: TensorContext | None) -> None:
-        """Copy ``pieces`` in order; returns once all their bytes have landed."""
-        done = self.issue(pieces, ctx)
-        if done is not None:
-            done.synchronize()
 
     def issue(self, pieces: list[Piece], ctx: TensorContext | None) -> Any | None:
         """Copy ``pieces`` in order: host copies at once (returns None once they are done);

@@ -13,7 +13,8 @@ Up to ``window`` items are in flight at once: an item whose ``start`` returns be
 have moved (a transfer through a backend with an asynchronous API) is polled by an
 ``InFlightPoller`` while the dispatcher starts the next ones; the dispatcher picks an item only
 when a slot is free, so the lanes' order is kept at every pick and a high-lane item waits for
-at most one slot. Copies and grant requests finish inside ``start`` (no slot held after).
+at most one slot. CUDA copies are polled on their copy-stream event the same way; host copies
+and grant requests finish inside ``start`` (no slot held after).
 
 With lanes, a high-lane item that arrives while a lower lane's item waits out its pacing goes
 first (one that was already waiting when the arbiter gave the lower lane its weighted turn
