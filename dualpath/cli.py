@@ -123,7 +123,7 @@ def _cmd_prepare_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
-    from dualpath.bench.engine import run_engine_bench
+    from dualpath.bench.engine.compare import run_engine_bench
 
     run_engine_bench(args)
     return 0
@@ -265,7 +265,7 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_layerwise(args: argparse.Namespace) -> int:
-    from dualpath.bench.layerwise import print_summary, run_layerwise_bench
+    from dualpath.bench.layerwise.mechanisms import print_summary, run_layerwise_bench
 
     print_summary(run_layerwise_bench(args))
     return 0
@@ -280,7 +280,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _cmd_sim(args: argparse.Namespace) -> int:
     from dualpath.sim.commands import run_sim
-    from dualpath.sim.traces import ENV_DIR
+    from dualpath.workloads.sim_traces import ENV_DIR
 
     if args.trace_dir:  # where the weka and mooncake workloads are read from
         os.environ[ENV_DIR] = args.trace_dir
@@ -562,13 +562,13 @@ def build_parser() -> argparse.ArgumentParser:
     agents = bench_sub.add_parser("agents", help="agentic workloads (Table 2 presets, Weka, "
                                   "Mooncake) through the cluster or its OpenAI API: every mode, "
                                   "offline JCT, online APS, TTFT breakdown, NICs (JSON + PNG)")
-    from dualpath.bench.agents_cli import add_arguments as _agents_args
+    from dualpath.bench.agents.command import add_arguments as _agents_args
 
     _agents_args(agents)
 
     lay = bench_sub.add_parser("layerwise", help="the paper's mechanisms: layerwise memory, "
                                "QoS lanes under EP traffic, split reads (JSON + PNG)")
-    from dualpath.bench.layerwise import add_arguments as _layerwise_args
+    from dualpath.bench.layerwise.mechanisms import add_arguments as _layerwise_args
 
     _layerwise_args(lay)
     lay.set_defaults(func=_cmd_bench_layerwise)

@@ -116,7 +116,8 @@ def tiny_deep_dir(tmp_path_factory) -> Path:
     return _save_tiny(tmp_path_factory.mktemp("tiny-deep"), cfg, seed=7)
 
 
-# The real traces are found only through DUALPATH_TRACES_DIR (dualpath.sim.traces.trace_dir);
+# The real traces are found only through DUALPATH_TRACES_DIR
+# (dualpath.workloads.sim_traces.trace_dir);
 # point it at <repo>/../shared/traces, where this dev checkout and CI keep them, unless the
 # caller chose a folder. It is set even when that folder is absent, so that modules calling
 # trace_dir() at import still load and the tests needing the traces skip on the missing folder.

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from dualpath.bench.engine import DEFAULT_PEERS_PYTHON, peers_python
-from dualpath.bench.engine_method import spread
+from dualpath.bench.engine.compare import DEFAULT_PEERS_PYTHON, peers_python
+from dualpath.bench.engine.method import spread
 from dualpath.cli import main
 from dualpath.errors import DualPathError
 

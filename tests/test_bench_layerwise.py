@@ -74,7 +74,7 @@ def test_lanes_part_measures_tpot_quiet_and_loaded_with_ep_traffic(tiny_llama_di
 
 
 def test_token_clock_measures_tpot_inside_the_window_and_ttst_apart():
-    from dualpath.bench.layerwise_lanes import _TokenClock
+    from dualpath.bench.layerwise.lanes import _TokenClock
 
     clock = _TokenClock()
     clock.times = [(0.0, 1), (2.0, 1), (2.1, 1), (2.2, 2), (2.4, 1), (9.0, 1)]

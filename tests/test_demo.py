@@ -9,7 +9,7 @@ import pytest
 
 from dualpath.bench.demo import DemoOptions, run_demo
 from dualpath.bench.demo_report import render_table
-from dualpath.bench.demo_trace import (
+from dualpath.workloads.demo import (
     DATA_FILE,
     LICENSE_FILE,
     DemoTurn,
@@ -18,11 +18,11 @@ from dualpath.bench.demo_trace import (
     scale_session,
     select_sessions,
 )
-from dualpath.sim.workload import Turn
+from dualpath.workloads.presets import Turn
 
 
 def test_excerpt_ships_in_the_package_with_its_license():
-    data = resources.files("dualpath.data")
+    data = resources.files("dualpath.workloads.data")
     assert data.joinpath(DATA_FILE).is_file() and data.joinpath(LICENSE_FILE).is_file()
     text = license_text()
     assert "Apache License" in text and "Version 2.0" in text

@@ -27,7 +27,8 @@ FORBIDDEN = frozenset(
 
 REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/model/spec.py",
                  "dualpath/server/router_state.py", "dualpath/server/router_types.py")
-OPTIONAL_PURE = ("dualpath/transfer/lanes.py", "dualpath/kv/layout.py")
+OPTIONAL_PURE = ("dualpath/traffic/lanes.py", "dualpath/traffic/token_bucket.py",
+                 "dualpath/kv/layout.py")
 PURE_TREES = ("dualpath/scheduler",)
 
 
@@ -347,13 +348,13 @@ def test_pure_files_pick_up_scheduler_and_optional_modules(tmp_path):
     _write(tmp_path, {
         "dualpath/scheduler/__init__.py": "",
         "dualpath/scheduler/policy/select.py": "",
-        "dualpath/transfer/lanes.py": "",
+        "dualpath/traffic/lanes.py": "",
         "dualpath/kv/layout.py": "",
     })
     found = {str(p.relative_to(tmp_path)) for p in pure_files(tmp_path)}
     assert found == {
         *REQUIRED_PURE, "dualpath/scheduler/__init__.py", "dualpath/scheduler/policy/select.py",
-        "dualpath/transfer/lanes.py", "dualpath/kv/layout.py",
+        "dualpath/traffic/lanes.py", "dualpath/kv/layout.py",
     }
 
 

@@ -52,11 +52,11 @@ from dualpath.bench.demo_report import (
     summarize,
     warn_if_misleading,
 )
-from dualpath.bench.demo_trace import DemoSession, load_demo_trace
 from dualpath.bench.report import bar_chart, cpu_model, machine_profile, write_json
 from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
 from dualpath.server.launch import LocalCluster
+from dualpath.workloads.demo import DemoSession, load_demo_trace
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ It starts the real stack users run, ``dualpath serve`` (a subprocess: the router
 plus its engine processes, 1 prefill + 2 decode by default; the KV store in a temporary
 folder), then runs ``--agents`` concurrent agents until ``--duration-s`` is over. Each agent
 replays multi-turn trajectories through streamed token-id completions
-(:func:`dualpath.bench.agents_http.run_agent_http`): a first prompt of ``--first-tokens`` random
+(:func:`dualpath.bench.agents.http.run_agent_http`): a first prompt of ``--first-tokens`` random
 ids, then turns appending ``--append-tokens`` and generating ``--gen-tokens``, each prompt being
 the context so far plus the new ids (so every later turn hits the store). A trajectory whose
 next turn would pass ``--max-context-tokens`` ends and the agent starts a fresh one. No turn
@@ -48,7 +48,7 @@ from rich.console import Console, Group
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dualpath.bench.agents_http import HttpTurnRecord, open_client, run_agent_http
+from dualpath.bench.agents.http import HttpTurnRecord, open_client, run_agent_http
 from dualpath.bench.cluster import AgentTurn
 from dualpath.errors import DualPathError
 

@@ -36,11 +36,11 @@ from rich.table import Table
 
 from dualpath.bench.report import bar_chart, machine_profile, write_json
 from dualpath.config import TrafficConfig
-from dualpath.engine.traffic import TrafficManager
 from dualpath.errors import TransferError
 from dualpath.kv.layout import KVLayout
+from dualpath.traffic.lanes import Lane
+from dualpath.traffic.manager import TrafficManager
 from dualpath.transfer.base import Segment
-from dualpath.transfer.lanes import Lane
 
 VARIANTS = ("large", "layer", "large_tm", "layer_tm")
 PEER_START_S = 60.0

@@ -30,7 +30,6 @@ import torch
 
 from dualpath.engine.futures import all_of
 from dualpath.engine.llm_engine import LLMEngine
-from dualpath.engine.traffic import TrafficManager
 from dualpath.errors import HostPoolExhaustedError, OutOfBlocksError
 from dualpath.kv.hashing import extend_block_hashes
 from dualpath.kv.host_pool import HostPool
@@ -46,7 +45,8 @@ from dualpath.protocol import (
 )
 from dualpath.request import SamplingParams, Sequence
 from dualpath.storage.client import StorageClient
-from dualpath.transfer.lanes import Lane
+from dualpath.traffic.lanes import Lane
+from dualpath.traffic.manager import TrafficManager
 
 log = logging.getLogger("dualpath.decode")
 

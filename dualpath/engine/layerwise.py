@@ -40,12 +40,12 @@ import torch
 
 from dualpath.engine.cuda_events import EventWatcher, shared_watcher, stream_wait
 from dualpath.engine.futures import all_of
-from dualpath.engine.nic_copy import CopyIssue
-from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.cache import PagedKVCache
 from dualpath.kv.host_pool import HostPool
 from dualpath.model.hooks import LayerHooks
-from dualpath.transfer.lanes import Lane
+from dualpath.traffic.copies import CopyIssue
+from dualpath.traffic.lanes import Lane
+from dualpath.traffic.manager import TrafficManager
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,10 @@ from dualpath.control_keys import EngineKey
 from dualpath.control_socket import engine_socket
 from dualpath.engine.decode import DecodeWorker
 from dualpath.engine.device_setup import prepare_engine_device
-from dualpath.engine.ep_traffic import EpPeer, EpTraffic, ep_metrics_off
 from dualpath.engine.join import Advertised
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillWorker
 from dualpath.engine.sched_counters import loop_thread_counters, process_wakeups
-from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import (
     HEARTBEAT_SUFFIX,
@@ -64,6 +62,8 @@ from dualpath.scheduler.batch import AttentionCostModel
 from dualpath.storage import open_store
 from dualpath.storage.client import StorageClient
 from dualpath.storage.node_nic import node_nic_account
+from dualpath.traffic.ep import EpPeer, EpTraffic, ep_metrics_off
+from dualpath.traffic.manager import TrafficManager
 
 log = logging.getLogger("dualpath.engine")
 IDLE_POLL_MS = 20

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 from dualpath.engine.layerwise import LayerPlan, PrefillHooks
 from dualpath.engine.llm_engine import LLMEngine
-from dualpath.engine.traffic import TrafficManager
 from dualpath.errors import RequestError
 from dualpath.kv.host_pool import HostPool
 from dualpath.model.hooks import ComposedHooks
@@ -43,6 +42,7 @@ from dualpath.protocol import Aborted, Failed, Message, Prefill, Prefilled, Read
 from dualpath.request import SamplingParams, Sequence
 from dualpath.scheduler.batch import AttentionCostModel, build_prefill_batch
 from dualpath.storage.client import ReadFuture, StorageClient
+from dualpath.traffic.manager import TrafficManager
 
 
 @dataclass

@@ -67,7 +67,7 @@ from dualpath.sim.events import EventLoop
 from dualpath.sim.hops import Hops
 from dualpath.sim.links import DuplexNic, LockstepGroup, RateGroup
 from dualpath.sim.reads import StorageReads
-from dualpath.sim.workload import Turn, agent_trajectories, arrival_times
+from dualpath.workloads.presets import Turn, agent_trajectories, arrival_times
 
 Batch = list[tuple[int, int, int]]
 

@@ -159,7 +159,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     simulated JCT per candidate."""
     from dualpath.sim.cluster import simulate
     from dualpath.sim.report import plan_range_line, plan_table
-    from dualpath.sim.workload import WorkloadConfig
+    from dualpath.workloads.presets import WorkloadConfig
 
     hw = _hardware(args)
     get_model(args.model)

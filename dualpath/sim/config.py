@@ -38,8 +38,8 @@ from dualpath.sim.profiles import (
     get_hardware,
     get_model,
 )
-from dualpath.sim.workload import WorkloadConfig
-from dualpath.transfer.lanes import DEFAULT_LANE_WEIGHTS, Lane, weights_from_pairs
+from dualpath.traffic.lanes import DEFAULT_LANE_WEIGHTS, Lane, weights_from_pairs
+from dualpath.workloads.presets import WorkloadConfig
 
 MODES = ("basic", "layerwise", "dualpath", "round_robin", "oracle")
 

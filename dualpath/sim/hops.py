@@ -24,7 +24,7 @@ from typing import Any
 from dualpath.sim.engines import DecodeEngine, Job, PrefillEngine
 from dualpath.sim.links import Link, PipeLink
 from dualpath.sim.profiles import HardwareProfile
-from dualpath.transfer.lanes import Lane
+from dualpath.traffic.lanes import Lane
 
 LOAD, FORWARD, SAVE = Lane.KV_LOAD, Lane.KV_FORWARD, Lane.KV_SAVE
 

@@ -17,7 +17,7 @@ the busiest member's step).
 :class:`PipeLink` serves the hops that are rarely the bottleneck (a node's DRAM, each
 direction of a compute NIC) in booking order: a booking's finish time is fixed when it is
 made, so a hop costs no event of its own and the caller waits only for the latest finish of
-a transfer's hops. Its lanes follow :mod:`dualpath.transfer.lanes`.
+a transfer's hops. Its lanes follow :mod:`dualpath.traffic.lanes`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import heapq
 from collections.abc import Callable, Hashable, Mapping
 
 from dualpath.sim.events import EventHandle, EventLoop
-from dualpath.transfer.lanes import DEFAULT_LANE_WEIGHTS, Lane, validate_weights
+from dualpath.traffic.lanes import DEFAULT_LANE_WEIGHTS, Lane, validate_weights
 
 _EPS = 1e-9
 
@@ -245,7 +245,7 @@ class PipeLink:
     the price of per-flow fairness: a later booking waits for the earlier ones instead of
     sharing with them. Pure: the time is an argument.
 
-    Lanes (the QoS of :mod:`dualpath.transfer.lanes`): the high lane carries latency-critical
+    Lanes (the QoS of :mod:`dualpath.traffic.lanes`): the high lane carries latency-critical
     traffic (EP all-to-all) at ``high_bps`` bytes/s — set by the caller while a forward runs,
     or asked of ``high_demand`` when set. Weighted round robin gives it what it asks for, up
     to ``w_high / (w_high + w_lane)`` of the link while a KV lane is busy too, and a KV

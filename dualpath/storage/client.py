@@ -28,7 +28,7 @@ from dualpath.config import StorageConfig
 from dualpath.kv.hashing import BlockKey
 from dualpath.storage.base import StorageBackend
 from dualpath.storage.node_nic import NodeNicAccount, SharedBucket
-from dualpath.storage.throttle import TokenBucket
+from dualpath.traffic.token_bucket import TokenBucket
 
 BURST_BLOCKS = 1  # a capped NIC may send one block ahead of its average rate
 ERROR_FIELDS = ("read_errors", "write_errors", "lookup_errors", "read_deadline_misses")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualpath.storage.fs_capacity import pid_alive
-from dualpath.storage.throttle import TokenBucket
+from dualpath.traffic.token_bucket import TokenBucket
 
 _STATE = struct.Struct("<dd?")  # tokens, last reservation time, whether last is set
 _SHM = Path("/dev/shm")

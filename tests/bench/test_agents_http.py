@@ -22,7 +22,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from dualpath.bench.agents_http import HttpTurnRecord, run_agents_http
+from dualpath.bench.agents.http import HttpTurnRecord, run_agents_http
 from dualpath.bench.cluster import AgentTurn
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.config_file import ServeConfig

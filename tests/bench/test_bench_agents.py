@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from dualpath.bench.agents import STORAGE_BOUND, poisson_offsets
-from dualpath.bench.agents_online import _next_aps, steady_stats
-from dualpath.bench.agents_run import serve_overrides
+from dualpath.bench.agents.ladder import STORAGE_BOUND, poisson_offsets
+from dualpath.bench.agents.online import _next_aps, steady_stats
+from dualpath.bench.agents.run import serve_overrides
 from dualpath.bench.report import host_cpu_shares, host_cpu_ticks
 from dualpath.cli import main
 from dualpath.config import ClusterConfig, StorageConfig
@@ -105,7 +105,7 @@ def test_steady_window_drops_the_first_arrivals():
 
 
 def test_nic_rates_are_per_interval_and_a_late_sample_makes_no_spike():
-    from dualpath.bench.agents_nics import utilization
+    from dualpath.bench.agents.nics import utilization
 
     def at(t, read):
         return (t, {0: {"role": "prefill", "snic_read_bytes": read, "cnic_bytes": 0}})
@@ -120,7 +120,7 @@ def test_nic_rates_are_per_interval_and_a_late_sample_makes_no_spike():
 
 
 def test_split_read_applies_to_the_modes_that_choose_a_path(tmp_path):
-    from dualpath.bench.agents import AgentsOptions, cluster_config
+    from dualpath.bench.agents.ladder import AgentsOptions, cluster_config
 
     options = AgentsOptions(split_read=True)
     assert cluster_config(options, "dualpath", tmp_path).split_read
@@ -145,7 +145,7 @@ def test_without_a_cap_the_oracle_runs_first_and_sets_it(tiny_llama_dir, tmp_pat
 
 
 def test_a_calibrated_cap_needs_the_oracle():
-    from dualpath.bench.agents import AgentsOptions, calibrated_cap_mb_s
+    from dualpath.bench.agents.ladder import AgentsOptions, calibrated_cap_mb_s
 
     with pytest.raises(ValueError, match="oracle"):
         AgentsOptions(modes=("basic", "dualpath"))
@@ -156,7 +156,7 @@ def test_a_calibrated_cap_needs_the_oracle():
 
 
 def test_aps_ratio_is_a_lower_bound_when_basic_never_met_the_slo():
-    from dualpath.bench.agents_report import aps_ratio
+    from dualpath.bench.agents.report import aps_ratio
 
     def online(mode, capacity, trials):
         return {"mode": mode, "capacity_aps": capacity,

@@ -11,9 +11,9 @@ import torch
 
 from dualpath.bench import cluster as bench_cluster
 from dualpath.bench import demo
-from dualpath.bench.agents import cluster_config
-from dualpath.bench.agents_cli import options_from
-from dualpath.bench.agents_run import serve_overrides
+from dualpath.bench.agents.command import options_from
+from dualpath.bench.agents.ladder import cluster_config
+from dualpath.bench.agents.run import serve_overrides
 from dualpath.cli import build_parser, demo_options, engine_config, serve_config
 from dualpath.devices import DevicePlacementError
 

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from dualpath.bench.agents_http import HttpTurnRecord
+from dualpath.bench.agents.http import HttpTurnRecord
 from dualpath.bench.soak import RunLog, SoakSettings, rss_summary, run_soak, summarize, trajectory
 
 SUMMARY_KEYS = {"ok", "errors", "requests", "ttft_p50_s", "ttft_p99_s", "latency_p50_s",

@@ -12,13 +12,13 @@ import torch
 from dualpath.config import EngineConfig, TrafficConfig
 from dualpath.engine.decode import DecodeWorker
 from dualpath.engine.llm_engine import LLMEngine
-from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import AllocBuffer, BufferReady, Decode, Finished
 from dualpath.request import SamplingParams
 from dualpath.storage.client import StorageClient
 from dualpath.storage.memory import MemoryStore
 from dualpath.storage.verify import verify_store
+from dualpath.traffic.manager import TrafficManager
 
 BLOCK = 16
 PROMPTS = ([5 + (i * 7) % 250 for i in range(40)], [9 + (i * 13) % 280 for i in range(36)])

@@ -26,12 +26,12 @@ import torch
 from dualpath.config import EngineConfig
 from dualpath.engine.layerwise import LayerPlan, PrefillHooks
 from dualpath.engine.llm_engine import LLMEngine
-from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.host_pool import HostPool
 from dualpath.model.dummy import write_dummy_model
 from dualpath.model.hooks import LayerHooks
 from dualpath.request import SamplingParams
 from dualpath.request import Sequence as Seq
+from dualpath.traffic.manager import TrafficManager
 from dualpath.transfer.base import Segment, TransferBackend
 
 pytestmark = pytest.mark.gpu

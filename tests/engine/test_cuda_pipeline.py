@@ -26,10 +26,10 @@ import torch
 
 from dualpath.engine.cuda_events import EventWatcher, stream_wait
 from dualpath.engine.layerwise import LayerPlan, PrefillHooks
-from dualpath.engine.nic_copy import CopyIssue
 from dualpath.kv.cache import PagedKVCache
 from dualpath.kv.host_pool import HostPool
 from dualpath.model.spec import ModelSpec
+from dualpath.traffic.copies import CopyIssue
 
 NUM_LAYERS = 4
 BLOCK = 4
@@ -335,8 +335,8 @@ def test_stream_wait_counts_events():
 
 
 def test_a_host_copy_with_an_issue_settles_once_landed():
-    from dualpath.engine.traffic import TrafficManager
-    from dualpath.transfer.lanes import Lane
+    from dualpath.traffic.lanes import Lane
+    from dualpath.traffic.manager import TrafficManager
 
     src, dst = torch.arange(64, dtype=torch.float32), torch.zeros(64)
     issue = CopyIssue()
@@ -366,8 +366,8 @@ class _CopyEvent:
 
 
 def _copy_work(event):
-    from dualpath.engine.nic_work import CopyWork, Submission
-    from dualpath.transfer.lanes import Lane
+    from dualpath.traffic.lanes import Lane
+    from dualpath.traffic.work import CopyWork, Submission
 
     sub = Submission(1)
     return sub, CopyWork(sub, Lane.KV_LOAD, 1024, lambda: event)

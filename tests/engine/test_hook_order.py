@@ -35,12 +35,12 @@ import torch
 from dualpath.config import EngineConfig, TrafficConfig
 from dualpath.engine.layerwise import CacheAddresses, LayerPlan, PrefillHooks
 from dualpath.engine.llm_engine import LLMEngine
-from dualpath.engine.traffic import CopyDirection, TrafficManager, TransferKind
 from dualpath.kv.host_pool import HostPool
 from dualpath.request import SamplingParams
 from dualpath.request import Sequence as Seq
+from dualpath.traffic.lanes import Lane
+from dualpath.traffic.manager import CopyDirection, TrafficManager, TransferKind
 from dualpath.transfer.base import Segment, TransferBackend
-from dualpath.transfer.lanes import Lane
 
 BLOCK = 16
 NUM_HIT = 2  # leading prompt blocks whose KV is loaded (the cache hit)

@@ -15,11 +15,11 @@ import pytest
 from dualpath.config import EngineConfig
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillWorker
-from dualpath.engine.traffic import TrafficManager
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import Failed, Prefill, Prefilled
 from dualpath.scheduler.batch import AttentionCostModel
 from dualpath.storage.client import ReadFuture
+from dualpath.traffic.manager import TrafficManager
 
 BLOCK = 16
 

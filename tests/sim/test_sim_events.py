@@ -129,7 +129,7 @@ def test_pipe_link_serves_bookings_in_order():
 
 def test_pipe_link_kv_gets_what_the_high_lane_leaves():
     from dualpath.sim.links import PipeLink
-    from dualpath.transfer.lanes import DEFAULT_LANE_WEIGHTS, Lane
+    from dualpath.traffic.lanes import DEFAULT_LANE_WEIGHTS, Lane
 
     pipe = PipeLink(100.0)
     pipe.high_bps = 30.0  # all-to-all of a running forward

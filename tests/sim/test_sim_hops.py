@@ -10,7 +10,7 @@ from dualpath.sim.cluster import Simulator, simulate
 from dualpath.sim.planner import pd_ratio_range
 from dualpath.sim.presets import DS660B
 from dualpath.sim.profiles import get_hardware
-from dualpath.sim.workload import WorkloadConfig
+from dualpath.workloads.presets import WorkloadConfig
 
 SMALL = replace(DS660B, workload=WorkloadConfig("64k", agents=32, turns=20))
 

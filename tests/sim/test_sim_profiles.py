@@ -48,7 +48,7 @@ def test_testbed_config_drives_the_simulator(tmp_path):
 
     from dualpath.sim.cluster import simulate
     from dualpath.sim.config import SimConfig
-    from dualpath.sim.workload import WorkloadConfig
+    from dualpath.workloads.presets import WorkloadConfig
 
     path = tmp_path / "p.json"
     path.write_text(json.dumps({

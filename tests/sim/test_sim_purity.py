@@ -16,7 +16,7 @@ ENGINE = ("torch", "dualpath.engine", "dualpath.model")
 @pytest.mark.parametrize(("modules", "forbidden"), [
     (MODULES, ENGINE),
     (["dualpath.sim.plots"], (*ENGINE, "matplotlib")),
-    (["dualpath.sim.traces"], (*ENGINE, "numpy", "socket")),
+    (["dualpath.workloads.sim_traces"], (*ENGINE, "numpy", "socket")),
 ])
 def test_sim_imports_stay_light(modules, forbidden):
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)

@@ -17,7 +17,7 @@ from dualpath.sim.presets import (
     marginal_jct,
     run_preset,
 )
-from dualpath.sim.workload import WorkloadConfig
+from dualpath.workloads.presets import WorkloadConfig
 
 SMALL = replace(DS660B,
                 workload=WorkloadConfig("64k", agents=32, turns=20))
@@ -168,7 +168,7 @@ def test_online_run_reports_latencies():
 
 
 def test_trace_workload_runs():
-    from dualpath.sim.traces import trace_dir
+    from dualpath.workloads.sim_traces import trace_dir
 
     if not (trace_dir() / "weka-agentic-dev").exists():
         pytest.skip("traces not present")

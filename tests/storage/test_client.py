@@ -17,7 +17,7 @@ from dualpath.storage.base import StorageBackend
 from dualpath.storage.client import BURST_BLOCKS, StorageClient
 from dualpath.storage.fs import FsStore
 from dualpath.storage.memory import MemoryStore
-from dualpath.storage.throttle import TokenBucket
+from dualpath.traffic.token_bucket import TokenBucket
 
 LAYOUT = KVLayout(30, 3, 64, "bfloat16", 64)  # SmolLM2: 1,474,560-byte full blocks
 NUM_BLOCKS = 136  # 200.5 MB

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 
 from dualpath.storage.node_nic import SharedBucket, node_nic_account
-from dualpath.storage.throttle import TokenBucket
+from dualpath.traffic.token_bucket import TokenBucket
 
 RATE, BURST, BLOCK = 1000.0, 100.0, 100
 

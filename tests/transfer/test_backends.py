@@ -263,7 +263,7 @@ def _drive_peer(a: Side, conn) -> None:
 
 
 def test_importing_the_transfer_package_loads_no_mooncake_or_torch():
-    code = ("import sys, dualpath.transfer, dualpath.transfer.base, dualpath.transfer.lanes, "
+    code = ("import sys, dualpath.transfer, dualpath.transfer.base, dualpath.traffic.lanes, "
             "dualpath.transfer.local, dualpath.transfer.mooncake; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'mooncake'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

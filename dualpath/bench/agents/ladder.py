@@ -1,0 +1,358 @@
+"""``dualpath bench agents``: agentic workloads through the real cluster, the whole mode ladder.
+
+Workloads (``bench/workloads.py``): the paper's Table 2 presets scaled to the model's context,
+the Weka agentic traces (a shipped sample, or any folder in the Weka format), Mooncake's trace
+format. Every mode (``basic``, ``layerwise``, ``round_robin``, ``dualpath``, ``oracle``) runs
+on a fresh cluster (1 prefill + 2 decode engine processes by default) over an empty store,
+after a short untimed warm-up that shares nothing with the workload, through the Python cluster
+API (``--via python``) or a ``dualpath serve`` process and its streaming OpenAI API
+(``--via http``). Each agent's first prompt (its system and tool prompt, which deployments keep
+cached) is stored untimed before a timed run (``prime_first_turns``; ``--cold-start`` times
+it): computed once, its blocks are copied into later modes' and trials' stores.
+
+* **Offline** (the paper's rule): every agent starts at once, zero tool latency; JCT is the
+  time to the last agent's last turn.
+* **Online**: agents arrive as a Poisson process at a given APS (agents per second); TTFT, time
+  to second token and TPOT over the steady window (turns submitted between 20% of the arrival
+  span and the last arrival). The largest APS whose mean TTFT meets the SLO is found by a short
+  search per mode (``bench/agents_online.py``) on the mode's cluster after its offline run,
+  the store emptied and primed before each trial. The SLO is scaled for the testbed and
+  stated in the result.
+
+Storage NICs are capped so that ``basic`` is storage-bound (DESIGN §6): unless a cap is given,
+the oracle runs first and its JCT calibrates the cap (one node's NIC reads the timed run's hits
+in :data:`STORAGE_BOUND` × that JCT), so the regime is the same on a faster or slower CPU.
+Compute NICs run at 8× the storage cap (the paper's per-GPU ratio); each node's NIC rates are
+sampled every second. The
+result (JSON with a top-level ``summary``, the resolved cluster config of every mode, every
+turn's record) and its plots are written by ``bench/agents_report.py``; the same workload is
+also run through the simulator (the testbed preset's settings, the very same trajectories)
+when a ``dualpath profile`` is given (``--profile``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from dualpath.bench.agents.nics import utilization
+from dualpath.bench.agents.run import HttpRun, PythonRun
+from dualpath.bench.cluster import AgentTurn, testbed_config
+from dualpath.bench.demo import warmup_turns
+from dualpath.bench.report import host_cpu_shares, host_cpu_ticks, machine_profile
+from dualpath.config import ClusterConfig
+
+MODES = ("basic", "layerwise", "round_robin", "dualpath", "oracle")
+# A calibrated storage cap lets the prefill node's NIC alone read the timed run's hits in this
+# many times the oracle's JCT: basic is storage-bound (about 2x the compute-bound time, as the
+# paper's Basic is up to 1.87x slower than DualPath), and the three NICs of 1 PE + 2 DE can
+# read them in 2/3 of the oracle's time, as the paper's DualPath reads within its compute.
+STORAGE_BOUND = 2.0
+# The oracle moves no KV, so its caps do not matter; it runs under this one while calibrating.
+NOMINAL_CAP_MB_S = 1000.0
+VIAS = ("python", "http")
+
+
+@dataclass(frozen=True)
+class AgentsOptions:
+    """What ``dualpath bench agents`` runs; the defaults are the README's run."""
+
+    workload: str = "weka-sample"
+    modes: tuple[str, ...] = MODES
+    via: str = "python"
+    # 16 agents x 4 turns, token counts / 64 (one token per 64-token trace block): the sample's
+    # 16 sessions, as many turns as keep the whole default run within 15 minutes on 2 cores
+    # (None: the workload's own default)
+    agents: int | None = 16
+    turns: int | None = 4
+    scale: float | None = 64
+    trace_dir: str | None = None  # the traces folder (else $DUALPATH_TRACES_DIR)
+    max_context: int = 8192
+    model: str | None = None
+    # Storage-NIC read cap per node (MB/s). None: calibrated on this machine after the oracle's
+    # run, so that basic is storage-bound by the same margin on any CPU (DESIGN §6, see
+    # STORAGE_BOUND); a fixed value is the same bandwidth for a faster or slower compute.
+    read_cap_mb_s: float | None = None
+    compute_cap_mb_s: float | None = None  # None: COMPUTE_PER_STORAGE x read_cap_mb_s
+    dtype: str = "float32"  # bf16 matmul is 3x slower on CPUs without AVX512_BF16 (demo.py)
+    # The engines' device: auto is cuda where this host has a GPU (each engine on its own,
+    # round robin: LocalCluster), else cpu; run_bench resolves it before the first cluster.
+    device: str = "auto"
+    block_size: int = 64
+    host_pool_blocks: int = 384
+    save_staging_blocks: int = 64  # agent turns add many blocks and generate few (demo.py)
+    read_deadline_s: float = 600.0  # a read given up is recomputed: basic must not recompute
+    prefill: int = 1
+    decode: int = 2
+    split_read: bool = False  # dualpath and round_robin read a hit partly on each side
+    offline: bool = True
+    # Store every agent's first prompt (untimed, after the warm-up) before the timed run: the
+    # agent's system and tool prompt, which real deployments keep cached. The timed run then
+    # starts with a hit on it, as the long trajectories of the paper's traces do, rather than
+    # with one cold prefill per agent that is the same work in every mode.
+    prime_first_turns: bool = True
+    online_modes: tuple[str, ...] = ("basic", "dualpath")
+    online_trials: int = 2  # APS tried per mode (more: a finer capacity, a longer run)
+    ttft_slo_s: float | None = None  # None: scaled from the paper's 4 s (agents_online.py)
+    seed: int = 0
+    timeout_s: float = 900.0  # per run
+    json_path: str | None = "results/agents.json"
+    work_dir: str | None = None
+    profile: str | None = None  # a `dualpath profile` JSON: also predict with the simulator
+
+    @property
+    def applied_read_cap_mb_s(self) -> float:
+        """The cap a cluster runs under: the given or calibrated one, else (the oracle's
+        calibration run, which moves no KV) :data:`NOMINAL_CAP_MB_S`."""
+        return self.read_cap_mb_s or NOMINAL_CAP_MB_S
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.modes + self.online_modes if m not in MODES]
+        if unknown:
+            raise ValueError(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+        if self.via not in VIAS:
+            raise ValueError(f"--via must be one of {VIAS}, got {self.via!r}")
+        if self.read_cap_mb_s is not None and not self.read_cap_mb_s > 0:
+            raise ValueError(f"--read-cap-mb-s must be > 0, got {self.read_cap_mb_s}")
+        if self.read_cap_mb_s is None and not (self.offline and "oracle" in self.modes):
+            raise ValueError("the storage cap is calibrated on the oracle's offline run: add "
+                             "oracle to --modes or give --read-cap-mb-s")
+
+
+def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterConfig:
+    """The cluster of one mode: ``round_robin`` is ``dualpath`` with the round-robin scheduler."""
+    return testbed_config(
+        store, "dualpath" if mode == "round_robin" else mode, dtype=options.dtype,
+        device=options.device, block_size=options.block_size,
+        read_cap_mb_s=options.applied_read_cap_mb_s,
+        compute_cap_mb_s=options.compute_cap_mb_s, read_deadline_s=options.read_deadline_s,
+        policy="round_robin" if mode == "round_robin" else "dualpath",
+        num_prefill=options.prefill, num_decode=options.decode,
+        split_read=options.split_read and mode in ("dualpath", "round_robin"),
+        host_pool_blocks=options.host_pool_blocks,
+        save_staging_blocks=options.save_staging_blocks)
+
+
+def _open(options: AgentsOptions, model_dir: Path, mode: str, work: Path) -> Any:
+    """A fresh cluster for ``mode`` over an empty store under ``work``."""
+    store = work / mode / "kv"
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
+    config = cluster_config(options, mode, store)
+    if options.via == "http":
+        return HttpRun(model_dir, config, work / mode / "logs")
+    return PythonRun(model_dir, config, config.mode, work / mode / "logs")
+
+
+def run_mode(options: AgentsOptions, model_dir: Path, mode: str,
+             agents: list[list[AgentTurn]], warmup: list[list[AgentTurn]], work: Path,
+             bar: Progress) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """One mode on a fresh cluster: offline (if asked), then the online search (if asked) on
+    the same cluster, the store emptied in between; the offline row and the online result."""
+    from dualpath.bench.agents.online import search_capacity
+
+    with _open(options, model_dir, mode, work) as run:
+        row = offline_run(run, options, mode, agents, warmup, work, bar) if (
+            options.offline and mode in options.modes) else None
+        if mode not in options.online_modes:
+            return row, None
+        if row is None:
+            run.run(warmup, None, lambda: None, 300.0)
+        return row, search_capacity(run, mode, agents, options, row, bar)
+
+
+def offline_run(run: Any, options: AgentsOptions, mode: str, agents: list[list[AgentTurn]],
+                warmup: list[list[AgentTurn]], work: Path, bar: Progress) -> dict[str, Any]:
+    """Offline: all agents at once, after a warm-up and the priming; JCT, records, NICs."""
+    task = bar.add_task(f"{mode}: warming up", total=sum(map(len, agents)))
+    run.run(warmup, None, lambda: None, 300.0)
+    run.empty()
+    prime(run, options, agents, bar, task, mode)
+    bar.update(task, description=f"{mode}: offline")
+    sampler = run.sampler().start()
+    busy_before, ticks_before = run.busy_s(), host_cpu_ticks()
+    records, jct = run.run(agents, None, lambda: bar.advance(task), options.timeout_s)
+    samples = sampler.stop()
+    spent = seconds_spent(busy_before, run.busy_s())
+    host_cpu = host_cpu_shares(ticks_before, host_cpu_ticks())
+    bar.update(task, description=f"{mode}: done")
+    return {"mode": mode, "jct_s": jct, "records": records, "router": run.counters(),
+            "engine_busy_s": {name: s["busy_s"] for name, s in spent.items()},
+            "engine_loop_s": {name: {k: v for k, v in s.items() if k != "busy_s"}
+                              for name, s in spent.items()},
+            "host_cpu": host_cpu,
+            "nics": utilization(samples, options.applied_read_cap_mb_s, None, sampler.interval_s),
+            "config": asdict(cluster_config(options, mode, work / mode / "kv"))}
+
+
+def seconds_spent(before: dict[str, dict[str, float]],
+                  after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per engine, each time counter's growth from ``before`` to ``after``."""
+    return {name: {k: v - before.get(name, {}).get(k, 0.0) for k, v in counters.items()}
+            for name, counters in after.items()}
+
+
+def prime(run: Any, options: AgentsOptions, agents: list[list[AgentTurn]], bar: Progress,
+          task: Any, mode: str) -> None:
+    """Store the agents' first prompts, untimed (see ``prime_first_turns``). They are
+    computed once and their blocks kept aside (``<store>/../../primed``): later modes and
+    trials get a copy, as their stores hold the same keys. The oracle stores nothing, so it
+    computes them on every cluster (its router remembers them)."""
+    if not options.prime_first_turns:
+        return
+    kept = run.store.parent.parent / "primed"
+    if mode != "oracle" and kept.is_dir():
+        shutil.copytree(kept, run.store, dirs_exist_ok=True)
+        return
+    bar.update(task, description=f"{mode}: storing the first prompts (untimed)")
+    run.run([a[:1] for a in agents], None, lambda: None, options.timeout_s)
+    run.wait_for_writes()
+    if mode != "oracle":
+        shutil.copytree(run.store, kept)
+
+
+def timed_sim_turns(workload: Any, options: AgentsOptions) -> list[list[Any]]:
+    """The workload's trajectories as the timed run sees them: with the first prompts stored
+    beforehand, each first turn hits its full blocks (leaving one token to compute)."""
+    from dataclasses import replace as changed
+
+    turns = workload.sim_turns()
+    if not options.prime_first_turns:
+        return turns
+    b = options.block_size
+    return [[changed(t[0], hit=(t[0].prompt - 1) // b * b), *t[1:]] if t else t for t in turns]
+
+
+def expected_hit_rate(workload: Any, options: AgentsOptions) -> float:
+    """The hit rate an engine should measure on the timed run."""
+    turns = timed_sim_turns(workload, options)
+    hits = sum(t.hit for traj in turns for t in traj)
+    return hits / max(1, sum(t.prompt for traj in turns for t in traj))
+
+
+def timed_hit_bytes(workload: Any, options: AgentsOptions, model_dir: Path) -> int:
+    """Bytes of KV the timed run's hits read from storage (the same in every mode but oracle)."""
+    from dualpath.model.spec import load_spec, resolve_dtype, resolve_kv_dtype
+
+    spec = load_spec(model_dir)
+    kv_dtype = resolve_kv_dtype("auto", resolve_dtype(options.dtype, spec))
+    hits = sum(t.hit for traj in timed_sim_turns(workload, options) for t in traj)
+    return hits * spec.kv_bytes_per_token(kv_dtype)
+
+
+def calibrated_cap_mb_s(hit_bytes: int, oracle_jct_s: float) -> float:
+    """The storage cap per node at which one node's NIC reads ``hit_bytes`` in
+    :data:`STORAGE_BOUND` × the oracle's JCT."""
+    if not oracle_jct_s > 0:
+        raise ValueError(f"the oracle's JCT must be > 0 to calibrate, got {oracle_jct_s}")
+    return max(hit_bytes, 1) / (STORAGE_BOUND * oracle_jct_s) / 1e6
+
+
+def poisson_offsets(count: int, aps: float, seed: int) -> list[float]:
+    """Arrival offsets (seconds) of ``count`` agents at ``aps`` agents per second."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(count):
+        out.append(t)
+        t += rng.expovariate(aps)
+    return out
+
+
+def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[str, Any]:
+    """Every mode offline, the online APS search, the simulator's prediction; the report."""
+    from dualpath.bench.agents.report import build_result, print_report, write_report
+    from dualpath.model.default_model import resolve_model
+    from dualpath.model.spec import load_spec
+    from dualpath.server.launch import resolve_local_device
+    from dualpath.workloads.agents import load_workload
+
+    console = console or Console()
+    began = time.perf_counter()
+    options = replace(options, device=resolve_local_device(options.device))
+    model_dir = resolve_model(options.model)
+    vocab = load_spec(model_dir).vocab_size
+    kwargs = {k: v for k, v in (("agents", options.agents), ("turns", options.turns),
+                                ("scale", options.scale)) if v is not None}
+    workload = load_workload(options.workload, vocab_size=vocab, block_size=options.block_size,
+                             max_context=options.max_context, trace_dir=options.trace_dir,
+                             seed=options.seed, **kwargs)
+    warmup = warmup_turns(vocab, options.block_size, options.seed)
+    console.print(_headline(options, workload, model_dir))
+    work = Path(options.work_dir or tempfile.mkdtemp(prefix="dualpath-bench-agents-"))
+    offline, online = [], []
+    calibration: dict[str, float] | None = None
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                      MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+            calibrate = options.read_cap_mb_s is None
+            modes = list(options.modes if options.offline else ())
+            modes += [m for m in options.online_modes if m not in modes]
+            if calibrate:  # the oracle first: its JCT sets the storage cap of the others
+                modes = ["oracle", *(m for m in modes if m != "oracle")]
+            for mode in modes:
+                row, searched = run_mode(options, model_dir, mode, workload.agents, warmup,
+                                         work, bar)
+                offline += [row] if row else []
+                online += [searched] if searched else []
+                if calibrate and mode == "oracle" and row:
+                    options, calibration = _calibrate(options, workload, model_dir,
+                                                      row["jct_s"], console)
+    finally:
+        if options.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    result = build_result(options, workload, model_dir.name, offline, online)
+    result["summary"]["read_cap_mb_s"] = options.read_cap_mb_s
+    result["summary"]["read_cap_calibration"] = calibration
+    result["wall_s"] = time.perf_counter() - began
+    result["date"] = datetime.date.today().isoformat()
+    result["machine"] = machine_profile()
+    print_report(result, console)
+    if options.json_path:
+        write_report(result, options.json_path, console)
+    console.print(f"bench agents took {result['wall_s']:.0f} s")
+    return result
+
+
+def _calibrate(options: AgentsOptions, workload: Any, model_dir: Path, oracle_jct_s: float,
+               console: Console) -> tuple[AgentsOptions, dict[str, float]]:
+    """``options`` with the storage cap the oracle's JCT calibrates, and what it came from."""
+    hit_bytes = timed_hit_bytes(workload, options, model_dir)
+    cap = calibrated_cap_mb_s(hit_bytes, oracle_jct_s)
+    console.print(f"storage NICs calibrated: {cap:.1f} MB/s per node ({hit_bytes / 1e6:,.0f} MB "
+                  f"of hits read by one node in {STORAGE_BOUND:g} x the oracle's "
+                  f"{oracle_jct_s:.1f} s)")
+    return replace(options, read_cap_mb_s=cap), {
+        "storage_bound": STORAGE_BOUND, "oracle_jct_s": oracle_jct_s, "hit_mb": hit_bytes / 1e6}
+
+
+def _headline(options: AgentsOptions, workload: Any, model_dir: Path) -> str:
+    n = len(workload.agents)
+    turns = sum(map(len, workload.agents))
+    caps = (f"{options.read_cap_mb_s:g} MB/s per node" if options.read_cap_mb_s else
+            f"calibrated on the oracle ({STORAGE_BOUND:g} x its JCT to read the hits on one)")
+    return (f"[bold]dualpath bench agents[/]: {workload.name}, {n} agents, {turns} turns, via "
+            f"{options.via}; {model_dir.name} ({options.dtype}, {options.device}); "
+            f"{options.prefill} PE + "
+            f"{options.decode} DE; storage NICs {caps}; "
+            f"modes {', '.join(options.modes) if options.offline else '-'}; online "
+            f"{', '.join(options.online_modes) or '-'}")
+
+
+def with_overrides(options: AgentsOptions, **changes: Any) -> AgentsOptions:
+    """``options`` with ``changes`` (``None`` values ignored)."""
+    return replace(options, **{k: v for k, v in changes.items() if v is not None})

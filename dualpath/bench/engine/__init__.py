@@ -1,0 +1,1 @@
+"""``dualpath bench engine``: our single-engine runner against peers, each in its own process."""

@@ -1,0 +1,1 @@
+"""``dualpath bench layerwise``: the paper's mechanisms measured on a real local cluster."""

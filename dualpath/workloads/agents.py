@@ -1,0 +1,249 @@
+"""Agent workloads for ``dualpath bench agents``, as token ids, one schema with the simulator.
+
+A :class:`Workload` is one list of :class:`~dualpath.bench.cluster.AgentTurn` per agent (the
+schema :func:`~dualpath.bench.cluster.run_turns` replays: keep the first ``keep`` tokens of the
+context so far, i.e. the previous prompt and the tokens it generated, None keeping all, then
+append ``new``, generate exactly ``gen``). :meth:`Workload.sim_turns` gives the same workload
+as :class:`~dualpath.workloads.presets.Turn` lists for the simulator.
+
+**Hit rule** (:func:`agent_sim_turns`). An engine stores every full block of a sequence's KV,
+prompt and generated tokens alike (DESIGN §3.6), and the KV of a turn's last generated token is
+never computed. So turn i's hit is ``floor(min(kept, C − 1) / block) · block`` where ``kept`` is
+the length of the kept prefix and ``C`` the previous turn's prompt + generated tokens (0 on the
+first turn, which has no hit), and at most ``floor((prompt − 1) / block) · block`` so that one
+prompt token is left to compute. For a preset (``keep=None``, ``kept = C``) that is the whole
+previous context less its last token, rounded down; for a trace (``keep`` ≤ previous prompt)
+it is ``floor(keep / block) · block``. :meth:`Workload.expected_hit_rate` is the hit share of
+all prompt tokens: what an engine with ``block_size`` measures when nothing is evicted.
+
+**Presets** ``32k``, ``48k``, ``64k`` (PAPER Table 2). Every turn keeps the whole previous
+context and appends ``append`` new random tokens (the paper's replay rule: prompt i+1 = all of
+turn i's context + A), so the context grows by ``append + gen`` per turn. With the table's
+append and gen, growing from an empty context over its turn count would overshoot its mean
+context (64k: 157 × 605 tokens, a 47K mean and a 95K final length against 32.7K and 56K),
+and the simulator's ``table_step`` (context + 420 per turn) would drop part of each previous
+turn. We keep the replay rule, the append and gen per turn, the mean context and the mean
+total length, and solve the rest (:func:`preset_shape`): the first turn is a cold prefill of
+a first context plus its append (32k: 6.6K, 48k: 8.3K, 64k: 10.0K tokens), and the
+trajectory has 29 / 53 / 76 turns instead of 60 / 106 / 157. Its hit rate at 64-token
+blocks is 95.1 / 97.4 / 98.2 % (the cold first context counts as a miss; the simulator's
+``table_step`` trajectories, from an empty context, give 96.4 / 98.0 / 98.6 %). Every length
+is divided by ``scale`` (default 8: the 64k trajectory ends at 7.0K tokens, inside an 8K
+model), per-turn lengths by cumulative rounding so their means stay exact (gen at least 1);
+the hit rate is unchanged when the block shrinks with them (8 tokens), while 64-token blocks,
+512 trace tokens each, give 93.9 / 96.6 / 97.6 %. ``turns`` keeps the first turns; ``agents``
+copies the trajectory, each copy with its own seeded random tokens (no shared prefix).
+
+**Traces** (``weka``, ``weka-sample``, ``mooncake``). Token ids are synthesized: each hash
+block of B trace tokens (Weka 64, Mooncake 512) becomes ``round(B / scale)`` tokens drawn from
+a seeded hash of (agent scope, hash id), so two requests share exactly the token prefix their
+hash ids say they share; a request is ``round(in · per_block / B)`` tokens long, the part past
+its hash blocks (Weka's partial last block) drawn unique to the request, and generates
+``max(1, round(out / scale))``. Each turn keeps its common prefix with the previous turn's
+prompt (at most one token short of its own length) and adds the rest as new tokens, so a
+compaction is just a shorter keep. A trajectory stops before its first turn whose prompt +
+gen exceeds ``max_context``; one whose first turn does is skipped (both reported in ``info``).
+``agents`` is the number of sessions (Weka) or conversations (Mooncake, grouped as in
+:mod:`dualpath.workloads.sim_traces`) taken in order; when the source has fewer, copies follow, each
+with its own token ids. Every trajectory has its own token scope (a Mooncake conversation
+too: conversations are grouped by their first hash id, so they share no prefix anyway), and
+its hash ids are relabelled by first appearance, so the shipped ``weka-sample`` gives its
+requests the very token ids the full archive gives them.
+
+**Sub-agents** (Weka). Skipped by default, as in the simulator's trace reader: they mostly ran
+on a smaller model, concurrently with their parent. With ``subagents=True`` each sub-agent
+listed before the parent's first dropped turn is an agent of its own, right after its parent,
+with its own token scope: sub-agents of one session do share their system prompt in the trace
+(trace_0010's four start at the same hash id), but with own scopes every agent's hits come
+from its own turns only, which is what :meth:`Workload.expected_hit_rate` counts.
+
+The trace folder is ``trace_dir`` or ``$DUALPATH_TRACES_DIR`` (nothing else is guessed). The
+trace machinery is in :mod:`dualpath.workloads.traces`, the shipped sample's format and
+maker in :mod:`dualpath.workloads.sample`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from dualpath.bench.cluster import AgentTurn
+from dualpath.workloads.presets import PRESETS, TrajectoryPreset, Turn
+from dualpath.workloads.sample import read_sample
+from dualpath.workloads.traces import (
+    FIRST_TOKEN,
+    WorkloadOptions,
+    mooncake_agents,
+    mooncake_file,
+    traces_folder,
+    weka_agents,
+    weka_source,
+)
+
+PRESET_NAMES = ("32k", "48k", "64k")
+TRACE_NAMES = ("weka", "weka-sample", "mooncake")
+NAMES = PRESET_NAMES + TRACE_NAMES
+DEFAULT_SCALE: dict[str, float] = {"32k": 8, "48k": 8, "64k": 8, "weka": 32, "weka-sample": 32,
+                                   "mooncake": 32}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Agents' token-level turns, the engine block size the hits are for, and how they were
+    made (``info``: source, scale, sessions used, skipped and cut, sub-agents, totals)."""
+
+    name: str
+    agents: list[list[AgentTurn]]
+    block_size: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def sim_turns(self) -> list[list[Turn]]:
+        """Every agent's turns as simulator turns (prompt, hit, gen: the module doc's rule)."""
+        return [agent_sim_turns(turns, self.block_size) for turns in self.agents]
+
+    def expected_hit_rate(self) -> float:
+        """Hit tokens over prompt tokens of :meth:`sim_turns` (0 for an empty workload)."""
+        turns = [t for agent in self.sim_turns() for t in agent]
+        return sum(t.hit for t in turns) / max(1, sum(t.prompt for t in turns))
+
+
+def agent_sim_turns(turns: Sequence[AgentTurn], block_size: int) -> list[Turn]:
+    """One agent's turns as simulator turns: the hit of the module doc's rule.
+
+    Raises ``ValueError`` for a turn that keeps more than the context, has no prompt token or
+    generates none.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    out: list[Turn] = []
+    context = 0  # previous prompt + generated tokens
+    for i, t in enumerate(turns):
+        kept = context if t.keep is None else t.keep
+        if not 0 <= kept <= context:
+            raise ValueError(f"turn {i} keeps {kept} tokens of a {context}-token context")
+        prompt = kept + len(t.new)
+        if prompt < 1 or t.gen < 1:
+            raise ValueError(f"turn {i} has {prompt} prompt and {t.gen} generated tokens "
+                             "(need at least 1 of each)")
+        served = min(kept, context - 1) if context else 0  # last generated token: no KV
+        hit = min(served // block_size, (prompt - 1) // block_size) * block_size
+        out.append(Turn(prompt=prompt, hit=hit, gen=t.gen))
+        context = prompt + t.gen
+    return out
+
+
+def load_workload(name: str, *, vocab_size: int, block_size: int = 64,
+                  scale: float | None = None, agents: int | None = None,
+                  turns: int | None = None, max_context: int = 8192,
+                  trace_dir: Path | str | None = None, seed: int = 0,
+                  subagents: bool = False) -> Workload:
+    """Workload ``name`` (:data:`NAMES`) with token ids in ``[3, vocab_size − 1)``.
+
+    ``scale`` divides every length (default :data:`DEFAULT_SCALE`); ``agents`` is the copies of
+    a preset (default 1) or the sessions of a trace (default all); ``turns`` keeps each agent's
+    first turns; ``max_context`` cuts a trajectory before a turn whose prompt + gen exceeds it;
+    ``trace_dir`` (default ``$DUALPATH_TRACES_DIR``) is needed by ``weka`` and ``mooncake``;
+    ``subagents`` makes Weka sub-agents agents of their own (module doc).
+
+    Raises ``ValueError`` for an unknown name, a bad option, a missing traces folder or file,
+    malformed trace data, or when no trajectory fits ``max_context``.
+    """
+    if name not in NAMES:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(NAMES)}")
+    o = WorkloadOptions(vocab_size, block_size, DEFAULT_SCALE[name] if scale is None else scale,
+                        agents, turns, max_context, seed, subagents)
+    if name in PRESET_NAMES:
+        agent_turns, info = _preset(name, o)
+    elif name == "weka-sample":
+        sessions, header = read_sample()
+        agent_turns, info = weka_agents(sessions, "dualpath/workloads/data/weka_sample.json", o)
+        info["sample"] = header
+    elif name == "weka":
+        source, sessions = weka_source(traces_folder(name, trace_dir))
+        agent_turns, info = weka_agents(sessions, source, o)
+    else:
+        agent_turns, info = mooncake_agents(mooncake_file(traces_folder(name, trace_dir)), o)
+    workload = Workload(name, agent_turns, block_size, {"workload": name, **info})
+    workload.info.update(_totals(workload))
+    return workload
+
+
+def _totals(workload: Workload) -> dict[str, Any]:
+    """Counts of a workload: agents, turns, prompt, new, generated and hit tokens, hit rate."""
+    sims = [t for agent in workload.sim_turns() for t in agent]
+    prompt = sum(t.prompt for t in sims)
+    hit = sum(t.hit for t in sims)
+    return {"block_size": workload.block_size, "agents": len(workload.agents),
+            "turns": len(sims), "prompt_tokens": prompt, "hit_tokens": hit,
+            "new_tokens": sum(len(t.new) for a in workload.agents for t in a),
+            "gen_tokens": sum(t.gen for t in sims), "expected_hit_rate": hit / max(1, prompt)}
+
+
+# -- presets ------------------------------------------------------------------------------------
+
+
+def preset_shape(preset: TrajectoryPreset) -> tuple[float, int]:
+    """(first context, turns) of a trajectory that grows by ``append + gen`` per turn and
+    matches the row's mean context and mean total length (last prompt + gen), unscaled."""
+    growth = preset.append + preset.gen
+    turns = max(1, round(2 * (preset.total_tokens - preset.mean_context) / growth - 1))
+    return max(0.0, preset.mean_context - (turns - 1) * growth / 2), turns
+
+
+def _spread(per_turn: float, turns: int, least: int) -> list[int]:
+    """``turns`` integers whose running sums are ``round(k · per_turn)``, each >= ``least``."""
+    marks = [round(k * per_turn) for k in range(turns + 1)]
+    return [max(least, b - a) for a, b in pairwise(marks)]
+
+
+def _fitting_turns(prompts_new: Sequence[int], gens: Sequence[int], max_context: int) -> int:
+    """How many leading keep-all turns stay within ``max_context`` (prompt + gen)."""
+    context = 0
+    for i, (new, gen) in enumerate(zip(prompts_new, gens, strict=True)):
+        if context + new + gen > max_context:
+            return i
+        context += new + gen
+    return len(gens)
+
+
+def _preset(name: str, o: WorkloadOptions) -> tuple[list[list[AgentTurn]], dict[str, Any]]:
+    """A Table 2 preset scaled by ``o.scale`` (module doc), ``o.agents`` copies (default 1)."""
+    p = PRESETS[name]
+    first, full = preset_shape(p)
+    count = full if o.turns is None else min(o.turns, full)
+    appends = _spread(p.append / o.scale, count, least=1)
+    gens = _spread(p.gen / o.scale, count, least=1)
+    appends[0] += round(first / o.scale)
+    fit = _fitting_turns(appends, gens, o.max_context)
+    if fit == 0:
+        raise ValueError(f"workload {name!r}: the first turn needs {appends[0] + gens[0]} "
+                         f"tokens > max_context {o.max_context} (raise scale or max_context)")
+    agents = [_random_agent(f"{name}/{o.seed}/{a}", appends[:fit], gens[:fit], o.vocab_size)
+              for a in range(o.agents or 1)]
+    info = {"source": f"PAPER Table 2, row {name} (dualpath.workloads.presets.PRESETS)",
+            "rule": "each prompt = whole previous context (prompt + generated) + append new "
+                    "random tokens; first turn = first context + append, cold",
+            "scale": o.scale, "first_context": round(first / o.scale), "turns_full": full,
+            "table_turns": p.turns, "append_mean": sum(appends[1:fit]) / max(1, fit - 1),
+            "gen_mean": sum(gens[:fit]) / fit, "max_context": o.max_context,
+            "cut": {} if fit == count else {name: _cut_note(fit, count, appends, gens)}}
+    return agents, info
+
+
+def _cut_note(fit: int, count: int, appends: Sequence[int], gens: Sequence[int]) -> str:
+    """Why a keep-all trajectory stopped at turn ``fit``."""
+    need = sum(appends[:fit + 1]) + sum(gens[:fit + 1])
+    return f"kept {fit} of {count} turns: turn {fit} needs {need} tokens"
+
+
+def _random_agent(key: str, news: Sequence[int], gens: Sequence[int],
+                  vocab_size: int) -> list[AgentTurn]:
+    """Keep-all turns of seeded random tokens (``key`` seeds them: copies share nothing)."""
+    rng = random.Random(f"dualpath-workload/{key}")
+    return [AgentTurn([rng.randrange(FIRST_TOKEN, vocab_size - 1) for _ in range(n)], g)
+            for n, g in zip(news, gens, strict=True)]
+

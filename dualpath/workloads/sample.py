@@ -1,0 +1,268 @@
+"""The Weka sample shipped in the package (``workloads/data/weka_sample.json``): format, maker.
+
+A user's clone has no ``../shared``, so ``dualpath bench agents --workload weka-sample`` reads
+this excerpt of the Weka agentic dev traces (GitHub ``callanjfox/kv-cache-tester``, Apache-2.0;
+the license and NOTICE are in ``dualpath/workloads/data/LICENSE-weka``). Unlike
+``weka_demo.json``, which keeps token counts only, the sample keeps each request's block hash
+ids, so :mod:`dualpath.workloads.agents` turns it into token ids exactly as it turns the full
+archive.
+
+What it holds (:func:`reduce_session`): the first :data:`SESSIONS` sessions in archive order; of
+each, the first :data:`TURNS` top-level requests and the sub-agent entries listed before the
+next top-level request, every sub-agent cut to its first :data:`TURNS` requests. Of a request
+only ``type``, ``in``, ``out`` and the hash ids are kept (``agent_id`` for a sub-agent entry).
+
+Compact ids (:func:`renumber`, :func:`encode_ids`): a session's hash ids are relabelled 1, 2, …
+in order of first appearance over the whole file (parent first, sub-agents where they are
+listed; the ids are file-scoped, so one relabelling keeps every equality the trace records),
+then stored as runs: a flat list ``[start, count, start, count, …]``. The loader relabels the
+ids of each trajectory (a session's top-level requests, or one sub-agent's) by first appearance
+within it, so the kept requests get the very token ids the full archive gives them.
+
+Remake it with ``python -m dualpath.workloads.sample [--trace-dir DIR]``; the traces
+folder is ``DIR`` or ``$DUALPATH_TRACES_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import textwrap
+from collections.abc import Iterator, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+SESSIONS = 16  # leading sessions of the archive kept
+TURNS = 12  # leading top-level requests kept per session (and requests per sub-agent)
+SAMPLE_FILE = "weka_sample.json"
+LICENSE_FILE = "LICENSE-weka"
+UPSTREAM = "https://github.com/callanjfox/kv-cache-tester (folder traces/)"
+_SEPARATOR = "-" * 80
+
+
+def renumber(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a Weka session whose hash ids are 1, 2, … in order of first appearance
+    (top-level requests and sub-agents' nested requests, in listed order)."""
+    labels: dict[Any, int] = {}
+
+    def relabel(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for r in requests:
+            r = dict(r)
+            if r.get("type") == "subagent":
+                r["requests"] = relabel(r.get("requests", []))
+            elif "hash_ids" in r:
+                r["hash_ids"] = [labels.setdefault(h, len(labels) + 1) for h in r["hash_ids"]]
+            out.append(r)
+        return out
+
+    return {**data, "requests": relabel(data.get("requests", []))}
+
+
+def encode_ids(ids: Sequence[int]) -> list[int]:
+    """Runs of consecutive ids as a flat ``[start, count, start, count, …]`` list."""
+    out: list[int] = []
+    for h in ids:
+        if out and h == out[-2] + out[-1]:
+            out[-1] += 1
+        else:
+            out += [h, 1]
+    return out
+
+
+def decode_ids(runs: Sequence[int]) -> list[int]:
+    """The ids of a flat ``[start, count, …]`` run list (:func:`encode_ids`'s inverse).
+
+    Raises ``ValueError`` when the list has an odd length or a negative count.
+    """
+    if len(runs) % 2 or any(n < 0 for n in runs[1::2]):
+        raise ValueError(f"bad id runs {list(runs)[:6]}…: want [start, count, …] pairs")
+    return [start + k for start, n in zip(runs[::2], runs[1::2], strict=True)
+            for k in range(n)]
+
+
+def reduce_session(data: dict[str, Any], turns: int = TURNS) -> dict[str, Any]:
+    """The first ``turns`` top-level requests of a Weka session and the sub-agent entries
+    listed before the next one, each sub-agent cut to ``turns`` requests; of every request
+    only ``type``, ``in``, ``out``, ``hash_ids`` (and a sub-agent's ``agent_id``)."""
+    kept, top = [], 0
+    for r in data["requests"]:
+        if r.get("type") == "subagent":
+            kept.append({"type": "subagent", "agent_id": r.get("agent_id"),
+                         "requests": [_slim(q) for q in r["requests"][:turns]]})
+        elif top < turns:
+            kept.append(_slim(r))
+            top += 1
+        else:
+            break
+    return {"block_size": data.get("block_size", 64), "requests": kept}
+
+
+def _slim(r: dict[str, Any]) -> dict[str, Any]:
+    return {"type": r.get("type"), "in": r["in"], "out": r["out"], "hash_ids": r["hash_ids"]}
+
+
+def _compact(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Requests with ``hash_ids`` stored as runs under ``ids``."""
+    out = []
+    for r in requests:
+        if r.get("type") == "subagent":
+            out.append({**r, "requests": _compact(r["requests"])})
+        else:
+            out.append({"type": r["type"], "in": r["in"], "out": r["out"],
+                        "ids": encode_ids(r["hash_ids"])})
+    return out
+
+
+def _expand(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`_compact`'s inverse: the Weka request format."""
+    out = []
+    for r in requests:
+        if r.get("type") == "subagent":
+            out.append({**r, "requests": _expand(r["requests"])})
+        else:
+            out.append({"type": r["type"], "in": r["in"], "out": r["out"],
+                        "hash_ids": decode_ids(r["ids"])})
+    return out
+
+
+def read_sample(path: Path | None = None) -> tuple[list[tuple[str, dict[str, Any]]],
+                                                     dict[str, Any]]:
+    """The shipped sample (or the file at ``path``): ``(trace name, session)`` pairs in the
+    Weka session format, and the file's header fields.
+
+    Raises ``ValueError`` when the file is malformed.
+    """
+    where = str(path) if path is not None else f"dualpath/workloads/data/{SAMPLE_FILE}"
+    try:
+        if path is None:
+            text = resources.files("dualpath.workloads.data").joinpath(SAMPLE_FILE).read_text()
+        else:
+            text = Path(path).read_text()
+        data = json.loads(text)
+        sessions = [(s["trace"], {"block_size": s.get("block_size", 64),
+                                  "requests": _expand(s["requests"])})
+                    for s in data["sessions"]]
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"Weka sample {where}: malformed or unreadable ({exc!r})") from exc
+    return sessions, {k: v for k, v in data.items() if k != "sessions"}
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, str]]:
+    """MANIFEST.tsv rows by file name (empty when the folder has none)."""
+    path = folder / "MANIFEST.tsv"
+    if not path.is_file():
+        return {}
+    with path.open(newline="") as f:
+        return {row["file"]: row for row in csv.DictReader(f, delimiter="\t")}
+
+
+def _first_sessions(archive: Path, count: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The first ``count`` members of a Weka archive (the rest is not read)."""
+    from dualpath.workloads.sim_traces import weka_members
+
+    members = weka_members(archive)
+    try:
+        for i, (name, data) in enumerate(members):
+            if i == count:
+                break
+            yield Path(name).stem, data
+    finally:
+        members.close()
+
+
+def write_sample(out: Path | None = None, root: Path | None = None) -> Path:
+    """Remake the sample from the Weka archive under ``root`` (default: the traces folder of
+    ``$DUALPATH_TRACES_DIR``) and its NOTICE in ``LICENSE-weka``; returns the file written."""
+    from dualpath.workloads.sim_traces import trace_file
+
+    archive = trace_file("weka", root)
+    manifest = _manifest(archive.parent)
+    sessions = []
+    for name, data in _first_sessions(archive, SESSIONS):
+        small = renumber(reduce_session(data))
+        sessions.append({"trace": name,
+                         "sha256": manifest.get(f"{name}.json", {}).get("sha256"),
+                         "block_size": small["block_size"],
+                         "requests": _compact(small["requests"])})
+    out = out or Path(str(resources.files("dualpath.workloads.data").joinpath(SAMPLE_FILE)))
+    header = {
+        "name": "weka-sample",
+        "source": f"{UPSTREAM}, archive {archive.parent.name}/{archive.name}",
+        "license": f"Apache-2.0; see {LICENSE_FILE}",
+        "sessions_kept": SESSIONS, "turns_per_session": TURNS,
+        "rule": "first sessions_kept sessions in archive order; of each, the first "
+                "turns_per_session top-level requests and the sub-agent entries listed before "
+                "the next one (each cut to turns_per_session requests); hash ids relabelled "
+                "1, 2, ... by first appearance in the file and stored as [start, count] runs",
+        "made_by": "python -m dualpath.workloads.sample",
+    }
+    out.write_text(_dump(header, sessions))
+    license_path = out.with_name(LICENSE_FILE)
+    upstream = (archive.parent / "LICENSE").read_text()
+    license_path.write_text(_with_notice(license_path, _notice([s["trace"] for s in sessions]),
+                                         upstream))
+    return out
+
+
+def _dump(header: dict[str, Any], sessions: list[dict[str, Any]]) -> str:
+    """The sample as JSON with one request per line (small and readable in a diff)."""
+    lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in header.items()]
+    lines.append(' "sessions": [')
+    for i, s in enumerate(sessions):
+        head = {k: v for k, v in s.items() if k != "requests"}
+        lines.append(f"  {json.dumps(head)[:-1]}, \"requests\": [")
+        reqs = [f"   {json.dumps(r, separators=(',', ':'))}" for r in s["requests"]]
+        lines.append(",\n".join(reqs))
+        lines.append("  ]}" + ("," if i + 1 < len(sessions) else ""))
+    lines += [" ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _notice(names: list[str]) -> str:
+    """Where the sample comes from and what was changed (Apache-2.0 §4(b))."""
+    paragraphs = [
+        f"NOTICE for dualpath/workloads/data/{SAMPLE_FILE}",
+        f"{SAMPLE_FILE} is derived from the Weka agentic coding traces ({', '.join(names)} of "
+        f"the dev set), published by Callan Fox in {UPSTREAM} under the Apache License, "
+        "Version 2.0, reproduced below.",
+        f"Changes made: only the first {TURNS} top-level requests of each of these sessions are "
+        f"kept, with the sub-agent entries listed among them (each cut to its first {TURNS} "
+        "requests); of each request only its type, input and output token counts and its "
+        "block hash ids are kept (and a sub-agent's agent id), the hash ids relabelled 1, 2, ... "
+        "in order of first appearance within each file and stored as runs of consecutive ids; "
+        "timings, models, content types and every other field are dropped. The file is made "
+        "from the upstream archive by dualpath/workloads/sample.py.",
+    ]
+    return "\n\n".join(textwrap.fill(p, 92, break_on_hyphens=False) for p in paragraphs) + "\n"
+
+
+def _with_notice(path: Path, notice: str, upstream: str) -> str:
+    """``LICENSE-weka`` with the sample's NOTICE in place: the other NOTICEs (the demo's) and
+    the upstream license already there are kept; a previous sample NOTICE is replaced."""
+    text = path.read_text() if path.is_file() else ""
+    head, sep, tail = text.partition("\n" + _SEPARATOR + "\n")
+    if not sep:
+        head, tail = "", "\n" + upstream
+    start = head.find(notice.splitlines()[0])
+    if start >= 0:
+        head = head[:start]
+    head = head.rstrip("\n")
+    return (head + "\n\n" if head else "") + notice + "\n" + _SEPARATOR + "\n" + tail
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Remake the sample: ``python -m dualpath.workloads.sample [--trace-dir DIR]``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="folder holding weka-agentic-dev/ (default: $DUALPATH_TRACES_DIR)")
+    parser.add_argument("--out", type=Path, default=None, help="file to write (default: the "
+                        "package's dualpath/workloads/data/weka_sample.json)")
+    args = parser.parse_args(argv)
+    print(write_sample(args.out, args.trace_dir))
+
+
+if __name__ == "__main__":
+    main()
