@@ -2,10 +2,12 @@
 
 Messages carry ids, token ids, counts and buffer addresses — never KV bytes (those move through
 the storage and transfer backends). Each message is a frozen dataclass; on the wire it is a
-msgpack map with a ``type`` field. No pickle crosses a socket. ``decode`` checks a frame
-against its message's schema (``protocol_check``: every field's type, numbers finite and not
-negative, roles and names valid) before anything reads it: a frame that does not fit is a
-``ProtocolError``, never a message.
+msgpack map with a ``type`` field (a nested record, ``SamplingParams``, is a map in it). No
+pickle crosses a socket. ``decode`` checks a frame against its message's schema
+(``protocol_check``: every field's type, numbers finite and not negative, roles and names
+valid) before anything reads it: a frame that does not fit is a ``ProtocolError``, never a
+message. Each fact goes to an engine once: the DE keeps its ``AllocBuffer``'s tokens for the
+request's ``Decode``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import msgpack
 
 from dualpath.errors import DualPathError
 from dualpath.protocol_check import check_fields
+from dualpath.request import SamplingParams
+from dualpath.vocab import PrefillMode, ReadPath, Role
 
 
 class ProtocolError(DualPathError):
@@ -27,7 +31,7 @@ class ProtocolError(DualPathError):
 _TYPES: dict[str, type[Message]] = {}
 HEARTBEAT_SUFFIX = "/hb"  # an engine's heartbeat socket is its name plus this
 JOIN_SUFFIX = "/join"  # ... and the socket it joins with (``Join``) its name plus this
-ROLES = ("prefill", "decode")
+ROLES = tuple(Role)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -68,8 +72,7 @@ def decode(raw: bytes) -> Message:
         cls = _TYPES[data.pop("type")]
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in names}  # arrays come as tuples
-        check_fields(cls, values)
-        return cls(**values)
+        return cls(**check_fields(cls, values))
     except (KeyError, TypeError, ValueError, RecursionError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"bad control message: {exc}") from exc
 
@@ -81,7 +84,7 @@ class Join(Message):
 
     type: ClassVar[str] = "join"
     name: str
-    role: str  # "prefill" | "decode"
+    role: Role
     node_id: int
 
     def __post_init__(self) -> None:
@@ -94,7 +97,7 @@ class Hello(Message):
 
     type: ClassVar[str] = "hello"
     name: str
-    role: str  # "prefill" | "decode"
+    role: Role
     node_id: int
     endpoint: str  # transfer-backend address of this engine
     nic_address: str = ""  # where peers ask this engine's compute NIC for a grant ("": none)
@@ -211,7 +214,11 @@ class Metrics(Message):
 # -- router -> engine --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AllocBuffer(Message):
-    """DE: allocate a buffer for ``num_blocks`` and read the first ``num_read_blocks``."""
+    """DE: allocate a buffer for ``num_blocks`` and read the first ``num_read_blocks``.
+
+    The DE keeps ``prompt_ids`` and ``cache_salt`` until the request's ``Decode``, which does not
+    repeat them.
+    """
 
     type: ClassVar[str] = "alloc_buffer"
     req_id: int
@@ -230,13 +237,13 @@ class Prefill(Message):
     req_id: int
     prompt_ids: tuple[int, ...]
     num_hit_blocks: int
-    read_path: str  # "pe" (PE reads the hit KV) | "de" (pull it from the DE buffer) | "split"
+    read_path: ReadPath  # pe (PE reads the hit KV) | de (pull it from the DE buffer) | split
     de_endpoint: str
     de_buffer_addr: int  # the DE's layer-major buffer (see BufferReady)
-    mode: str = "layerwise"  # basic | layerwise | oracle (see engine/layerwise.py)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
+    mode: PrefillMode = PrefillMode.LAYERWISE  # see engine/layerwise.py
+    # the request's sampling parameters: the PE samples the first token with them (and applies
+    # no stop rule: the DE does)
+    params: SamplingParams = field(default_factory=SamplingParams)
     num_pe_read_blocks: int = 0  # split read: the PE reads this many leading hit blocks
     # a stream moved off a lost decode engine: the last this-many of ``prompt_ids`` are output
     # tokens already streamed, and the token sampled here is output token number this-many
@@ -246,26 +253,22 @@ class Prefill(Message):
 
 @dataclass(frozen=True)
 class Decode(Message):
-    """DE: the prompt KV sits in the buffer; decode from ``first_token``."""
+    """DE: the prompt KV sits in the buffer; decode from ``first_token``.
+
+    Only what the DE does not have yet: its ``AllocBuffer`` gave the tokens and the salt.
+    """
 
     type: ClassVar[str] = "decode"
     req_id: int
-    prompt_ids: tuple[int, ...]
     first_token: int
     num_stored_blocks: int  # leading blocks already in storage (not re-saved)
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    ignore_eos: bool
+    params: SamplingParams  # the request's sampling parameters and stop rules
     oracle: bool = False  # timing upper bound: no buffer copy-in, nothing persisted
-    stop: tuple[str, ...] = ()  # stop strings
-    min_tokens: int = 0  # no EOS or stop string ends the request before this many tokens
-    # a stream moved off a lost decode engine: the last this-many of ``prompt_ids`` are output
-    # tokens already streamed; stop rules, ``max_tokens`` and seeded draws count them, and this
-    # engine streams from ``first_token`` on (which it drops if they already ended the request)
+    # a stream moved off a lost decode engine: the last this-many of the ``AllocBuffer``'s
+    # ``prompt_ids`` are output tokens already streamed; stop rules, ``max_tokens`` and seeded
+    # draws count them, and this engine streams from ``first_token`` on (which it drops if they
+    # already ended the request)
     num_prior_outputs: int = 0
-    cache_salt: str = ""  # the tenant's salt of the block keys (kv/hashing.salted_seed)
 
 
 @dataclass(frozen=True)

@@ -3,29 +3,53 @@ every message (pure: no sockets).
 
 A peer's frame becomes a message only if each field has its annotated type (``bool`` is not an
 ``int``, an ``int`` stands for a ``float``, ``X | None``, ``tuple[X, ...]``, fixed tuples,
-``NamedTuple`` rows, ``dict[str, Any]``) and every number in it is finite and not negative —
-ids, counts, token ids, addresses, sizes, seconds and sampling settings all are — but a
-``seed``, which may be any integer. Ranges particular to one message (a role, a name) are its
-own ``__post_init__``'s. ``check_fields`` raises ``ValueError`` naming the field.
+``NamedTuple`` rows, ``dict[str, Any]``, a nested record such as ``SamplingParams``: a map of
+its own fields only, a ``StrEnum`` such as ``Role``: one of its values, built as the member)
+and every number in it is finite and not negative — ids, counts, token ids, addresses, sizes,
+seconds and sampling settings all are — but a ``seed``, which may be any integer. Ranges
+particular to one message (a role, a name) are its own ``__post_init__``'s, and a record's its
+own (``SamplingParams`` refuses ``top_p`` 0). ``check_fields`` raises ``ValueError`` naming the
+field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import types
 import typing
+from enum import StrEnum
 from typing import Any, Union
+
+from dualpath.errors import DualPathError
 
 SIGNED_FIELDS = frozenset({"seed"})  # integers that may be negative
 MAX_DEPTH = 4  # nested tuples deeper than any message has are refused
 
 
-def check_fields(cls: type, values: dict[str, Any]) -> None:
-    """``ValueError`` unless every value in ``values`` fits ``cls``'s annotation of its field."""
+def check_fields(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with each nested record's map built as its dataclass; ``ValueError`` unless
+    every value fits ``cls``'s annotation of its field."""
     hints = _hints(cls)
+    checked = {}
     for name, value in values.items():
         _check(value, hints[name], name, signed=name in SIGNED_FIELDS, depth=0)
+        checked[name] = _build(value, hints[name], name)
+    return checked
+
+
+def _build(value: Any, hint: Any, name: str) -> Any:
+    """A checked record map as its dataclass (the record's own checks run), a checked string as
+    its enum member; others as given."""
+    if _is_str_enum(hint):
+        return hint(value)
+    if not (_is_record(hint) and isinstance(value, dict)):
+        return value
+    try:
+        return hint(**value)
+    except (DualPathError, TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: {exc}") from exc
 
 
 @functools.cache
@@ -54,7 +78,22 @@ def _check(value: Any, hint: Any, name: str, signed: bool, depth: int) -> None:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ValueError(f"{name}: expected a map with string keys")
         return
+    if _is_record(hint):
+        _check_record(value, hint, name, depth)
+        return
     _check_scalar(value, hint, name, signed)
+
+
+def _check_record(value: Any, hint: type, name: str, depth: int) -> None:
+    """A nested record on the wire: a map of some of ``hint``'s fields (the rest default),
+    each fitting its annotation; an unknown key is refused."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"{name}: expected a map with string keys")
+    hints = _hints(hint)
+    for key, item in value.items():
+        if key not in hints:
+            raise ValueError(f"{name}: unknown field {key!r}")
+        _check(item, hints[key], f"{name}.{key}", signed=key in SIGNED_FIELDS, depth=depth + 1)
 
 
 def _check_tuple(value: Any, hint: Any, name: str, signed: bool, depth: int) -> None:
@@ -93,10 +132,20 @@ def _check_scalar(value: Any, hint: Any, name: str, signed: bool) -> None:
               and math.isfinite(value) and value >= 0)
     elif hint in (str, bytes):
         ok = isinstance(value, hint)
+    elif _is_str_enum(hint):
+        ok = isinstance(value, str) and value in hint._value2member_map_
     else:
         raise ValueError(f"{name}: unsupported annotation {hint}")
     if not ok:
         raise ValueError(f"{name}: {value!r} is not a valid {getattr(hint, '__name__', hint)}")
+
+
+def _is_record(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def _is_str_enum(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, StrEnum)
 
 
 def _is_named_tuple(hint: Any) -> bool:

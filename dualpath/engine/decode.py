@@ -1,8 +1,9 @@
 """The decode engine (DE): the host buffer where prompt KV is assembled, decoding, persistence.
 
 ``AllocBuffer`` takes host slots for a prompt and, on the DE read path, reads its hit full
-blocks from storage into them (through this node's storage NIC). When the PE has filled the
-rest, ``Decode`` copies the buffer into the paged cache, frees the slots and joins the running
+blocks from storage into them (through this node's storage NIC); its tokens and salt are kept
+for the request's ``Decode``, which does not repeat them. When the PE has filled the rest,
+``Decode`` copies the buffer into the paged cache, frees the slots and joins the running
 batch. Every full block the sequence completes beyond what storage already holds — the prompt
 tail and generated tokens — is gathered into a staging slot and written to storage; a trailing
 partial block is not stored (the next turn recomputes it). A gather holds a reference on its
@@ -34,6 +35,7 @@ from dualpath.errors import HostPoolExhaustedError, OutOfBlocksError
 from dualpath.kv.hashing import extend_block_hashes
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import (
+    Abort,
     Aborted,
     AllocBuffer,
     BufferReady,
@@ -43,7 +45,7 @@ from dualpath.protocol import (
     Message,
     Tokens,
 )
-from dualpath.request import SamplingParams, Sequence
+from dualpath.request import Sequence
 from dualpath.storage.client import StorageClient
 from dualpath.traffic.lanes import Lane
 from dualpath.traffic.manager import TrafficManager
@@ -87,6 +89,7 @@ class DecodeWorker:
         self.block_size = engine.config.block_size
         self.layout = engine.layout
         self._buffers: dict[int, list[int]] = {}  # req_id -> host slots
+        self._allocs: dict[int, AllocBuffer] = {}  # req_id -> its tokens and salt, for Decode
         self._reading: set[int] = set()  # req_ids whose DE-path read is in flight
         self._orphans: set[int] = set()  # aborted while reading: free the slots when it ends
         self._pending_allocs: deque[AllocBuffer] = deque()  # waiting for a contiguous run
@@ -110,6 +113,32 @@ class DecodeWorker:
         # Called inside each step with its token count, e.g. the EP traffic generator's
         # exchange (the step waits for it, as MoE dispatch/combine would).
         self.on_step: Callable[[int], None] = lambda num_tokens: None
+
+    def handle(self, msg: Message) -> list[Message]:
+        """A request message from the router: ``AllocBuffer``, ``Decode`` or ``Abort``; returns
+        the answers."""
+        if isinstance(msg, AllocBuffer):
+            return self.alloc_buffer(msg)
+        if isinstance(msg, Decode):
+            return self.start_decode(msg)
+        if isinstance(msg, Abort):
+            return self.abort(msg.req_id, msg.quarantine_s)
+        raise ValueError(f"a decode engine cannot handle {msg.type!r}")
+
+    def work(self) -> list[Message]:
+        """Handle finished storage reads and writes, then run one decode step if sequences
+        run; returns the messages to send."""
+        out = self.drain_events()
+        if self.has_work:
+            out += self.step()
+        return out
+
+    def metrics(self) -> dict[str, object]:
+        """This worker's counters."""
+        return {"num_saved_blocks": self.num_saved_blocks,
+                "num_saves_dropped": self.num_saves_dropped,
+                "num_finish_waits_cut": self.num_finish_waits_cut, "num_waits": self.num_waits,
+                "num_steps": self.num_steps, "step_s_total": self.step_s_total}
 
     # -- buffer ---------------------------------------------------------------------------------
     def alloc_buffer(self, msg: AllocBuffer) -> list[Message]:
@@ -137,6 +166,7 @@ class DecodeWorker:
                 return out
             self._pending_allocs.popleft()
             self._buffers[msg.req_id] = slots
+            self._allocs[msg.req_id] = msg
             out.extend(self._start_read(msg, slots))
         return out
 
@@ -163,6 +193,7 @@ class DecodeWorker:
         ``quarantine_s`` when a PE may still be writing into it; answers ``Aborted``."""
         self._pending_allocs = deque(m for m in self._pending_allocs if m.req_id != req_id)
         self._pending_decodes = deque(m for m in self._pending_decodes if m.req_id != req_id)
+        self._allocs.pop(req_id, None)
         if req_id in self._reading:
             self._orphans.add(req_id)  # the read still fills the slots
         elif req_id in self._buffers and quarantine_s > 0:
@@ -200,11 +231,12 @@ class DecodeWorker:
     # -- decode ---------------------------------------------------------------------------------
     def start_decode(self, msg: Decode) -> list[Message]:
         """Move the assembled prompt KV into the cache and start decoding (or wait for room)."""
-        if msg.req_id not in self._buffers:
+        alloc = self._allocs.get(msg.req_id)  # gone with its buffer (or when aborted)
+        if alloc is None:
             return [Failed(msg.req_id, "no prompt buffer for this request")]
-        if not 0 <= msg.num_prior_outputs < len(msg.prompt_ids):
+        if not 0 <= msg.num_prior_outputs < len(alloc.prompt_ids):
             return [Failed(msg.req_id, f"{msg.num_prior_outputs} prior outputs of "
-                                       f"{len(msg.prompt_ids)} tokens")]
+                                       f"{len(alloc.prompt_ids)} tokens")]
         self._pending_decodes.append(msg)
         out = self._start_decodes()
         self.num_waits += msg in self._pending_decodes  # it waits for device KV blocks
@@ -216,19 +248,17 @@ class DecodeWorker:
         on a copy."""
         while self._pending_decodes:
             msg = self._pending_decodes[0]
-            params = SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature,
-                                    top_p=msg.top_p, seed=msg.seed, ignore_eos=msg.ignore_eos,
-                                    stop=tuple(msg.stop), min_tokens=msg.min_tokens)
-            num_prompt = len(msg.prompt_ids) - msg.num_prior_outputs  # the rest: moved outputs
+            alloc = self._allocs[msg.req_id]
+            tokens = alloc.prompt_ids
+            num_prompt = len(tokens) - msg.num_prior_outputs  # the rest: moved outputs
             try:
-                seq = self.engine.reserve_prefilled(list(msg.prompt_ids[:num_prompt]), params,
-                                                    list(msg.prompt_ids[num_prompt:]),
-                                                    msg.cache_salt)
+                seq = self.engine.reserve_prefilled(list(tokens[:num_prompt]), msg.params,
+                                                    list(tokens[num_prompt:]), alloc.cache_salt)
             except OutOfBlocksError:
                 break  # running sequences free blocks as they finish
             self._pending_decodes.popleft()
-            log.info("request %d: decode started (%d prompt tokens)", msg.req_id,
-                     len(msg.prompt_ids))
+            log.info("request %d: decode started (%d prompt tokens)", msg.req_id, len(tokens))
+            del self._allocs[msg.req_id]
             slots = self._buffers.pop(msg.req_id)
             copies = all_of([] if msg.oracle else self._copy_in(slots, seq.block_table))
             self._copying.append(_CopyIn(msg, seq, slots, copies))

@@ -1,7 +1,9 @@
 """The single-engine runner: ``step()`` is schedule → run → postprocess.
 
 ``LLMEngine`` loads a model folder, owns the paged KV cache, and serves any number of
-requests with continuous batching, chunked prefill and prefix reuse.
+requests with continuous batching, chunked prefill and prefix reuse. Its ``forward`` and
+``sample`` are also the prefill engine's (``engine/prefill.py``), which schedules its own
+batches into cache blocks of its own and passes the layer hooks that move their KV.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dualpath.kv.block_pool import BlockPool
 from dualpath.kv.cache import TORCH_DTYPES, PagedKVCache
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
+from dualpath.model.hooks import NO_HOOKS, LayerHooks
 from dualpath.model.kernels import load_kernels
 from dualpath.model.loader import load_model
 from dualpath.model.spec import load_spec, model_id, resolve_dtype, resolve_kv_dtype
@@ -40,6 +43,15 @@ class RequestOutput:
     text: str
     finish_reason: str
     num_cached_tokens: int
+
+
+@dataclass
+class Forwarded:
+    """What a forward leaves to sample: the sequences whose every token is now computed, and
+    the final hidden state of each one's last token (``[len(seqs), hidden]``)."""
+
+    seqs: list[Sequence]
+    hidden: torch.Tensor
 
 
 class LLMEngine:
@@ -140,21 +152,37 @@ class LLMEngine:
         step = self.batcher.schedule()
         if not step.items:
             return []
-        inputs = self.runner.prepare(step.items)
-        hidden = self.runner.run(inputs)
-        self._capture(step.items, inputs.last_rows, hidden)
-        sampling = [(seq, row) for (seq, n), row in zip(step.items, inputs.last_rows, strict=True)
-                    if seq.num_computed_tokens + n == seq.num_tokens]
-        for seq, n in step.items:
-            seq.num_computed_tokens += n
+        done = self.forward(step.items)
+        for seq, _ in step.items:
             self.batcher.publish_blocks(seq)
-        if not sampling:
+        if not done.seqs:
             return []
-        seqs = [seq for seq, _ in sampling]
-        logits = self.runner.logits(hidden[[row for _, row in sampling]], fp32=False)
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs],
-                                     num_outputs=[len(s.output_ids) for s in seqs])
-        return [seq for seq, tok in zip(seqs, tokens, strict=True) if self._append(seq, tok)]
+        tokens = self.sample(done)
+        return [seq for seq, tok in zip(done.seqs, tokens, strict=True) if self._append(seq, tok)]
+
+    def forward(self, items: list[tuple[Sequence, int]],
+                hooks: LayerHooks = NO_HOOKS) -> Forwarded:
+        """Compute the KV of each ``(sequence, number of new tokens)`` item into the sequence's
+        ``block_table`` blocks and advance its ``num_computed_tokens``; ``hooks`` run around
+        every layer. Returns the sequences now computed to their last token, to sample."""
+        inputs = self.runner.prepare(items)
+        hidden = self.runner.run(inputs, hooks)
+        self._capture(items, inputs.last_rows, hidden)
+        done = [(seq, row) for (seq, n), row in zip(items, inputs.last_rows, strict=True)
+                if seq.num_computed_tokens + n == seq.num_tokens]
+        for seq, n in items:
+            seq.num_computed_tokens += n
+        rows = [row for _, row in done]
+        return Forwarded([seq for seq, _ in done], hidden[rows] if rows else hidden[:0])
+
+    def sample(self, done: Forwarded) -> list[int]:
+        """The next token of each of ``done``'s sequences, by its ``params``; a seeded draw is
+        indexed by the sequence's output count, so whichever engine draws a request's token k
+        draws the same one."""
+        seqs = done.seqs
+        logits = self.runner.logits(done.hidden, fp32=False)
+        return self.sampler.sample(logits, [s.params for s in seqs], [s.seq_id for s in seqs],
+                                   num_outputs=[len(s.output_ids) for s in seqs])
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Record a sampled token and apply the stop rules; True if ``seq`` finished."""

@@ -1,9 +1,11 @@
 """One engine process: its model, host buffer, storage client, traffic manager and event loop.
 
 ``dualpath engine --role prefill|decode`` runs this. The loop talks to the router over a
-ZeroMQ DEALER socket (msgpack control messages), and in between messages it does the role's
-work: the PE prefills the oldest request whose storage read is done; the DE finishes storage
-reads and writes and runs one decode step of its running batch.
+ZeroMQ DEALER socket (msgpack control messages). It hands request messages to its role's
+``Worker`` (``engine/worker.py``) and in between messages lets the worker work: the PE
+prefills the oldest requests whose storage reads are done; the DE finishes storage reads and
+writes and runs one decode step of its running batch. The loop itself answers what every
+engine answers alike: ``Peers``, ``GetMetrics``, ``Shutdown``.
 
 A heartbeat thread, on a socket of its own (so a long forward does not silence it), reports the
 engine's real state every ``heartbeat_s``. If the router declares the engine lost (it answers
@@ -39,12 +41,11 @@ from dualpath.engine.join import Advertised
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillWorker
 from dualpath.engine.sched_counters import loop_thread_counters, process_wakeups
+from dualpath.engine.worker import Worker
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import (
     HEARTBEAT_SUFFIX,
     Abort,
-    AllocBuffer,
-    Decode,
     Failed,
     GetMetrics,
     Heartbeat,
@@ -53,7 +54,6 @@ from dualpath.protocol import (
     Message,
     Metrics,
     Peers,
-    Prefill,
     Shutdown,
     decode,
     encode,
@@ -64,6 +64,7 @@ from dualpath.storage.client import StorageClient
 from dualpath.storage.node_nic import node_nic_account
 from dualpath.traffic.ep import EpPeer, EpTraffic, ep_metrics_off
 from dualpath.traffic.manager import TrafficManager
+from dualpath.vocab import Role
 
 log = logging.getLogger("dualpath.engine")
 IDLE_POLL_MS = 20
@@ -76,8 +77,11 @@ class EngineIdentity:
     """Who this engine process is."""
 
     name: str
-    role: str  # prefill | decode
+    role: Role
     node_id: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
 
 
 class EngineProcess:
@@ -108,8 +112,8 @@ class EngineProcess:
         self.traffic.register(self.host_pool.base_address, self.host_pool.nbytes)
         self.traffic.register(cache.data_ptr(), cache.numel() * cache.element_size())
         args = (self.engine, self.host_pool, self.traffic, self.storage)
-        self.worker: PrefillWorker | DecodeWorker
-        if identity.role == "prefill":
+        self.worker: Worker
+        if identity.role == Role.PREFILL:
             self.worker = PrefillWorker(*args, cost_model=_cost_model(config),
                                         quota_ms=config.prefill_quota_ms)
         else:
@@ -141,7 +145,7 @@ class EngineProcess:
         self._hello()
         self._heart.start()
         while self._running:
-            timeout = 0 if self._has_work() else IDLE_POLL_MS
+            timeout = 0 if self.worker.has_work else IDLE_POLL_MS
             while self.socket.poll(timeout):
                 self._handle(self.socket.recv())
                 timeout = 0
@@ -150,8 +154,8 @@ class EngineProcess:
                 self._drop_everything()
             # what the heartbeat reports: the inbox was read just now, and what it gave us
             self._held, self._loop_at_s = self.worker.held_requests(), time.monotonic()
-            try:
-                self._work()  # may take seconds (a long prefill): the beats say how old this is
+            try:  # may take seconds (a long prefill): the beats say how old this is
+                self.send(self.worker.work())
             except Exception:  # the workers fail their own requests; this is a bug to log
                 log.exception("engine work failed")
             self._held = self.worker.held_requests()
@@ -186,7 +190,7 @@ class EngineProcess:
         log.warning("the router lost track of this engine: dropping %d requests, rejoining",
                     len(self.worker.held_requests()))
         for req_id in self.worker.held_requests():  # the router forgot them all: no answers
-            self.worker.abort(req_id, self.config.engine_timeout_s)
+            self.worker.handle(Abort(req_id, self.config.engine_timeout_s))
         self._rejoin.clear()
         self._hello()
 
@@ -239,21 +243,6 @@ class EngineProcess:
         while flag.exists() and self._running:
             time.sleep(0.05)
 
-    def _has_work(self) -> bool:
-        if isinstance(self.worker, PrefillWorker):
-            return self.worker.has_ready_job
-        return self.worker.has_work
-
-    def _work(self) -> None:
-        if isinstance(self.worker, PrefillWorker):
-            self.worker.start_reads()
-            if self.worker.has_ready_job:
-                self.send(self.worker.run_next())
-            return
-        self.send(self.worker.drain_events())
-        if self.worker.has_work:
-            self.send(self.worker.step())
-
     def _handle(self, raw: bytes) -> None:
         try:
             msg = decode(raw)
@@ -268,16 +257,8 @@ class EngineProcess:
             self.send([Failed(req_id, f"{type(exc).__name__}: {exc}")])
 
     def _dispatch(self, msg: Message) -> list[Message]:
-        worker = self.worker
-        if isinstance(msg, Prefill) and isinstance(worker, PrefillWorker):
-            worker.accept(msg)
-            return []
-        if isinstance(msg, AllocBuffer) and isinstance(worker, DecodeWorker):
-            return worker.alloc_buffer(msg)
-        if isinstance(msg, Decode) and isinstance(worker, DecodeWorker):
-            return worker.start_decode(msg)
-        if isinstance(msg, Abort):
-            return worker.abort(msg.req_id, msg.quarantine_s)
+        """Answer what every engine answers alike; hand the rest (request messages) to the
+        worker."""
         if isinstance(msg, Peers):
             self._peers(msg)
             return []
@@ -286,7 +267,7 @@ class EngineProcess:
         if isinstance(msg, Shutdown):
             self._running = False
             return []
-        raise ValueError(f"a {self.identity.role} engine cannot handle {msg.type!r}")
+        return self.worker.handle(msg)
 
     def metrics(self) -> dict[str, object]:
         """Traffic, EP, storage and engine counters of this process."""
@@ -294,13 +275,7 @@ class EngineProcess:
         values.update(self.traffic.metrics())
         values.update(self.ep.metrics() if self.ep is not None else ep_metrics_off())
         values.update({f"storage_{k}": v for k, v in self.storage.metrics().items()})
-        for name in ("num_prefilled", "num_forwards", "num_chunks", "num_hit_tokens",
-                     "num_computed_tokens", "num_saved_blocks", "num_saves_dropped",
-                     "num_finish_waits_cut", "num_waits", "num_steps", "step_s_total",
-                     "forward_s_total", "layer_wait_s_total",
-                     "max_forward_hit_tokens"):
-            if hasattr(self.worker, name):
-                values[name] = getattr(self.worker, name)
+        values.update(self.worker.metrics())
         values.update(loop_thread_counters())
         values.update(process_wakeups())
         values["gil_switch_ms"] = sys.getswitchinterval() * 1000
@@ -322,7 +297,7 @@ def apply_process_settings(engine: EngineConfig) -> None:
 
 
 def _ep_traffic(traffic: TrafficManager, config: ClusterConfig, engine: EngineConfig,
-                role: str) -> EpTraffic | None:
+                role: Role) -> EpTraffic | None:
     """The EP traffic generator when ``traffic.ep_bytes_per_token`` > 0 (else None), its buffer
     sized for the role's largest step: a decode step's running sequences, a prefill forward's
     token budget (a longer forward's shares wrap around the buffer). A peer that does not
@@ -331,7 +306,7 @@ def _ep_traffic(traffic: TrafficManager, config: ClusterConfig, engine: EngineCo
     per_token = config.traffic.ep_bytes_per_token
     if per_token <= 0:
         return None
-    tokens = engine.max_num_seqs if role == "decode" else engine.max_num_batched_tokens
+    tokens = engine.max_num_seqs if role == Role.DECODE else engine.max_num_batched_tokens
     return EpTraffic(traffic, per_token, tokens, timeout_s=config.traffic.grant_timeout_s,
                      retry_s=config.engine_timeout_s)
 

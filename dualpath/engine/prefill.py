@@ -14,6 +14,8 @@ also passes over reads, queueing a request once its read is done).
 
 The forward computes only the miss tokens; per request, ``PrefillHooks`` load its hit KV
 (first chunk) and forward each layer's new blocks to its DE buffer, overlapped with compute.
+The forward and the sampling of the first token are ``LLMEngine``'s own (``forward``,
+``sample``): this worker only schedules the batches into its own cache blocks.
 
 In the layerwise modes the device cache holds a window of layers (``prefill_layer_window``), so
 the same device-KV budget holds ``num_layers / window`` times the blocks and batches grow by as
@@ -34,15 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dualpath.engine.layerwise import LayerPlan, PrefillHooks
-from dualpath.engine.llm_engine import LLMEngine
+from dualpath.engine.llm_engine import Forwarded, LLMEngine
 from dualpath.errors import RequestError
 from dualpath.kv.host_pool import HostPool
 from dualpath.model.hooks import ComposedHooks
-from dualpath.protocol import Aborted, Failed, Message, Prefill, Prefilled, ReadDone
-from dualpath.request import SamplingParams, Sequence
+from dualpath.protocol import Abort, Aborted, Failed, Message, Prefill, Prefilled, ReadDone
+from dualpath.request import Sequence
 from dualpath.scheduler.batch import AttentionCostModel, build_prefill_batch
 from dualpath.storage.client import ReadFuture, StorageClient
 from dualpath.traffic.manager import TrafficManager
+from dualpath.vocab import PrefillMode
 
 
 @dataclass
@@ -134,13 +137,40 @@ class PrefillWorker:
         # generator's exchange (the forward waits for it, as MoE dispatch/combine would).
         self.on_step: Callable[[int], None] = lambda num_tokens: None
 
+    def handle(self, msg: Message) -> list[Message]:
+        """A request message from the router: ``Prefill`` or ``Abort``; returns the answers."""
+        if isinstance(msg, Prefill):
+            self.accept(msg)
+            return []
+        if isinstance(msg, Abort):
+            return self.abort(msg.req_id, msg.quarantine_s)
+        raise ValueError(f"a prefill engine cannot handle {msg.type!r}")
+
+    def work(self) -> list[Message]:
+        """Start the reads that fit the host pool now, then run one forward batch of the ready
+        requests (if any); returns the messages to send."""
+        self.start_reads()
+        return self.run_next() if self.has_work else []
+
+    def metrics(self) -> dict[str, object]:
+        """This worker's counters."""
+        return {"num_prefilled": self.num_prefilled, "num_forwards": self.num_forwards,
+                "num_chunks": self.num_chunks, "num_hit_tokens": self.num_hit_tokens,
+                "num_computed_tokens": self.num_computed_tokens,
+                "forward_s_total": self.forward_s_total,
+                "layer_wait_s_total": self.layer_wait_s_total,
+                "max_forward_hit_tokens": self.max_forward_hit_tokens}
+
     def accept(self, msg: Prefill) -> None:
         """Queue a request and start its storage read (PE read path)."""
+        if not 0 <= msg.num_prior_outputs < len(msg.prompt_ids):
+            raise RequestError(f"{msg.num_prior_outputs} prior outputs of "
+                               f"{len(msg.prompt_ids)} tokens")
         num_blocks = -(-len(msg.prompt_ids) // self.block_size)
         if num_blocks > len(self._runs.free):
             raise RequestError(f"the prompt needs {num_blocks} KV blocks, the PE cache has "
                                f"{len(self._runs.free)}")
-        if msg.mode == "basic" and self.engine.runner.cache.is_window:
+        if msg.mode == PrefillMode.BASIC and self.engine.runner.cache.is_window:
             raise RequestError("basic prefill keeps every layer resident; this prefill engine "
                                "holds a layer window (it runs layerwise modes)")
         job = self._new_job(msg)
@@ -162,7 +192,7 @@ class PrefillWorker:
         hit beyond what is read on either side is computed)."""
         hit = msg.num_hit_blocks
         wanted = {"pe": hit, "split": min(msg.num_pe_read_blocks, hit)}.get(msg.read_path, 0)
-        if msg.mode == "oracle":
+        if msg.mode == PrefillMode.ORACLE:
             wanted = 0
         pe_reads = min(wanted, self.host_pool.num_slots)
         if pe_reads < wanted:
@@ -222,7 +252,7 @@ class PrefillWorker:
         self._orphan_reads = still
 
     @property
-    def has_ready_job(self) -> bool:
+    def has_work(self) -> bool:
         """True when some accepted request can be computed now."""
         return any(job.ready for job in self._jobs)
 
@@ -285,7 +315,7 @@ class PrefillWorker:
         chosen = build_prefill_batch(fifo, self.quota_ms, self.cost_model)
         batch = []
         for i, _, bsz in chosen:
-            if ready[i].seq is None and not self._start(ready[i]):
+            if ready[i].seq is None and self._start(ready[i]) is None:
                 break  # no contiguous cache room: wait for earlier requests to finish
             batch.append((ready[i], bsz))
         return batch or [(ready[0], self._remaining(ready[0]))]
@@ -296,30 +326,34 @@ class PrefillWorker:
     def _remaining(self, job: _Job) -> int:
         return len(job.msg.prompt_ids) - self._cached(job)
 
-    def _start(self, job: _Job) -> bool:
+    def _start(self, job: _Job) -> Sequence | None:
+        """The job's sequence in a run of free cache blocks (None: no run is free). A moved
+        stream's prior outputs are its outputs, so its first token is drawn as output token
+        ``num_prior_outputs``; the PE samples that one token and applies no stop rule."""
         msg = job.msg
         blocks = self._runs.take(-(-len(msg.prompt_ids) // self.block_size))
         if blocks is None:
-            return False
-        params = SamplingParams(max_tokens=1, temperature=msg.temperature, top_p=msg.top_p,
-                                seed=msg.seed, ignore_eos=True)
-        job.seq = Sequence(list(msg.prompt_ids), params)
-        job.seq.block_table = blocks
-        job.seq.num_computed_tokens = job.num_hit_blocks * self.block_size
-        self.num_hit_tokens += job.seq.num_computed_tokens
-        return True
+            return None
+        num_prompt = len(msg.prompt_ids) - msg.num_prior_outputs
+        seq = Sequence(list(msg.prompt_ids[:num_prompt]), msg.params,
+                       output_ids=list(msg.prompt_ids[num_prompt:]), cache_salt=msg.cache_salt)
+        seq.block_table = blocks
+        seq.num_computed_tokens = job.num_hit_blocks * self.block_size
+        self.num_hit_tokens += seq.num_computed_tokens
+        job.seq = seq
+        return seq
 
     def _forward(self, batch: list[tuple[_Job, int]]) -> list[Message]:
-        engine = self.engine
-        for job, _ in batch:
-            if job.seq is None and not self._start(job):
+        items: list[tuple[Sequence, int]] = []
+        for job, bsz in batch:
+            seq = job.seq or self._start(job)
+            if seq is None:
                 raise RequestError("no contiguous PE cache room for the request")
-        items = [(job.seq, bsz) for job, bsz in batch]
+            items.append((seq, bsz))
         parts = [self._hooks(job, bsz) for job, bsz in batch]
         started_s = time.monotonic()
-        inputs = engine.runner.prepare(items)  # type: ignore[arg-type]
         try:
-            hidden = engine.runner.run(inputs, ComposedHooks(parts))
+            done = self.engine.forward(items, ComposedHooks(parts))
         except Exception:
             for part in parts:  # no load or send of this forward may outlive it
                 part.settle()
@@ -335,14 +369,11 @@ class PrefillWorker:
         hit = sum(job.num_hit_blocks * self.block_size for job, _ in batch if not job.loaded)
         self.max_forward_hit_tokens = max(self.max_forward_hit_tokens, hit)
         self.num_chunks += len(batch)
-        done = [(job, row) for (job, bsz), row in zip(batch, inputs.last_rows, strict=True)
-                if job.seq.num_computed_tokens + bsz == job.seq.num_tokens]  # type: ignore[union-attr]
         for job, bsz in batch:
-            job.seq.num_computed_tokens += bsz  # type: ignore[union-attr]
             job.loaded = True
             job.num_computed_tokens += bsz
             self.num_computed_tokens += bsz
-        return self._complete(done, hidden) if done else []
+        return self._complete(batch, done) if done.seqs else []
 
     def _hooks(self, job: _Job, bsz: int) -> PrefillHooks:
         msg, seq = job.msg, job.seq
@@ -361,19 +392,16 @@ class PrefillWorker:
                          num_pe_read_blocks=job.num_pe_read_blocks)
         return PrefillHooks(plan, self.engine.runner.cache, self.traffic, self.host_pool)
 
-    def _complete(self, done: list[tuple[_Job, int]], hidden) -> list[Message]:
-        engine = self.engine
-        seqs = [job.seq for job, _ in done]
-        logits = engine.runner.logits(hidden[[row for _, row in done]], fp32=False)
-        tokens = engine.sampler.sample(logits, [s.params for s in seqs],  # type: ignore[union-attr]
-                                       [s.seq_id for s in seqs],  # type: ignore[union-attr]
-                                       # the first output token (of this attempt)
-                                       num_outputs=[job.msg.num_prior_outputs for job, _ in done])
+    def _complete(self, batch: list[tuple[_Job, int]], done: Forwarded) -> list[Message]:
+        """Sample the first token of the batch's requests computed to their end (this
+        attempt's first output token) and answer ``Prefilled`` for each."""
+        jobs = {id(job.seq): job for job, _ in batch}
+        tokens = self.engine.sample(done)
         out: list[Message] = []
-        for (job, _), token in zip(done, tokens, strict=True):
-            assert job.seq is not None
-            engine.sampler.release(job.seq.seq_id)
-            self._runs.give_back(job.seq.block_table)
+        for seq, token in zip(done.seqs, tokens, strict=True):
+            job = jobs[id(seq)]
+            self.engine.sampler.release(seq.seq_id)
+            self._runs.give_back(seq.block_table)
             self.host_pool.free(job.slots)
             self._jobs.remove(job)
             self.num_prefilled += 1

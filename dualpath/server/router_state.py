@@ -60,14 +60,12 @@ from dualpath.server.router_types import (
     EngineState,
     Holds,
     Load,
-    Mode,
-    Phase,
-    ReadPath,
     RequestAborted,
     RequestFailed,
     RequestState,
     timeline,
 )
+from dualpath.vocab import Mode, Phase, PrefillMode, ReadPath, Role
 
 MAX_ATTEMPTS = 4  # placements of one request before an engine problem fails it
 UNSEEN_BEATS = 3  # heartbeats of a live engine not listing a request it should hold
@@ -344,10 +342,9 @@ class RouterState:
             req.num_hit_blocks = msg.num_loaded_blocks
         req.phase = Phase.PREFILLING
         req.marks["buffer_ready"] = self._now_s
-        p, de = req.params, self.engines[req.de].info
+        de = self.engines[req.de].info
         out.send(req.pe, Prefill(req.wire_id, req.kv_ids, req.num_hit_blocks, req.path,
-                                 de.endpoint, msg.buffer_addr, _pe_mode(req.mode),
-                                 p.temperature, p.top_p, p.seed,
+                                 de.endpoint, msg.buffer_addr, PrefillMode.of(req.mode), req.params,
                                  num_pe_read_blocks=req.num_pe_read_blocks,
                                  num_prior_outputs=req.num_prior_outputs,
                                  cache_salt=req.cache_salt))
@@ -364,13 +361,10 @@ class RouterState:
         de.buffer_blocks -= h.de_buffer_blocks  # the DE frees the buffer as decoding starts
         h.pe_load, h.pe_pool_blocks, h.de_buffer_blocks = False, 0, 0
         req.phase = Phase.DECODING
-        p = req.params
-        out.send(req.de, Decode(req.wire_id, req.kv_ids, msg.first_token, msg.num_hit_blocks,
-                                p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos,
-                                oracle=req.mode == Mode.ORACLE, stop=p.stop,
-                                min_tokens=p.min_tokens,
-                                num_prior_outputs=req.num_prior_outputs,
-                                cache_salt=req.cache_salt))
+        # the tokens and the salt went to this DE in its AllocBuffer
+        out.send(req.de, Decode(req.wire_id, msg.first_token, msg.num_hit_blocks, req.params,
+                                oracle=req.mode == Mode.ORACLE,
+                                num_prior_outputs=req.num_prior_outputs))
         if not req.num_prior_outputs:  # a moved stream's DE streams it (or drops it)
             self._stream(req, 0, (msg.first_token,), out)  # the time to first token ends here
 
@@ -405,7 +399,7 @@ class RouterState:
         if not len(self.scheduler) or not self.engines:
             return
         roles = {e.info.role for e in self.engines.values()}
-        if roles != {"prefill", "decode"}:
+        if roles != set(Role):
             return
         for assignment in self.scheduler.schedule(self.view()):
             self._dispatch(self.requests[assignment.req_id], assignment, out)
@@ -602,8 +596,3 @@ class RouterState:
 def _count(load: Load, req: RequestState, sign: int) -> None:
     load.seq += sign
     load.tok += sign * len(req.kv_ids)
-
-
-def _pe_mode(mode: Mode) -> str:
-    """What the PE does with the KV: all at once (basic), per layer, or nothing (oracle)."""
-    return {Mode.BASIC: "basic", Mode.ORACLE: "oracle"}.get(mode, "layerwise")

@@ -73,8 +73,8 @@ class _Cluster:
         (ready,) = self.de.alloc_buffer(AllocBuffer(req_id, tuple(prompt), n, 0))
         assert isinstance(ready, BufferReady)
         _fill_buffer(self.de, ready, kv)
-        assert self.de.start_decode(Decode(req_id, tuple(prompt), first_token, 0, max_tokens,
-                                           0.0, 1.0, None, True)) == []
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        assert self.de.start_decode(Decode(req_id, first_token, 0, params)) == []
 
     def run(self, until, timeout_s: float = 30.0) -> list:
         out = []

@@ -74,12 +74,12 @@ def test_a_request_still_reading_is_passed_over(worker):
     w.accept(_prefill(1, mode="layerwise", read_path="pe", num_hit_blocks=2))  # reads 2 blocks
     w.accept(_prefill(2))
     assert len(store.reads) == 1 and not store.reads[0].done()
-    assert w.has_ready_job, "the oracle request behind the read is ready, the PE must not idle"
+    assert w.has_work, "the oracle request behind the read is ready, the PE must not idle"
     assert _prefilled(w.run_next()) == [2]
     assert w.held_requests() == (1,)
-    assert not w.has_ready_job  # only the request still reading is left
+    assert not w.has_work  # only the request still reading is left
     store.finish()
-    assert w.has_ready_job
+    assert w.has_work
 
 
 def test_requests_are_computed_in_placement_order(worker):
@@ -90,7 +90,7 @@ def test_requests_are_computed_in_placement_order(worker):
         w.accept(_prefill(req_id))
     assert w.held_requests() == (4, 5, 7)
     order = []
-    while w.has_ready_job:
+    while w.has_work:
         order += _prefilled(w.run_next())
     assert order == [4, 5, 7]
 

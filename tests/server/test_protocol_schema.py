@@ -14,14 +14,17 @@ from hypothesis import strategies as st
 
 from dualpath.protocol import (
     _TYPES,
+    Decode,
     Heartbeat,
     Hello,
     Join,
+    Prefill,
     ProtocolError,
     Tokens,
     decode,
     encode,
 )
+from dualpath.request import SamplingParams
 
 
 def _frame(**fields) -> bytes:
@@ -66,6 +69,52 @@ def test_well_formed_frames_decode_as_before():
                          read_queue_tokens=0, loop_age_s=2)).loop_age_s == 2
 
 
+def _decode_frame(**params) -> bytes:
+    return _frame(type="decode", req_id=1, first_token=2, num_stored_blocks=0, params=params)
+
+
+@pytest.mark.parametrize("frame", [
+    _frame(type="decode", req_id=1, first_token=2, num_stored_blocks=0, params="greedy"),
+    _frame(type="decode", req_id=1, first_token=2, num_stored_blocks=0, params=[4, 0.0]),
+    _frame(type="decode", req_id=1, first_token=2, num_stored_blocks=0),  # no params
+    _decode_frame(temperature="hot"),
+    _decode_frame(temperature=math.inf),
+    _decode_frame(temperature=-1.0),
+    _decode_frame(max_tokens=True),  # a bool is not a count
+    _decode_frame(max_tokens=0),  # SamplingParams' own check: at least one token
+    _decode_frame(top_p=0.0),  # ... top_p in (0, 1]
+    _decode_frame(min_tokens=9, max_tokens=4),
+    _decode_frame(seed=1.5),
+    _decode_frame(stop=["ok", 7]),
+    _decode_frame(stop="ok"),  # one string is not an array of them
+    _decode_frame(stop=[""]),
+    _decode_frame(ignore_eos=1),
+    _decode_frame(max_tokens=4, pickle="cos\nsystem"),  # a field SamplingParams does not have
+    msgpack.packb({"type": "decode", "req_id": 1, "first_token": 2, "num_stored_blocks": 0,
+                   "params": {b"max_tokens": 4}}, use_bin_type=True),  # a bytes key
+    _frame(type="prefill", req_id=1, prompt_ids=[1, 2], num_hit_blocks=0, read_path="pe",
+           de_endpoint="e", de_buffer_addr=0, params={"top_p": "all"}),
+    _frame(type="prefill", req_id=1, prompt_ids=[1, 2], num_hit_blocks=0, read_path="pe",
+           de_endpoint="e", de_buffer_addr=0, params={"seed": None, "temperature": math.nan}),
+])
+def test_malformed_nested_sampling_params_are_a_protocol_error(frame):
+    with pytest.raises(ProtocolError):
+        decode(frame)
+
+
+def test_sampling_params_cross_the_wire_as_one_nested_record():
+    params = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, seed=-3, stop=("\n\n",),
+                            ignore_eos=True, min_tokens=2)
+    for message in (Prefill(4, (1, 2, 3), 0, "de", "ep", 4096, "layerwise", params),
+                    Decode(4, 17, 1, params, num_prior_outputs=2)):
+        back = decode(encode(message))
+        assert back == message and isinstance(back.params, SamplingParams)
+    raw = msgpack.unpackb(encode(Decode(4, 17, 1, params)))
+    assert raw["params"]["seed"] == -3 and "prompt_ids" not in raw  # the DE has the tokens
+    # a peer may leave out what has a default: the record's defaults stand in
+    assert decode(_decode_frame(max_tokens=4)).params == SamplingParams(max_tokens=4)
+
+
 _VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
     | st.binary(max_size=8),
@@ -77,6 +126,7 @@ _VALUES = st.recursive(
 @settings(max_examples=400, deadline=None)
 @given(st.sampled_from(sorted(_TYPES)), st.dictionaries(
     st.sampled_from(["req_id", "name", "role", "node_id", "endpoint", "items", "output_ids",
+                     "params", "num_stored_blocks", "prompt_ids",
                      "finish_reason", "error", "running", "values", "free_kv_blocks",
                      "free_host_slots", "read_queue_tokens", "loop_age_s", "first_token",
                      "num_hit_blocks", "buffer_addr", "num_blocks", "num_loaded_blocks",

@@ -44,13 +44,11 @@ from dualpath.server.router_state import MAX_ATTEMPTS, RouterState
 from dualpath.server.router_types import (
     Capacity,
     ClusterOutput,
-    Mode,
-    Phase,
-    ReadPath,
     RequestAborted,
     RequestFailed,
     RequestState,
 )
+from dualpath.vocab import Mode, Phase, ReadPath
 
 BLOCK = 16
 STREAMED: dict[int, list[int]] = {}  # req_id -> tokens handed on in the current test
@@ -85,11 +83,13 @@ class EngineModel:
 
     def __init__(self) -> None:
         self.alive = {name for name, _, _ in ENGINES}
+        self.tokens: dict[int, tuple[int, ...]] = {}  # wire id -> an AllocBuffer's tokens
 
     def answer(self, engine: str, msg: Message) -> list[Message]:
         if engine not in self.alive:
             return []
-        if isinstance(msg, AllocBuffer):
+        if isinstance(msg, AllocBuffer):  # a DE keeps the tokens for the Decode
+            self.tokens[msg.req_id] = msg.prompt_ids
             return [BufferReady(msg.req_id, 4096, msg.num_blocks, msg.num_read_blocks)]
         if isinstance(msg, Prefill):
             reads = msg.read_path in ("pe", "split")
@@ -97,7 +97,8 @@ class EngineModel:
             computed = len(msg.prompt_ids) - msg.num_hit_blocks * BLOCK
             return [*read, Prefilled(msg.req_id, 7, msg.num_hit_blocks, computed)]
         if isinstance(msg, Decode):  # a moved stream's outputs start with the prior ones
-            prior = msg.prompt_ids[len(msg.prompt_ids) - msg.num_prior_outputs:]
+            tokens = self.tokens.pop(msg.req_id)
+            prior = tokens[len(tokens) - msg.num_prior_outputs:]
             outputs = (*prior, msg.first_token, 8, 9)
             first = msg.num_prior_outputs or 1  # the router streamed the first one itself
             return [Tokens(((msg.req_id, first, outputs[first:-1]),)),
@@ -219,8 +220,10 @@ def test_a_stream_whose_decode_engine_is_lost_moves_to_another_and_goes_on():
     assert alloc.prompt_ids == req.kv_ids and alloc.num_blocks == 3
     while sends:
         engine, msg = sends.pop(0)
-        if isinstance(msg, Prefill | Decode):
+        if isinstance(msg, Prefill):
             assert msg.prompt_ids == req.kv_ids and msg.num_prior_outputs == 1
+        if isinstance(msg, Decode):  # its DE has the tokens from the AllocBuffer
+            assert msg.num_prior_outputs == 1 and msg.params == req.params
         for reply in model.answer(engine, msg):
             apply(state.on_message(engine, reply, 0.0), done, sends, state)
     out = done[1]
