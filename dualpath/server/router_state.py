@@ -338,8 +338,8 @@ class RouterState:
             self._release_read(req)
         elif req.path == ReadPath.SPLIT:
             self._release_de_read(req)
-        if req.path != ReadPath.PE and req.reads:
-            req.num_hit_blocks = msg.num_loaded_blocks
+        if req.path != ReadPath.PE and req.reads:  # a DE loads no more than it was asked
+            req.num_hit_blocks = min(req.num_hit_blocks, msg.num_loaded_blocks)
         req.phase = Phase.PREFILLING
         req.marks["buffer_ready"] = self._now_s
         de = self.engines[req.de].info
