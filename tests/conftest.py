@@ -117,7 +117,7 @@ def tiny_deep_dir(tmp_path_factory) -> Path:
 
 
 # The real traces are found only through DUALPATH_TRACES_DIR
-# (dualpath.workloads.sim_traces.trace_dir);
+# (dualpath.workloads.trace_files.trace_dir);
 # point it at <repo>/../shared/traces, where this dev checkout and CI keep them, unless the
 # caller chose a folder. It is set even when that folder is absent, so that modules calling
 # trace_dir() at import still load and the tests needing the traces skip on the missing folder.

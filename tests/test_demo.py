@@ -18,7 +18,7 @@ from dualpath.workloads.demo import (
     scale_session,
     select_sessions,
 )
-from dualpath.workloads.presets import Turn
+from dualpath.workloads.turns import Turn
 
 
 def test_excerpt_ships_in_the_package_with_its_license():

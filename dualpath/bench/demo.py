@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -44,7 +44,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from dualpath.bench.cluster import COMPUTE_PER_STORAGE, AgentTurn, run_turns, testbed_config
+from dualpath.bench.cluster import COMPUTE_PER_STORAGE, testbed_config
 from dualpath.bench.demo_report import (
     minus_reads,
     node_reads,
@@ -52,11 +52,18 @@ from dualpath.bench.demo_report import (
     summarize,
     warn_if_misleading,
 )
+from dualpath.bench.replay import run_turns
 from dualpath.bench.report import bar_chart, cpu_model, machine_profile, write_json
+from dualpath.commands.args import add_device_argument, names, optional
 from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
 from dualpath.server.launch import LocalCluster
+from dualpath.vocab import Mode
 from dualpath.workloads.demo import DemoSession, load_demo_trace
+from dualpath.workloads.turns import AgentTurn
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,33 @@ class DemoOptions:
     json_path: str | None = "results/demo.json"  # a PNG of the JCTs is written beside it
     work_dir: str | None = None  # store and logs; default: a temporary folder, removed after
     trace_path: str | None = None  # a demo trace file instead of the shipped excerpt
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The ``dualpath demo`` options: fields of :class:`DemoOptions`."""
+    parser.add_argument("--read-cap-mb-s", type=float, default=16.0,
+                        help="storage NIC read cap per node (default 16: basic storage-bound)")
+    parser.add_argument("--compute-cap-mb-s", type=float, default=None,
+                        help="compute NIC cap per engine (default 8x the storage cap)")
+    parser.add_argument("--sessions", type=int, default=None, help="first N sessions only")
+    parser.add_argument("--turns", type=int, default=None, help="first N turns of each")
+    parser.add_argument("--modes", type=names, default=("basic", "dualpath"),
+                        help="comma-separated (default basic,dualpath)")
+    parser.add_argument("--json", dest="json_path", type=optional, default="results/demo.json",
+                        help="results (+ PNG beside; '' for none)")
+    parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
+    parser.add_argument("--dtype", default="float32", help="compute and KV dtype (default "
+                        "float32: faster than bf16 on CPUs without native bf16)")
+    parser.add_argument("--block-size", type=int, default=64)
+    add_device_argument(parser, "auto")
+    parser.add_argument("--dir", dest="work_dir", default=None,
+                        help="work folder, kept (default: temporary)")
+
+
+def run(options: DemoOptions) -> int:
+    """``dualpath demo``."""
+    run_demo(options)
+    return 0
 
 
 def warmup_turns(vocab: int, block_size: int, seed: int) -> list[list[AgentTurn]]:
@@ -250,8 +284,8 @@ def _result(options: DemoOptions, header: dict[str, Any], sessions: list[DemoSes
     summary: dict[str, Any] = {"jct_s": jct,
                                "mean_ttft_s": {m: s["mean_ttft_s"] for m, s in modes.items()},
                                "hit_rate": {m: s["hit_rate"] for m, s in modes.items()}}
-    if "basic" in jct and "dualpath" in jct:
-        summary["dualpath_speedup"] = jct["basic"] / jct["dualpath"]
+    if Mode.BASIC in jct and Mode.DUALPATH in jct:
+        summary["dualpath_speedup"] = jct[Mode.BASIC] / jct[Mode.DUALPATH]
     for r in rows:
         r["records"] = [[asdict(t) for t in recs] for recs in r["records"]]
         del r["contexts"]

@@ -23,7 +23,6 @@ and the largest growth; ``ok`` when there was no error and no process grew more 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -38,7 +37,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2
 import numpy as np
@@ -49,8 +48,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dualpath.bench.agents.http import HttpTurnRecord, open_client, run_agent_http
-from dualpath.bench.cluster import AgentTurn
 from dualpath.errors import DualPathError
+from dualpath.workloads.turns import AgentTurn
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 PERCENTILES = (50, 90, 99)
 ERROR_PAUSE_S = 1.0  # an agent whose turn failed waits this long before a fresh trajectory
@@ -536,14 +538,13 @@ def _run_with_progress(server: ServeProcess, model: str, settings: SoakSettings,
         return asyncio.run(run_load(server, model, settings, vocab, tick))
 
 
-def parse_args(argv: list[str] | None = None) -> SoakSettings:
-    """The command line as :class:`SoakSettings`."""
+def add_arguments(p: ArgumentParser) -> None:
+    """The options: fields of :class:`SoakSettings`."""
     d = SoakSettings()
-    p = argparse.ArgumentParser(prog="python -m dualpath.bench.soak", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agents", type=int, default=d.agents, help="concurrent agents (100)")
     p.add_argument("--duration-s", type=float, default=d.duration_s, help="run length (600)")
-    p.add_argument("--json", default=d.json_path, help="report path (PNG beside it)")
+    p.add_argument("--json", dest="json_path", default=d.json_path,
+                   help="report path (PNG beside it)")
     p.add_argument("--model", default=d.model, help="HF model folder (default: SmolLM2)")
     p.add_argument("--prefill", type=int, default=d.prefill, help="prefill engines (1)")
     p.add_argument("--decode", type=int, default=d.decode, help="decode engines (2)")
@@ -561,26 +562,24 @@ def parse_args(argv: list[str] | None = None) -> SoakSettings:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--set", dest="serve_sets", action="append", default=[],
                    metavar="KEY=VALUE", help="passed to dualpath serve --set (repeatable)")
-    a = p.parse_args(argv)
-    return SoakSettings(
-        agents=a.agents, duration_s=a.duration_s, model=a.model, json_path=a.json,
-        prefill=a.prefill, decode=a.decode, first_tokens=a.first_tokens,
-        append_tokens=a.append_tokens, gen_tokens=a.gen_tokens,
-        max_context_tokens=a.max_context_tokens, sample_s=a.sample_s,
-        warmup_fraction=a.warmup_fraction, max_rss_growth=a.max_rss_growth, drain_s=a.drain_s,
-        seed=a.seed, serve_sets=tuple(a.serve_sets))
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(options: SoakSettings) -> int:
     """Run a soak; 0 when ok, 1 when not, 2 when it could not run."""
     console = Console()
     try:
-        settings = parse_args(argv)
-        report = run_soak(settings, console)
+        report = run_soak(options, console)
     except (DualPathError, ValueError) as exc:
         console.print(f"[red]soak: {exc}[/red]")
         return 2
     return 0 if report["summary"]["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dualpath.bench.soak`` is ``dualpath bench soak``."""
+    from dualpath.cli import main as cli_main
+
+    return cli_main(["bench", "soak", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -67,7 +67,9 @@ from dualpath.sim.events import EventLoop
 from dualpath.sim.hops import Hops
 from dualpath.sim.links import DuplexNic, LockstepGroup, RateGroup
 from dualpath.sim.reads import StorageReads
-from dualpath.workloads.presets import Turn, agent_trajectories, arrival_times
+from dualpath.vocab import Mode, ReadPath, Rung
+from dualpath.workloads.presets import agent_trajectories, arrival_times
+from dualpath.workloads.turns import Turn
 
 Batch = list[tuple[int, int, int]]
 
@@ -182,10 +184,9 @@ class Simulator:
         cfg = self.cfg
         read_tok_s = cfg.hw().snic_bps * cfg.storage_eff / self.kvb
         prompt_tok_s = self._prompt_tokens_per_s()
-        policy = "round_robin" if cfg.mode == "round_robin" else "dualpath"
-        path = "pe" if cfg.mode in ("basic", "layerwise") else "auto"
+        path = ReadPath.PE if cfg.mode.mode in (Mode.BASIC, Mode.LAYERWISE) else ReadPath.AUTO
         return SchedulerParams.from_rates(read_tok_s, prompt_tok_s, cfg.alpha_s, cfg.beta_s,
-                                          policy=policy, read_path=path)
+                                          policy=cfg.mode.policy, read_path=path)
 
     def _prompt_tokens_per_s(self) -> float:
         """Prompt tokens (hit included) one PE gets through per second at the workload's mean
@@ -242,14 +243,14 @@ class Simulator:
         assert isinstance(pe, PrefillEngine) and isinstance(de, DecodeEngine)
         pe.assign(turn.prompt)
         de.reserve(turn.prompt, turn.gen)
-        if self.cfg.mode == "oracle" or turn.hit == 0:
+        if self.cfg.mode == Rung.ORACLE or turn.hit == 0:
             self._ready(pe, Job(rid, turn, de))
             return
         if pe_read:
             self.reads["pe"] += 1
         if de_read:
             self.reads["de"] += 1
-        if self.cfg.mode == "basic":  # the whole KV must be in PE HBM before the forward
+        if self.cfg.mode == Rung.BASIC:  # the whole KV must be in PE HBM before the forward
             self.storage.queue(pe.node, pe_read)
             if self.cfg.basic_prefetch:
                 pe.admit.append(Job(rid, turn, de, hbm=turn.prompt, h2d_pe=pe_read))
@@ -369,7 +370,7 @@ class Simulator:
         # the PE's NIC sends the KV of the requests its forward finished together, so they
         # share it and arrive together (as flows started at once do), not one after another
         sent = sum(job.turn.prompt - job.de_holds for job in finished)
-        sent_at = (self.loop.now if self.cfg.mode == "oracle"
+        sent_at = (self.loop.now if self.cfg.mode == Rung.ORACLE
                    else self.hops.send(pe, sent, self.loop.now))
         for job in finished:
             pe.finish(job.turn.prompt)
@@ -385,7 +386,7 @@ class Simulator:
 
         def start() -> None:
             self._decode(rid, de, turn)
-        if self.cfg.mode == "oracle":
+        if self.cfg.mode == Rung.ORACLE:
             start()
             return
         end = max(sent_at, self.hops.receive(de, turn.prompt - de_holds, turn.prompt,
@@ -419,7 +420,7 @@ class Simulator:
         de.release(turn.prompt, turn.gen)
         agent = self.req_agent.pop(rid)
         traj, nxt = self.trajs[agent], self.agent_turn[agent] + 1
-        if self.cfg.mode != "oracle" and nxt < len(traj):  # what the next turn reads anew
+        if self.cfg.mode != Rung.ORACLE and nxt < len(traj):  # what the next turn reads anew
             self.hops.save(de, traj[nxt].hit - turn.hit, self.loop.now)
         if self.online:
             submit, prefilled, decode_start = self._times.pop(rid)

@@ -1,21 +1,93 @@
-"""``dualpath sim`` and ``dualpath plan``: run presets / plan P/D ratios, print tables and,
-with ``--json``, write the full result (and a PNG figure beside it)."""
+"""``dualpath sim``: run a preset, print tables and, with ``--json``, write the full result (and
+a PNG figure beside it). ``dualpath plan`` (``sim/plan_command.py``) shares the printing."""
 
 from __future__ import annotations
 
-import argparse
 import json
-from dataclasses import replace
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dualpath.sim.config import SimConfig
-from dualpath.sim.planner import plan
 from dualpath.sim.presets import DS660B, DS660B_QUOTA_ALL, run_preset
-from dualpath.sim.profiles import GB, HardwareProfile, get_hardware, get_model
 
 if TYPE_CHECKING:
+    from argparse import ArgumentParser
+
     from rich.console import Console
+
+PRESETS = ("paper-fig7", "paper-ablation", "paper-scale", "paper-online", "testbed")
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """The ``dualpath sim`` command line (see :func:`add_arguments`)."""
+
+    preset: str
+    json: str | None = None
+    agents: str | None = None
+    aps: str | None = None
+    workload: str | None = None
+    trace_dir: str | None = None
+    testbed: str | None = None
+    real: str | None = None
+    baseline_batcher: str | None = None
+    read_queue: str | None = None
+    token_budget: int | None = None
+    storage_eff: float | None = None
+    basic_prefetch: bool = False
+    lengths: str | None = None
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`SimOptions`."""
+    parser.add_argument("--preset", required=True, choices=PRESETS)
+    parser.add_argument("--json", default=None,
+                        help="write the full result as JSON here, a PNG figure beside it "
+                        "(the terminal gets tables of the main numbers)")
+    parser.add_argument("--agents", default=None, help="comma-separated agent counts (fig7, "
+                        "ablation)")
+    parser.add_argument("--aps", default=None, help="comma-separated agents/s (online)")
+    parser.add_argument("--workload", default=None,
+                        help="32k, 48k, 64k (PAPER Table 2), tiny (testbed scale) or a real "
+                        "trace: weka, mooncake (default: 64k; tiny for the testbed preset)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="the traces folder for --workload weka/mooncake (default: "
+                        "$DUALPATH_TRACES_DIR)")
+    parser.add_argument("--testbed", default=None,
+                        help="profile JSON from dualpath profile (the testbed preset)")
+    parser.add_argument("--real", default=None, help="testbed: a dualpath bench cluster JSON "
+                        "to compare the predicted dualpath/basic JCT ratio with")
+    parser.add_argument("--baseline-batcher", default=None, choices=("stock", "quota"),
+                        help="paper presets: how basic, layerwise and round_robin batch — the "
+                        "stock chunked prefill (default, the paper's definition) or DualPath's "
+                        "compute quota")
+    parser.add_argument("--read-queue", default=None, choices=("fifo", "shared"),
+                        help="paper presets: a node's storage reads one request at a time in "
+                        "FIFO order (default) or all queued reads sharing the NIC")
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="paper presets: new tokens per PE forward of the stock batcher "
+                        "(default 8192)")
+    parser.add_argument("--storage-eff", type=float, default=None,
+                        help="paper presets: storage goodput as a fraction of the storage "
+                        "NIC's line rate (default 0.8, 3FS's published peak)")
+    parser.add_argument("--basic-prefetch", action="store_true",
+                        help="paper presets: basic reads KV into PE HBM ahead of its forward as "
+                        "far as HBM allows, instead of reading each forward's KV before it")
+    parser.add_argument("--lengths", default=None, choices=("same", "varied"),
+                        help="paper presets: every agent replays one trajectory (default) or "
+                        "trajectories of varied length with Table 2's means")
+
+
+def run(options: SimOptions) -> int:
+    """``dualpath sim``."""
+    from dualpath.workloads.trace_files import ENV_DIR
+
+    if options.trace_dir:  # where the weka and mooncake workloads are read from
+        os.environ[ENV_DIR] = options.trace_dir
+    run_sim(options)
+    return 0
 
 
 def _write(path: str | None, result: dict[str, Any]) -> None:
@@ -62,64 +134,64 @@ PAPER_OPTIONS = ("baseline_batcher", "read_queue", "token_budget", "storage_eff"
                  "basic_prefetch", "lengths")
 
 
-def _paper_base(args: argparse.Namespace) -> SimConfig | None:
+def _paper_base(options: SimOptions) -> SimConfig | None:
     """The DS 660B configuration with the :data:`PAPER_OPTIONS` given applied (``None`` when
     none is given: the presets' own base)."""
-    given = [o for o in PAPER_OPTIONS if getattr(args, o) is not None
-             and getattr(args, o) is not False]  # `is`: a --token-budget of 0 is given
+    given = [o for o in PAPER_OPTIONS if getattr(options, o) is not None
+             and getattr(options, o) is not False]  # `is`: a --token-budget of 0 is given
     if not given:
         return None
-    if args.preset == "testbed":
+    if options.preset == "testbed":
         flags = ", ".join("--" + o.replace("_", "-") for o in given)
         raise ValueError(f"{flags}: these options apply to the paper presets")
-    base = DS660B_QUOTA_ALL if args.baseline_batcher == "quota" else DS660B
-    if args.read_queue == "shared":
+    base = DS660B_QUOTA_ALL if options.baseline_batcher == "quota" else DS660B
+    if options.read_queue == "shared":
         base = replace(base, read_streams=None)
-    if args.token_budget is not None:
-        if args.token_budget <= 0:
-            raise ValueError(f"--token-budget must be positive, got {args.token_budget}")
-        base = replace(base, token_budget=args.token_budget)
-    if args.storage_eff is not None:
-        if not 0 < args.storage_eff <= 1:
-            raise ValueError(f"--storage-eff must be in (0, 1], got {args.storage_eff}")
-        base = replace(base, storage_eff=args.storage_eff)
-    if args.basic_prefetch:
+    if options.token_budget is not None:
+        if options.token_budget <= 0:
+            raise ValueError(f"--token-budget must be positive, got {options.token_budget}")
+        base = replace(base, token_budget=options.token_budget)
+    if options.storage_eff is not None:
+        if not 0 < options.storage_eff <= 1:
+            raise ValueError(f"--storage-eff must be in (0, 1], got {options.storage_eff}")
+        base = replace(base, storage_eff=options.storage_eff)
+    if options.basic_prefetch:
         base = replace(base, basic_prefetch=True)
-    if args.lengths:
-        base = replace(base, workload=replace(base.workload, lengths=args.lengths))
+    if options.lengths:
+        base = replace(base, workload=replace(base.workload, lengths=options.lengths))
     return base
 
 
-def run_sim(args: argparse.Namespace) -> dict[str, Any]:
-    """Run ``args.preset`` with a rich progress bar; print its tables and, with ``--json``,
+def run_sim(options: SimOptions) -> dict[str, Any]:
+    """Run ``options.preset`` with a rich progress bar; print its tables and, with ``--json``,
     write the result."""
     from rich.progress import Progress
 
     from dualpath.sim.report import sim_tables
 
     kwargs: dict[str, Any] = {}
-    if args.workload:
-        kwargs["workload"] = args.workload
-    if (args.preset == "testbed") != bool(args.testbed):
+    if options.workload:
+        kwargs["workload"] = options.workload
+    if (options.preset == "testbed") != bool(options.testbed):
         raise ValueError("--testbed PROFILE.json goes with --preset testbed (and only with it)")
-    if args.testbed:
-        kwargs["profile"] = args.testbed
-    if args.real:
-        if args.preset != "testbed":
+    if options.testbed:
+        kwargs["profile"] = options.testbed
+    if options.real:
+        if options.preset != "testbed":
             raise ValueError("--real goes with --preset testbed")
-        kwargs["real"] = args.real
-    base = _paper_base(args)
+        kwargs["real"] = options.real
+    base = _paper_base(options)
     if base is not None:
         kwargs["base"] = base
-    if args.agents and args.preset not in ("paper-fig7", "paper-ablation", "testbed"):
-        raise ValueError(f"--agents applies to paper-fig7 and paper-ablation, not {args.preset}")
-    if args.aps and args.preset != "paper-online":
-        raise ValueError(f"--aps applies to paper-online, not {args.preset}")
+    if options.agents and options.preset not in ("paper-fig7", "paper-ablation", "testbed"):
+        raise ValueError(f"--agents applies to paper-fig7 and paper-ablation, not {options.preset}")
+    if options.aps and options.preset != "paper-online":
+        raise ValueError(f"--aps applies to paper-online, not {options.preset}")
     try:
-        if args.agents:
-            kwargs["agents"] = tuple(int(a) for a in args.agents.split(","))
-        if args.aps:
-            kwargs["aps"] = tuple(float(a) for a in args.aps.split(","))
+        if options.agents:
+            kwargs["agents"] = tuple(int(a) for a in options.agents.split(","))
+        if options.aps:
+            kwargs["aps"] = tuple(float(a) for a in options.aps.split(","))
     except ValueError as exc:
         raise ValueError(f"--agents/--aps must be comma-separated numbers: {exc}") from None
     with Progress(transient=True) as bar:
@@ -130,62 +202,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
                 tasks[label] = bar.add_task(label, total=total)
             bar.update(tasks[label], completed=done)
 
-        result = run_preset(args.preset, progress=progress, **kwargs)
-    _write(args.json, result)
-    _print(_console(), sim_tables(result), args.json)
-    return result
-
-
-# ``dualpath plan`` what-if options (GB/s) and the hardware fields they replace (bytes/s)
-WHAT_IF_BANDWIDTHS = {"dram_gbps": "dram_bps", "snic_gbps": "snic_bps", "cnic_gbps": "cnic_bps"}
-
-
-def _hardware(args: argparse.Namespace) -> HardwareProfile:
-    """``--hardware`` with the :data:`WHAT_IF_BANDWIDTHS` given put in (named ``name*``)."""
-    hw = get_hardware(args.hardware)
-    changes = {}
-    for option, field in WHAT_IF_BANDWIDTHS.items():
-        gbps = getattr(args, option)
-        if gbps is None:
-            continue
-        if not gbps > 0:
-            raise ValueError(f"--{option.replace('_', '-')} must be positive, got {gbps}")
-        changes[field] = gbps * GB
-    return replace(hw, name=f"{hw.name}*", **changes) if changes else hw
-
-
-def run_plan(args: argparse.Namespace) -> dict[str, Any]:
-    """Eq. (9) range for ``--hardware`` and a table of candidates; with ``--workload``,
-    simulated JCT per candidate."""
-    from dualpath.sim.cluster import simulate
-    from dualpath.sim.report import plan_range_line, plan_table
-    from dualpath.workloads.presets import WorkloadConfig
-
-    hw = _hardware(args)
-    get_model(args.model)
-    sim = None
-
-    def fits(p: int, d: int) -> bool:
-        cfg = replace(DS660B, model=args.model, hardware=hw, prefill_nodes=p,
-                      decode_nodes=d, kv_bytes_per_token=None, hbm_kv_bytes_per_token=None)
-        try:
-            cfg.kv_capacity_tokens(min(p, d))
-        except ValueError:
-            return False
-        return True
-    if args.workload:
-        base = replace(DS660B, model=args.model, hardware=hw,
-                       kv_bytes_per_token=DS660B.kv_bytes_per_token
-                       if args.model == "ds660b" else None,
-                       hbm_kv_bytes_per_token=DS660B.hbm_kv_bytes_per_token
-                       if args.model == "ds660b" else None)
-
-        def sim(p: int, d: int) -> float:
-            cfg = replace(base, prefill_nodes=p, decode_nodes=d, mode="dualpath",
-                          workload=WorkloadConfig(args.workload, agents=args.agents))
-            return float(simulate(cfg)["jct_s"])  # plan() only asks for pairs that fit
-    result = plan(hw, args.max_nodes, sim, fits, beyond=args.beyond)
-    result["model"] = args.model
-    _write(args.json, result)
-    _print(_console(), [plan_table(result)], args.json, (plan_range_line(result),))
+        result = run_preset(options.preset, progress=progress, **kwargs)
+    _write(options.json, result)
+    _print(_console(), sim_tables(result), options.json)
     return result

@@ -1,10 +1,10 @@
 """Agent workloads for ``dualpath bench agents``, as token ids, one schema with the simulator.
 
-A :class:`Workload` is one list of :class:`~dualpath.bench.cluster.AgentTurn` per agent (the
-schema :func:`~dualpath.bench.cluster.run_turns` replays: keep the first ``keep`` tokens of the
+A :class:`Workload` is one list of :class:`~dualpath.workloads.turns.AgentTurn` per agent (the
+schema :func:`~dualpath.bench.replay.run_turns` replays: keep the first ``keep`` tokens of the
 context so far, i.e. the previous prompt and the tokens it generated, None keeping all, then
 append ``new``, generate exactly ``gen``). :meth:`Workload.sim_turns` gives the same workload
-as :class:`~dualpath.workloads.presets.Turn` lists for the simulator.
+as :class:`~dualpath.workloads.turns.Turn` lists for the simulator.
 
 **Hit rule** (:func:`agent_sim_turns`). An engine stores every full block of a sequence's KV,
 prompt and generated tokens alike (DESIGN §3.6), and the KV of a turn's last generated token is
@@ -43,22 +43,23 @@ its hash blocks (Weka's partial last block) drawn unique to the request, and gen
 prompt (at most one token short of its own length) and adds the rest as new tokens, so a
 compaction is just a shorter keep. A trajectory stops before its first turn whose prompt +
 gen exceeds ``max_context``; one whose first turn does is skipped (both reported in ``info``).
-``agents`` is the number of sessions (Weka) or conversations (Mooncake, grouped as in
-:mod:`dualpath.workloads.sim_traces`) taken in order; when the source has fewer, copies follow, each
-with its own token ids. Every trajectory has its own token scope (a Mooncake conversation
+``agents`` is the number of sessions (Weka) or conversations (Mooncake, grouped by
+:mod:`dualpath.workloads.mooncake`) taken in order; when the source has fewer, copies follow,
+each with its own token ids. Every trajectory has its own token scope (a Mooncake conversation
 too: conversations are grouped by their first hash id, so they share no prefix anyway), and
 its hash ids are relabelled by first appearance, so the shipped ``weka-sample`` gives its
 requests the very token ids the full archive gives them.
 
-**Sub-agents** (Weka). Skipped by default, as in the simulator's trace reader: they mostly ran
-on a smaller model, concurrently with their parent. With ``subagents=True`` each sub-agent
-listed before the parent's first dropped turn is an agent of its own, right after its parent,
-with its own token scope: sub-agents of one session do share their system prompt in the trace
-(trace_0010's four start at the same hash id), but with own scopes every agent's hits come
-from its own turns only, which is what :meth:`Workload.expected_hit_rate` counts.
+**Sub-agents** (Weka). The reader's one rule (:mod:`dualpath.workloads.weka`; the simulator
+applies it too): skipped by default, since they mostly ran on a smaller model, concurrently
+with their parent. With ``subagents=True`` each sub-agent listed before the parent's first
+dropped turn is an agent of its own, right after its parent, with its own token scope:
+sub-agents of one session do share their system prompt in the trace (trace_0010's four start
+at the same hash id), but with own scopes every agent's hits come from its own turns only,
+which is what :meth:`Workload.expected_hit_rate` counts.
 
 The trace folder is ``trace_dir`` or ``$DUALPATH_TRACES_DIR`` (nothing else is guessed). The
-trace machinery is in :mod:`dualpath.workloads.traces`, the shipped sample's format and
+trace machinery is in :mod:`dualpath.workloads.trace_tokens`, the shipped sample's format and
 maker in :mod:`dualpath.workloads.sample`.
 """
 
@@ -71,18 +72,18 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from dualpath.bench.cluster import AgentTurn
-from dualpath.workloads.presets import PRESETS, TrajectoryPreset, Turn
+from dualpath.workloads.mooncake import mooncake_file
+from dualpath.workloads.presets import PRESETS, TrajectoryPreset
 from dualpath.workloads.sample import read_sample
-from dualpath.workloads.traces import (
+from dualpath.workloads.trace_files import traces_folder
+from dualpath.workloads.trace_tokens import (
     FIRST_TOKEN,
     WorkloadOptions,
     mooncake_agents,
-    mooncake_file,
-    traces_folder,
     weka_agents,
-    weka_source,
 )
+from dualpath.workloads.turns import AgentTurn, Turn
+from dualpath.workloads.weka import weka_source
 
 PRESET_NAMES = ("32k", "48k", "64k")
 TRACE_NAMES = ("weka", "weka-sample", "mooncake")

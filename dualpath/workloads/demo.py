@@ -34,7 +34,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dualpath.workloads.presets import Turn
+from dualpath.workloads.turns import Turn
 
 SCALE = 32  # divide the trace's token counts by this
 TURNS = 5  # leading top-level turns kept per session
@@ -149,12 +149,15 @@ def _manifest(folder: Path) -> dict[str, dict[str, str]]:
 
 def write_demo_trace(out: Path | None = None, root: Path | None = None) -> Path:
     """Remake the excerpt from ``shared/traces`` (or ``root``); returns the file written."""
-    from dualpath.workloads.sim_traces import trace_file, weka_sessions
+    from dualpath.workloads.sim_traces import chain_turns
+    from dualpath.workloads.trace_files import trace_file
+    from dualpath.workloads.weka import weka_members, weka_sessions
 
     archive = trace_file("weka", root)
     manifest = _manifest(archive.parent)
-    stream = weka_sessions(archive)
-    sessions = select_sessions(stream)
+    stream = weka_sessions(weka_members(archive), str(archive))
+    sessions = select_sessions((s.parent.name, chain_turns(s.parent.requests, s.parent.block))
+                               for s in stream)
     stream.close()
     out = out or Path(str(resources.files("dualpath.workloads.data").joinpath(DATA_FILE)))
     data = {

@@ -31,6 +31,10 @@ import math
 import random
 from dataclasses import dataclass
 
+from dualpath.workloads.sim_traces import trace_trajectories
+from dualpath.workloads.trace_files import TRACES
+from dualpath.workloads.turns import Turn
+
 
 @dataclass(frozen=True)
 class TrajectoryPreset:
@@ -78,20 +82,6 @@ LENGTHS = ("same", "varied")
 
 
 @dataclass(frozen=True)
-class Turn:
-    """One turn of a trajectory, in tokens."""
-
-    prompt: int
-    hit: int
-    gen: int
-
-    @property
-    def miss(self) -> int:
-        """Tokens the prefill computes."""
-        return self.prompt - self.hit
-
-
-@dataclass(frozen=True)
 class WorkloadConfig:
     """``agents`` copies of a preset trajectory, all starting at t = 0 (offline)."""
 
@@ -105,6 +95,7 @@ class WorkloadConfig:
     max_context: int | None = None  # traces: cut a trajectory where it exceeds this
     aps: float | None = None  # online: agents arrive as a Poisson process (agents/s)
     lengths: str = "same"  # "same": one trajectory for all; "varied": see the module doc
+    subagents: bool = False  # weka: sub-agents as agents of their own (workloads/weka.py)
 
     def __post_init__(self) -> None:
         if self.lengths not in LENGTHS:
@@ -136,13 +127,12 @@ def trajectory(cfg: WorkloadConfig) -> list[Turn]:
 def agent_trajectories(cfg: WorkloadConfig) -> list[list[Turn]]:
     """One trajectory per agent: a Table 2 preset (every agent the same list) or a real trace
     (``weka``, ``mooncake``: :func:`dualpath.workloads.sim_traces.trace_trajectories`)."""
-    from dualpath.workloads.sim_traces import TRACES, trace_trajectories
-
     if cfg.lengths == "varied":
         return varied_trajectories(cfg)
     if cfg.preset in TRACES:
         return trace_trajectories(cfg.preset, cfg.agents, seed=cfg.seed,
-                                  block_size=cfg.block_size, max_context=cfg.max_context)
+                                  block_size=cfg.block_size, max_context=cfg.max_context,
+                                  subagents=cfg.subagents)
     one = trajectory(cfg)
     return [one] * cfg.agents
 

@@ -19,20 +19,24 @@ then stored as runs: a flat list ``[start, count, start, count, …]``. The load
 ids of each trajectory (a session's top-level requests, or one sub-agent's) by first appearance
 within it, so the kept requests get the very token ids the full archive gives them.
 
-Remake it with ``python -m dualpath.workloads.sample [--trace-dir DIR]``; the traces
+Remake it with ``dualpath workloads sample [--trace-dir DIR]``; the traces
 folder is ``DIR`` or ``$DUALPATH_TRACES_DIR``.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
+import sys
 import textwrap
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 SESSIONS = 16  # leading sessions of the archive kept
 TURNS = 12  # leading top-level requests kept per session (and requests per sub-agent)
@@ -161,7 +165,7 @@ def _manifest(folder: Path) -> dict[str, dict[str, str]]:
 
 def _first_sessions(archive: Path, count: int) -> Iterator[tuple[str, dict[str, Any]]]:
     """The first ``count`` members of a Weka archive (the rest is not read)."""
-    from dualpath.workloads.sim_traces import weka_members
+    from dualpath.workloads.weka import weka_members
 
     members = weka_members(archive)
     try:
@@ -176,7 +180,7 @@ def _first_sessions(archive: Path, count: int) -> Iterator[tuple[str, dict[str, 
 def write_sample(out: Path | None = None, root: Path | None = None) -> Path:
     """Remake the sample from the Weka archive under ``root`` (default: the traces folder of
     ``$DUALPATH_TRACES_DIR``) and its NOTICE in ``LICENSE-weka``; returns the file written."""
-    from dualpath.workloads.sim_traces import trace_file
+    from dualpath.workloads.trace_files import trace_file
 
     archive = trace_file("weka", root)
     manifest = _manifest(archive.parent)
@@ -253,16 +257,35 @@ def _with_notice(path: Path, notice: str, upstream: str) -> str:
     return (head + "\n\n" if head else "") + notice + "\n" + _SEPARATOR + "\n" + tail
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Remake the sample: ``python -m dualpath.workloads.sample [--trace-dir DIR]``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+@dataclass(frozen=True)
+class SampleOptions:
+    """``dualpath workloads sample``."""
+
+    trace_dir: Path | None = None
+    json: Path | None = None
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`SampleOptions`."""
     parser.add_argument("--trace-dir", type=Path, default=None,
                         help="folder holding weka-agentic-dev/ (default: $DUALPATH_TRACES_DIR)")
-    parser.add_argument("--out", type=Path, default=None, help="file to write (default: the "
+    parser.add_argument("--json", type=Path, default=None, help="file to write (default: the "
                         "package's dualpath/workloads/data/weka_sample.json)")
-    args = parser.parse_args(argv)
-    print(write_sample(args.out, args.trace_dir))
+
+
+def run(options: SampleOptions) -> int:
+    """Remake the sample; print where it went."""
+    print(write_sample(options.json, options.trace_dir))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Remake the sample: ``python -m dualpath.workloads.sample [--trace-dir DIR]`` is
+    ``dualpath workloads sample``."""
+    from dualpath.cli import main as cli_main
+
+    return cli_main(["workloads", "sample", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

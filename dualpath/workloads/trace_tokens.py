@@ -1,5 +1,6 @@
-"""Trace workloads for :mod:`dualpath.workloads.agents`: finding Weka and Mooncake traces and
-turning their requests into token-level agent turns (the rules are that module's doc).
+"""Trace workloads for :mod:`dualpath.workloads.agents`: recorded sessions (read by
+:mod:`dualpath.workloads.weka` and :mod:`dualpath.workloads.mooncake`) as token-level agent
+turns (the rules are that module's doc).
 
 Each trajectory (a Weka session's top-level requests, one sub-agent's, or a Mooncake
 conversation) has a token scope; its hash ids, relabelled 0, 1, … by first appearance in it,
@@ -9,19 +10,19 @@ become ``round(B / scale)`` seeded tokens each, drawn from (seed, scope, id).
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dualpath.bench.cluster import AgentTurn
-from dualpath.workloads import sim_traces as traces
+from dualpath.workloads.mooncake import MOONCAKE_BLOCK, mooncake_conversations
+from dualpath.workloads.sim_traces import chain_turns
+from dualpath.workloads.turns import AgentTurn, Session, Trajectory
+from dualpath.workloads.weka import WEKA_BLOCK, weka_sessions
 
 FIRST_TOKEN = 3  # lowest token id drawn (ids below are special tokens in common vocabularies)
 LISTED_MAX = 20  # names listed per info entry (skipped, cut); the counts are complete
-SUBAGENTS_SKIPPED = "skipped (as in dualpath.workloads.sim_traces)"
+SUBAGENTS_SKIPPED = "skipped (the default of dualpath.workloads.weka's rule)"
 SUBAGENTS_AGENTS = ("agents of their own, right after their parent, each with its own token "
                     "scope; only those listed before the parent's first dropped turn")
 
@@ -49,123 +50,39 @@ class WorkloadOptions:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
 
 
-# -- traces: finding them -----------------------------------------------------------------------
-
-
-def traces_folder(name: str, trace_dir: Path | str | None) -> Path:
-    """``trace_dir``, else ``$DUALPATH_TRACES_DIR``, for workload ``name``.
-
-    Raises ``ValueError`` naming ``--trace-dir`` and the variable when neither is given or the
-    path does not exist.
-    """
-    hint = f"pass --trace-dir or set {traces.ENV_DIR}"
-    if trace_dir is None:
-        trace_dir = os.environ.get(traces.ENV_DIR) or None
-        if trace_dir is None:
-            raise ValueError(f"workload {name!r} needs a traces folder: {hint} (or use the "
-                             "shipped weka-sample)")
-    path = Path(trace_dir)
-    if not path.exists():
-        raise ValueError(f"traces folder {path} for {name!r} does not exist ({hint})")
-    return path
-
-
-def weka_source(path: Path) -> tuple[str, Iterator[tuple[str, Any]]]:
-    """(source name, ``(member name, parsed session)`` stream) of the Weka sessions at
-    ``path``: an archive, a session file, or a folder holding ``weka-agentic-dev/``, a
-    ``.tar.xz`` archive or ``trace_*.json`` files.
-
-    Raises ``ValueError`` when ``path`` holds none of these, or several archives.
-    """
-    if path.is_dir() and (path / "weka-agentic-dev").is_dir():
-        path = path / "weka-agentic-dev"
-    if path.is_dir():
-        archives = sorted(path.glob("*.tar.xz"))
-        preferred = [a for a in archives if a.name == "weka_traces_dev.tar.xz"]
-        if len(archives) > 1 and not preferred:
-            names = ", ".join(a.name for a in archives)
-            raise ValueError(f"{path} holds several archives ({names}): pass one of them as "
-                             "--trace-dir")
-        if archives:
-            path = (preferred or archives)[0]
-        else:
-            files = sorted(path.glob("trace_*.json"))
-            if not files:
-                raise ValueError(f"no Weka traces in {path}: expected weka-agentic-dev/, a "
-                                 ".tar.xz archive or trace_*.json files")
-            return str(path), _json_files(files)
-    if path.name.endswith(".tar.xz"):
-        return str(path), traces.weka_members(path)
-    return str(path), _json_files([path])
-
-
-def _json_files(files: Sequence[Path]) -> Iterator[tuple[str, Any]]:
-    """(file name, parsed JSON) of each file, read when reached."""
-    for f in files:
-        try:
-            yield f.name, json.loads(f.read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{f}: not a readable JSON file ({exc})") from exc
-
-
-def mooncake_file(path: Path) -> Path:
-    """The Mooncake JSONL file at ``path``: the file, or in a folder
-    ``mooncake-synthetic/synthetic_trace.jsonl``, ``synthetic_trace.jsonl`` or its one
-    ``.jsonl`` file.
-
-    Raises ``ValueError`` when the folder holds none of these.
-    """
-    if path.is_file():
-        return path
-    for candidate in (path / "mooncake-synthetic" / "synthetic_trace.jsonl",
-                      path / "synthetic_trace.jsonl"):
-        if candidate.is_file():
-            return candidate
-    found = sorted(path.glob("*.jsonl"))
-    if len(found) != 1:
-        raise ValueError(f"no single Mooncake trace in {path}: expected "
-                         "mooncake-synthetic/synthetic_trace.jsonl or one .jsonl file "
-                         f"(found {len(found)})")
-    return found[0]
-
-
 # -- traces: requests to turns ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Request:
-    """One recorded request: input and output tokens and its hash ids."""
+class _Agent:
+    """A recorded trajectory and the scope that keys its token ids."""
 
-    tokens_in: int
-    tokens_out: int
-    ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _Trajectory:
-    """One agent's recorded requests; ``scope`` keys its token ids."""
-
-    name: str
+    trajectory: Trajectory
     scope: str
-    trace_block: int  # trace tokens per hash id
-    requests: tuple[_Request, ...]
-
-    def copy(self, k: int) -> _Trajectory:
-        """The ``k``-th copy: same lengths, its own token ids."""
-        return replace(self, scope=f"{self.scope}#copy{k}")
 
 
 @dataclass(frozen=True)
 class _Session:
-    """A session's top-level trajectory and its sub-agents, each with the number of
-    top-level requests listed before it."""
+    """A recorded session and its token scopes: the top-level trajectory's ``scope``, a
+    sub-agent's its name, each with a copy's ``suffix``."""
 
-    parent: _Trajectory
-    subagents: tuple[tuple[int, _Trajectory], ...] = ()
+    session: Session
+    scope: str
+    suffix: str = ""
+
+    @property
+    def parent(self) -> _Agent:
+        """The top-level trajectory."""
+        return _Agent(self.session.parent, self.scope + self.suffix)
+
+    def subagents_within(self, parent_turns: int) -> list[_Agent]:
+        """The sub-agents listed before top-level turn ``parent_turns`` (the reader's rule)."""
+        return [_Agent(t, t.name + self.suffix)
+                for t in self.session.subagents_within(parent_turns)]
 
     def copy(self, k: int) -> _Session:
-        """The ``k``-th copy of the session and its sub-agents."""
-        return _Session(self.parent.copy(k), tuple((n, s.copy(k)) for n, s in self.subagents))
+        """The ``k``-th copy of the session and its sub-agents: same lengths, own tokens."""
+        return replace(self, suffix=f"#copy{k}")
 
 
 class _Tokens:
@@ -210,26 +127,27 @@ def _request_tokens(tokens: _Tokens, scope: str, index: int, ids: Sequence[int],
     return head + tail[max(0, start - covered):]
 
 
-def _trace_agent(traj: _Trajectory, o: WorkloadOptions,
+def _trace_agent(agent: _Agent, o: WorkloadOptions,
                  tokens: _Tokens) -> tuple[list[AgentTurn], str | None]:
     """A trajectory's turns (module doc) and why it was cut short (None: not cut)."""
-    per_block = round(traj.trace_block / o.scale)
+    traj = agent.trajectory
+    per_block = round(traj.block / o.scale)
     if per_block < 1:
-        raise ValueError(f"scale {o.scale} leaves no token per {traj.trace_block}-token hash "
-                         f"block (at most {2 * traj.trace_block - 1})")
+        raise ValueError(f"scale {o.scale} leaves no token per {traj.block}-token hash "
+                         f"block (at most {2 * traj.block - 1})")
     labels: dict[int, int] = {}
     out: list[AgentTurn] = []
     prev: tuple[Sequence[int], int] = ((), 0)  # previous ids and prompt length
     requests = traj.requests[:o.turns]
     for index, r in enumerate(requests):
         ids = [labels.setdefault(h, len(labels)) for h in r.ids]
-        length = max(1, round(r.tokens_in * per_block / traj.trace_block))
+        length = max(1, round(r.tokens_in * per_block / traj.block))
         gen = max(1, round(r.tokens_out / o.scale))
         if length + gen > o.max_context:
             return out, (f"kept {index} of {len(requests)} turns: turn {index} needs "
                          f"{length + gen} tokens")
         keep = min(_common_blocks(ids, prev[0]) * per_block, prev[1], length - 1)
-        new = _request_tokens(tokens, traj.scope, index, ids, per_block, length, keep)
+        new = _request_tokens(tokens, agent.scope, index, ids, per_block, length, keep)
         out.append(AgentTurn(new=new, gen=gen, keep=keep))
         prev = (ids, length)
     return out, None
@@ -251,7 +169,7 @@ class _Report:
     hash_hits: int = 0  # the trace's own hit rule (dualpath.workloads.sim_traces), unscaled
     hash_prompts: int = 0
 
-    def note(self, traj: _Trajectory, turns: list[AgentTurn], cut: str | None,
+    def note(self, traj: Trajectory, turns: list[AgentTurn], cut: str | None,
              o: WorkloadOptions) -> None:
         """Record one trajectory's outcome (skipped when it has no turn, cut when short)."""
         if not turns:
@@ -263,8 +181,7 @@ class _Report:
             self.cut_count += 1
             if len(self.cut) < LISTED_MAX:
                 self.cut[traj.name] = cut
-        kept = [(r.tokens_in, r.tokens_out, r.ids) for r in traj.requests[:len(turns)]]
-        sims = traces.chain_turns(kept, traj.trace_block)
+        sims = chain_turns(traj.requests[:len(turns)], traj.block)
         self.hash_hits += sum(t.hit for t in sims)
         self.hash_prompts += sum(t.prompt for t in sims)
 
@@ -286,17 +203,15 @@ def _session_agents(session: _Session, o: WorkloadOptions, tokens: _Tokens,
     """The agents of one session: its top-level trajectory, then (``o.subagents``) each
     sub-agent listed before the first dropped top-level turn. Empty when it is skipped."""
     parent, cut = _trace_agent(session.parent, o, tokens)
-    report.note(session.parent, parent, cut, o)
+    report.note(session.parent.trajectory, parent, cut, o)
     if not parent:
         return []
     agents = [parent]
-    for listed_after, sub in session.subagents:
-        if listed_after > len(parent):
-            continue
+    for sub in session.subagents_within(len(parent)):
         report.subagent_entries += 1
         if o.subagents:
             turns, sub_cut = _trace_agent(sub, o, tokens)
-            report.note(sub, turns, sub_cut, o)
+            report.note(sub.trajectory, turns, sub_cut, o)
             if turns:
                 agents.append(turns)
                 report.subagent_agents += 1
@@ -315,7 +230,7 @@ def _collect(sessions: Iterable[_Session], o: WorkloadOptions, source: str,
         made = _session_agents(session, o, tokens, report)
         if made:
             used.append(session)
-            report.sessions.append(session.parent.name)
+            report.sessions.append(session.session.parent.name)
             agents += made
     if not used:
         raise ValueError(f"no {what} of {source} has a first turn within max_context "
@@ -330,59 +245,30 @@ def _collect(sessions: Iterable[_Session], o: WorkloadOptions, source: str,
 def weka_agents(members: Iterable[tuple[str, Any]], source: str,
                 o: WorkloadOptions) -> tuple[list[list[AgentTurn]], dict[str, Any]]:
     """Agents and ``info`` of Weka sessions (``(member name, parsed session)`` pairs, in
-    order; an archive stream is closed once enough are read).
+    order, read by :func:`dualpath.workloads.weka.weka_sessions`; an archive stream is closed
+    once enough are read).
 
     Raises ``ValueError`` for a malformed session or when none fits ``o.max_context``.
     """
-    stream = iter(members)
+    stream = weka_sessions(members, source)
     try:
-        parsed = (_weka_session(Path(m).stem, d, f"{source}:{m}") for m, d in stream)
-        agents, info = _collect(parsed, o, source, "session")
+        agents, info = _collect((_Session(s, s.parent.name) for s in stream), o, source,
+                                "session")
     finally:
-        close = getattr(stream, "close", None)
-        if close is not None:
-            close()  # stop reading an archive early
-    info["trace_block"] = traces.WEKA_BLOCK
+        stream.close()  # stop reading an archive early
+    info["trace_block"] = WEKA_BLOCK
     return agents, info
-
-
-def _weka_request(r: Any) -> _Request:
-    """One Weka request entry (KeyError, TypeError or ValueError when malformed)."""
-    return _Request(int(r["in"]), int(r["out"]), tuple(r["hash_ids"]))
-
-
-def _weka_session(name: str, data: Any, where: str) -> _Session:
-    """A parsed Weka session file as a :class:`_Session`; ValueError naming ``where``."""
-    try:
-        block = int(data.get("block_size", traces.WEKA_BLOCK))
-        top: list[_Request] = []
-        subs: list[tuple[int, _Trajectory]] = []
-        for r in data["requests"]:
-            if r.get("type") != "subagent":
-                top.append(_weka_request(r))
-                continue
-            sub = f"{name}/{r.get('agent_id') or f'subagent{len(subs) + 1}'}"
-            reqs = tuple(_weka_request(q) for q in r["requests"] if q.get("type") != "subagent")
-            subs.append((len(top), _Trajectory(sub, sub, block, reqs)))
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: not a Weka session ({exc!r})") from exc
-    if block < 1:
-        raise ValueError(f"{where}: block_size must be >= 1, got {block}")
-    return _Session(_Trajectory(name, name, block, tuple(top)), tuple(subs))
 
 
 def mooncake_agents(path: Path,
                     o: WorkloadOptions) -> tuple[list[list[AgentTurn]], dict[str, Any]]:
-    """Agents and ``info`` of the conversations of a Mooncake JSONL file (grouped as
-    :mod:`dualpath.workloads.sim_traces` does), each conversation its own token scope.
+    """Agents and ``info`` of the conversations of a Mooncake JSONL file (grouped by
+    :mod:`dualpath.workloads.mooncake`), each conversation its own token scope.
 
     Raises ``ValueError`` for a malformed line or when none fits ``o.max_context``.
     """
-    convs = traces.mooncake_conversations(path)
-    sessions = (_Session(_Trajectory(f"conversation{i}", f"mooncake/{i}", traces.MOONCAKE_BLOCK,
-                                     tuple(_Request(a, b, tuple(ids)) for a, b, ids in reqs)))
-                for i, reqs in enumerate(convs))
+    sessions = (_Session(c, f"mooncake/{i}") for i, c in enumerate(mooncake_conversations(path)))
     agents, info = _collect(sessions, o, str(path), "conversation")
-    info["trace_block"] = traces.MOONCAKE_BLOCK
+    info["trace_block"] = MOONCAKE_BLOCK
     info["subagents"] = "none in this format"
     return agents, info

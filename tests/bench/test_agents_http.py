@@ -23,7 +23,6 @@ import uvicorn
 from fastapi import FastAPI
 
 from dualpath.bench.agents.http import HttpTurnRecord, run_agents_http
-from dualpath.bench.cluster import AgentTurn
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.config_file import ServeConfig
 from dualpath.model.spec import load_spec
@@ -31,6 +30,7 @@ from dualpath.request import SamplingParams
 from dualpath.server.api import ModelInfo, build_app
 from dualpath.server.launch import LocalCluster
 from dualpath.server.metrics import ServeMetrics
+from dualpath.workloads.turns import AgentTurn
 
 MODEL = "tiny"
 BLOCK_TOKENS = 16
@@ -191,7 +191,7 @@ def test_a_cut_replay_keeps_the_turns_sent_by_the_cut_and_cancels_the_rest(serve
 
 
 def test_a_cut_run_of_the_python_api_ends_once_the_measured_turns_returned(served):
-    from dualpath.bench.cluster import run_turns
+    from dualpath.bench.replay import run_turns
 
     _, cluster = served
     agents, offsets = _cut_agents()

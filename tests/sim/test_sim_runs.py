@@ -168,7 +168,7 @@ def test_online_run_reports_latencies():
 
 
 def test_trace_workload_runs():
-    from dualpath.workloads.sim_traces import trace_dir
+    from dualpath.workloads.trace_files import trace_dir
 
     if not (trace_dir() / "weka-agentic-dev").exists():
         pytest.skip("traces not present")

@@ -9,15 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.workloads.presets import Turn
-from dualpath.workloads.sim_traces import (
-    ENV_DIR,
-    TRACES,
-    load_sessions,
-    trace_dir,
-    trace_summary,
-    trace_trajectories,
-)
+from dualpath.workloads.sim_traces import load_sessions, trace_summary, trace_trajectories
+from dualpath.workloads.trace_files import ENV_DIR, TRACES, trace_dir
+from dualpath.workloads.turns import Turn
 
 HAVE_TRACES = all((trace_dir() / sub).is_dir()
                   for sub in ("weka-agentic-dev", "mooncake-synthetic"))
@@ -69,6 +63,14 @@ def test_weka_hits_follow_the_previous_request(root):
     a, b = load_sessions("weka", root=root)
     assert a == [Turn(640, 0, 50), Turn(1000, 640, 1), Turn(300, 192, 7), Turn(256, 192, 7)]
     assert b == [Turn(5000, 0, 20)]
+
+
+def test_weka_subagents_are_trajectories_of_their_own_when_asked(root):
+    a, sub, b = load_sessions("weka", root=root, subagents=True)
+    assert a == load_sessions("weka", root=root)[0]
+    assert sub == [Turn(9000, 0, 9)] and b == [Turn(5000, 0, 20)]
+    trajs = trace_trajectories("weka", 3, root=root, subagents=True, max_context=10_000)
+    assert trajs == [a, sub, b]
 
 
 def test_weka_limit_stops_early_then_reads_all(root):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.bench.cluster import AgentTurn
 from dualpath.workloads.agents import (
     NAMES,
     Workload,
@@ -18,9 +17,11 @@ from dualpath.workloads.agents import (
     load_workload,
     preset_shape,
 )
-from dualpath.workloads.presets import PRESETS, Turn
+from dualpath.workloads.presets import PRESETS
 from dualpath.workloads.sample import read_sample, write_sample
-from dualpath.workloads.sim_traces import ENV_DIR, chain_turns, trace_dir
+from dualpath.workloads.sim_traces import chain_turns
+from dualpath.workloads.trace_files import ENV_DIR, trace_dir
+from dualpath.workloads.turns import AgentTurn, Request, Turn
 
 VOCAB = 49_152
 SHARED = trace_dir()  # tests/conftest.py points it at ../shared/traces
@@ -72,7 +73,7 @@ def _prompts(agent: list[AgentTurn]) -> list[list[int]]:
     context: list[int] = []
     out = []
     for i, t in enumerate(agent):
-        prompt = (context if t.keep is None else context[:t.keep]) + t.new
+        prompt = t.prompt(context)
         out.append(prompt)
         context = prompt + [-(1000 * i + j + 1) for j in range(t.gen)]
     return out
@@ -85,7 +86,7 @@ def _store_hits(agent: list[AgentTurn], block: int) -> list[int]:
     context: list[int] = []
     hits = []
     for i, t in enumerate(agent):
-        prompt = (context if t.keep is None else context[:t.keep]) + t.new
+        prompt = t.prompt(context)
         h, k = None, 0
         while k < (len(prompt) - 1) // block:
             nxt = hash((h, tuple(prompt[k * block:(k + 1) * block])))
@@ -197,7 +198,7 @@ def test_weka_sample_loads_without_any_traces_folder(monkeypatch):
     assert w.info["sessions"][0] == "trace_0001" and w.info["skipped_count"] == 0
     sessions, header = read_sample()
     assert header["sessions_kept"] == 16 and len(sessions) == 16
-    reqs = [[(r["in"], r["out"], r["hash_ids"]) for r in s["requests"]
+    reqs = [[Request(r["in"], r["out"], tuple(r["hash_ids"])) for r in s["requests"]
              if r["type"] != "subagent"] for _, s in sessions]
     sims = [t for r in reqs for t in chain_turns(r, 64)]
     hash_rate = sum(t.hit for t in sims) / sum(t.prompt for t in sims)

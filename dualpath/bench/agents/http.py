@@ -1,13 +1,15 @@
 """Multi-turn agents replayed through an OpenAI-compatible server (``dualpath serve``).
 
-The HTTP twin of :func:`dualpath.bench.cluster.run_turns`: each agent runs its
-:class:`AgentTurn` list in order, the next turn as soon as the previous one returned (zero think
-time), agents concurrently from their start offsets (all 0 offline; Poisson arrivals online,
-drawn by the caller). A turn is one streamed ``POST /v1/completions`` whose ``prompt`` is token
-ids (the kept context, then the turn's new tokens) with ``max_tokens=gen``, ``ignore_eos``,
-``temperature=0`` and ``return_token_ids``; the next turn's context is that prompt plus the ids
-the server returned. Every turn yields an :class:`HttpTurnRecord` (timings from the SSE chunks,
-sizes, the cache hit from ``usage.prompt_tokens_details.cached_tokens``). A failed turn is
+The HTTP twin of :func:`dualpath.bench.replay.run_turns`: each agent runs its
+:class:`~dualpath.workloads.turns.AgentTurn` list in order, the next turn as soon as the
+previous one returned (zero think time), agents concurrently from their start offsets (all 0
+offline; Poisson arrivals online, drawn by the caller). A turn is one streamed
+``POST /v1/completions`` whose ``prompt`` is token ids (:meth:`AgentTurn.prompt`, as in the
+Python replay: the kept context, then the turn's new tokens) with ``max_tokens=gen``,
+``ignore_eos``, ``temperature=0`` and ``return_token_ids``; the next turn's context is that
+prompt plus the ids the server returned. Every turn yields an :class:`HttpTurnRecord`
+(timings from the SSE chunks, sizes, the cache hit from
+``usage.prompt_tokens_details.cached_tokens``). A failed turn is
 recorded with its HTTP status and message, and its agent stops.
 
 The client is ``httpx2``'s async client (the HTTP library under the ``openai`` package): each
@@ -26,7 +28,7 @@ from typing import Any
 
 import httpx2
 
-from dualpath.bench.cluster import AgentTurn
+from dualpath.workloads.turns import AgentTurn
 
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -204,14 +206,6 @@ def _error_record(agent: int, turn: int, submitted_s: float, prompt_tokens: int,
                           cut_off=cut_off)
 
 
-def _prompt(context: list[int], turn: AgentTurn) -> list[int]:
-    """The kept context and the turn's new tokens; ValueError if ``keep`` exceeds the context."""
-    if turn.keep is not None and turn.keep > len(context):
-        raise ValueError(f"the turn keeps {turn.keep} tokens of a {len(context)}-token context")
-    kept = context if turn.keep is None else context[:turn.keep]
-    return kept + list(turn.new)
-
-
 def _loop_time(monotonic_s: float | None) -> float | None:
     """A ``time.monotonic()`` instant on the running event loop's clock."""
     if monotonic_s is None:
@@ -238,7 +232,7 @@ async def run_agent_http(client: httpx2.AsyncClient, turns: list[AgentTurn], *, 
             break
         submitted = time.monotonic()
         try:
-            prompt = _prompt(context, turn)
+            prompt = turn.prompt(context)
         except ValueError as exc:
             records.append(_error_record(agent, index, submitted, 0, None, str(exc)))
             progress(records[-1])

@@ -33,7 +33,6 @@ when a ``dualpath profile`` is given (``--profile``).
 from __future__ import annotations
 
 import datetime
-import random
 import shutil
 import tempfile
 import time
@@ -53,12 +52,14 @@ from rich.progress import (
 
 from dualpath.bench.agents.nics import utilization
 from dualpath.bench.agents.run import HttpRun, PythonRun
-from dualpath.bench.cluster import AgentTurn, testbed_config
+from dualpath.bench.agents.turns import prime, timed_sim_turns
+from dualpath.bench.cluster import testbed_config
 from dualpath.bench.demo import warmup_turns
 from dualpath.bench.report import host_cpu_shares, host_cpu_ticks, machine_profile
 from dualpath.config import ClusterConfig
+from dualpath.vocab import Mode, Rung
+from dualpath.workloads.turns import AgentTurn
 
-MODES = ("basic", "layerwise", "round_robin", "dualpath", "oracle")
 # A calibrated storage cap lets the prefill node's NIC alone read the timed run's hits in this
 # many times the oracle's JCT: basic is storage-bound (about 2x the compute-bound time, as the
 # paper's Basic is up to 1.87x slower than DualPath), and the three NICs of 1 PE + 2 DE can
@@ -74,7 +75,7 @@ class AgentsOptions:
     """What ``dualpath bench agents`` runs; the defaults are the README's run."""
 
     workload: str = "weka-sample"
-    modes: tuple[str, ...] = MODES
+    modes: tuple[Rung, ...] = tuple(Rung)  # the ladder (vocab.LADDER), in its order
     via: str = "python"
     # 16 agents x 4 turns, token counts / 64 (one token per 64-token trace block): the sample's
     # 16 sessions, as many turns as keep the whole default run within 15 minutes on 2 cores
@@ -107,7 +108,7 @@ class AgentsOptions:
     # starts with a hit on it, as the long trajectories of the paper's traces do, rather than
     # with one cold prefill per agent that is the same work in every mode.
     prime_first_turns: bool = True
-    online_modes: tuple[str, ...] = ("basic", "dualpath")
+    online_modes: tuple[Rung, ...] = (Rung.BASIC, Rung.DUALPATH)
     online_trials: int = 2  # APS tried per mode (more: a finer capacity, a longer run)
     ttft_slo_s: float | None = None  # None: scaled from the paper's 4 s (agents_online.py)
     seed: int = 0
@@ -123,28 +124,31 @@ class AgentsOptions:
         return self.read_cap_mb_s or NOMINAL_CAP_MB_S
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.modes + self.online_modes if m not in MODES]
+        unknown = [m for m in self.modes + self.online_modes if m not in tuple(Rung)]
         if unknown:
-            raise ValueError(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+            raise ValueError(f"unknown modes {unknown}; known: {', '.join(Rung)}")
+        object.__setattr__(self, "modes", tuple(map(Rung, self.modes)))
+        object.__setattr__(self, "online_modes", tuple(map(Rung, self.online_modes)))
         if self.via not in VIAS:
             raise ValueError(f"--via must be one of {VIAS}, got {self.via!r}")
         if self.read_cap_mb_s is not None and not self.read_cap_mb_s > 0:
             raise ValueError(f"--read-cap-mb-s must be > 0, got {self.read_cap_mb_s}")
-        if self.read_cap_mb_s is None and not (self.offline and "oracle" in self.modes):
+        if self.read_cap_mb_s is None and not (self.offline and Rung.ORACLE in self.modes):
             raise ValueError("the storage cap is calibrated on the oracle's offline run: add "
                              "oracle to --modes or give --read-cap-mb-s")
 
 
 def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterConfig:
-    """The cluster of one mode: ``round_robin`` is ``dualpath`` with the round-robin scheduler."""
+    """The cluster of one rung of the ladder: its serving mode and scheduler policy."""
+    rung = Rung(mode)
     return testbed_config(
-        store, "dualpath" if mode == "round_robin" else mode, dtype=options.dtype,
+        store, rung.mode, dtype=options.dtype,
         device=options.device, block_size=options.block_size,
         read_cap_mb_s=options.applied_read_cap_mb_s,
         compute_cap_mb_s=options.compute_cap_mb_s, read_deadline_s=options.read_deadline_s,
-        policy="round_robin" if mode == "round_robin" else "dualpath",
+        policy=rung.policy,
         num_prefill=options.prefill, num_decode=options.decode,
-        split_read=options.split_read and mode in ("dualpath", "round_robin"),
+        split_read=options.split_read and rung.mode == Mode.DUALPATH,
         host_pool_blocks=options.host_pool_blocks,
         save_staging_blocks=options.save_staging_blocks)
 
@@ -208,44 +212,6 @@ def seconds_spent(before: dict[str, dict[str, float]],
             for name, counters in after.items()}
 
 
-def prime(run: Any, options: AgentsOptions, agents: list[list[AgentTurn]], bar: Progress,
-          task: Any, mode: str) -> None:
-    """Store the agents' first prompts, untimed (see ``prime_first_turns``). They are
-    computed once and their blocks kept aside (``<store>/../../primed``): later modes and
-    trials get a copy, as their stores hold the same keys. The oracle stores nothing, so it
-    computes them on every cluster (its router remembers them)."""
-    if not options.prime_first_turns:
-        return
-    kept = run.store.parent.parent / "primed"
-    if mode != "oracle" and kept.is_dir():
-        shutil.copytree(kept, run.store, dirs_exist_ok=True)
-        return
-    bar.update(task, description=f"{mode}: storing the first prompts (untimed)")
-    run.run([a[:1] for a in agents], None, lambda: None, options.timeout_s)
-    run.wait_for_writes()
-    if mode != "oracle":
-        shutil.copytree(run.store, kept)
-
-
-def timed_sim_turns(workload: Any, options: AgentsOptions) -> list[list[Any]]:
-    """The workload's trajectories as the timed run sees them: with the first prompts stored
-    beforehand, each first turn hits its full blocks (leaving one token to compute)."""
-    from dataclasses import replace as changed
-
-    turns = workload.sim_turns()
-    if not options.prime_first_turns:
-        return turns
-    b = options.block_size
-    return [[changed(t[0], hit=(t[0].prompt - 1) // b * b), *t[1:]] if t else t for t in turns]
-
-
-def expected_hit_rate(workload: Any, options: AgentsOptions) -> float:
-    """The hit rate an engine should measure on the timed run."""
-    turns = timed_sim_turns(workload, options)
-    hits = sum(t.hit for traj in turns for t in traj)
-    return hits / max(1, sum(t.prompt for traj in turns for t in traj))
-
-
 def timed_hit_bytes(workload: Any, options: AgentsOptions, model_dir: Path) -> int:
     """Bytes of KV the timed run's hits read from storage (the same in every mode but oracle)."""
     from dualpath.model.spec import load_spec, resolve_dtype, resolve_kv_dtype
@@ -262,15 +228,6 @@ def calibrated_cap_mb_s(hit_bytes: int, oracle_jct_s: float) -> float:
     if not oracle_jct_s > 0:
         raise ValueError(f"the oracle's JCT must be > 0 to calibrate, got {oracle_jct_s}")
     return max(hit_bytes, 1) / (STORAGE_BOUND * oracle_jct_s) / 1e6
-
-
-def poisson_offsets(count: int, aps: float, seed: int) -> list[float]:
-    """Arrival offsets (seconds) of ``count`` agents at ``aps`` agents per second."""
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(count):
-        out.append(t)
-        t += rng.expovariate(aps)
-    return out
 
 
 def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[str, Any]:
@@ -303,13 +260,13 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
             modes = list(options.modes if options.offline else ())
             modes += [m for m in options.online_modes if m not in modes]
             if calibrate:  # the oracle first: its JCT sets the storage cap of the others
-                modes = ["oracle", *(m for m in modes if m != "oracle")]
+                modes = [Rung.ORACLE, *(m for m in modes if m != Rung.ORACLE)]
             for mode in modes:
                 row, searched = run_mode(options, model_dir, mode, workload.agents, warmup,
                                          work, bar)
                 offline += [row] if row else []
                 online += [searched] if searched else []
-                if calibrate and mode == "oracle" and row:
+                if calibrate and mode == Rung.ORACLE and row:
                     options, calibration = _calibrate(options, workload, model_dir,
                                                       row["jct_s"], console)
     finally:

@@ -27,8 +27,8 @@ from __future__ import annotations
 from statistics import mean
 from typing import Any
 
-from dualpath.bench.cluster import AgentTurn
 from dualpath.sim.online import aps_capacity
+from dualpath.workloads.turns import AgentTurn
 
 TTFT_SLO_S = 5.0
 FIRST_APS = 0.05
@@ -77,7 +77,7 @@ def search_capacity(run: Any, mode: str, agents: list[list[AgentTurn]], options:
                     offline: dict[str, Any] | None, bar: Any) -> dict[str, Any]:
     """Trials at rising or falling APS on ``run`` (a warm cluster, the store emptied and the
     first prompts stored before each); the trials and the capacity under the SLO."""
-    from dualpath.bench.agents.ladder import poisson_offsets, prime
+    from dualpath.bench.agents.turns import poisson_offsets, prime
 
     slo = options.ttft_slo_s or TTFT_SLO_S
     aps = _first_aps(len(agents), offline)

@@ -27,10 +27,11 @@ from dualpath.bench.agents.nics import (
     cluster_node_bytes,
     prometheus_node_bytes,
 )
-from dualpath.bench.cluster import AgentTurn, TurnRecord, run_turns
+from dualpath.bench.replay import TurnRecord, run_turns
 from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
 from dualpath.server.launch import LocalCluster
+from dualpath.workloads.turns import AgentTurn
 
 SERVE_STARTUP_S = 240.0
 

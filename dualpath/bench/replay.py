@@ -1,0 +1,193 @@
+"""One replay of agent turns through a cluster, shared by every benchmark that runs agents.
+
+:func:`run_turns` runs each agent's :class:`~dualpath.workloads.turns.AgentTurn` list on a
+cluster through its Python API (:class:`~dualpath.server.launch.LocalCluster` or anything with
+its ``submit``/``abort``): each turn's prompt is :meth:`AgentTurn.prompt` of the agent's context
+so far (the previous prompt and the tokens it generated), the turn generates exactly ``gen``
+tokens (``ignore_eos``), and the agent submits its next turn as soon as the previous one
+returned (zero think time); agents run concurrently from their start offsets. Every turn yields
+a :class:`TurnRecord`. ``bench cluster``, ``bench agents`` (``--via python``), ``bench
+layerwise`` and the demo use it; the replay through a server's OpenAI API
+(:mod:`dualpath.bench.agents.http`, also under ``bench soak``) talks HTTP from an event loop
+instead of threads, but builds every prompt by the same :meth:`AgentTurn.prompt`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dualpath.errors import DualPathError
+from dualpath.request import SamplingParams
+from dualpath.workloads.turns import AgentTurn
+
+if TYPE_CHECKING:
+    from dualpath.server.launch import LocalCluster
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """How one turn was served: sizes, the hit, the time from submit to its first token
+    (TTFT: the prefill engine's token, streamed) and to its last."""
+
+    prompt_tokens: int
+    hit_tokens: int
+    computed_tokens: int
+    ttft_s: float
+    latency_s: float
+    read_path: str
+    attempts: int = 1  # placements it took (> 1: an engine failed it or lost track of it)
+    submitted_s: float = 0.0  # since the run started
+    ttst_s: float | None = None  # submit to the second token (None: one token generated)
+    tpot_s: float | None = None  # first to last token / (tokens - 1)
+    timings: dict[str, float] = field(default_factory=dict)  # the router's TTFT breakdown
+
+
+class _Agent:
+    """One agent's trajectory: submits turn after turn, records when it finished.
+
+    With ``cut_after_s``, ``done`` is set once the agent submits a turn more than that many
+    seconds after ``began`` (every earlier turn has returned: turns go one at a time); it goes on
+    submitting until :meth:`stop` aborts the turn in flight.
+    """
+
+    def __init__(self, cluster: LocalCluster, turns: list[AgentTurn], mode: str,
+                 done: threading.Event, progress: Any, context: list[int] | None = None,
+                 began: float = 0.0, cut_after_s: float | None = None) -> None:
+        self.cluster, self.turns, self.mode = cluster, turns, mode
+        self.done, self.progress, self.began = done, progress, began
+        self.cut_after_s = cut_after_s
+        self.context: list[int] = list(context or [])  # prompt + output of the last turn
+        self.turn = 0
+        self.records: list[TurnRecord] = []
+        self.token_times: dict[int, list[float]] = {}  # turn -> arrival time of each token
+        self.finished_at: float | None = None
+        self.done_at: float | None = None  # when ``done`` was set
+        self.error: BaseException | None = None
+        self._lock = threading.RLock()  # a future done at submit calls back in this thread
+        self._future: Any = None  # the turn in flight
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Submit nothing more and abort the turn in flight (its result is ignored)."""
+        with self._lock:
+            self._stopped, future = True, self._future
+        if future is not None and not future.done():
+            self.cluster.abort(future)
+
+    def _set_done(self) -> None:
+        self.done_at = time.perf_counter()
+        self.done.set()
+
+    def start(self) -> None:
+        """Submit the first turn (a turn that cannot be built ends the agent with its error)."""
+        try:
+            with self._lock:
+                self._submit()
+        except Exception as exc:  # reported by run_turns
+            self.error = exc
+            self._set_done()
+
+    def _submit(self) -> None:
+        """Submit the next turn (``_lock`` held)."""
+        if self._stopped:
+            return
+        turn = self.turns[self.turn]
+        try:
+            self.prompt = turn.prompt(self.context)
+        except ValueError as exc:
+            raise DualPathError(f"turn {self.turn}: {exc}") from exc
+        self.submitted = time.perf_counter()
+        params = SamplingParams(max_tokens=turn.gen, ignore_eos=True)
+        past_cut = (self.cut_after_s is not None
+                    and self.submitted - self.began > self.cut_after_s)
+        self._future = self.cluster.submit(
+            self.prompt, params, mode=self.mode,
+            on_tokens=lambda t, n=self.turn: self._streamed(n, t))
+        if past_cut and not self.done.is_set():
+            self._set_done()
+        self._future.add_done_callback(self._returned)
+
+    def _streamed(self, turn: int, tokens: tuple[int, ...]) -> None:
+        """Note when turn ``turn``'s tokens arrived (tokens come in order, per turn)."""
+        now = time.perf_counter()
+        self.token_times.setdefault(turn, []).extend([now] * len(tokens))
+
+    def _returned(self, future: Any) -> None:
+        with self._lock:
+            if not self._stopped:
+                self._record(future)
+
+    def _record(self, future: Any) -> None:
+        """Record a returned turn and submit the next (``_lock`` held)."""
+        try:
+            out = future.result()
+            now = time.perf_counter()
+            times = self.token_times.pop(self.turn, None) or [now]
+            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+            self.records.append(TurnRecord(
+                len(self.prompt), out.num_hit_tokens, out.num_computed_tokens,
+                times[0] - self.submitted, now - self.submitted, out.read_path,
+                out.num_attempts, self.submitted - self.began,
+                times[1] - self.submitted if len(times) > 1 else None, tpot, out.timings))
+            self.progress()
+            self.context = self.prompt + list(out.output_ids)
+            self.turn += 1
+            if self.turn == len(self.turns):
+                self.finished_at = time.perf_counter()
+                self._set_done()
+                return
+            self._submit()
+        except Exception as exc:  # reported by run_turns
+            self.error = exc
+            self._set_done()
+
+
+def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
+              progress: Any = lambda: None, timeout_s: float = 3600.0,
+              label: str = "bench cluster",
+              contexts: list[list[int]] | None = None,
+              start_offsets_s: list[float] | None = None,
+              cut_after_s: float | None = None) -> dict[str, Any]:
+    """Run every agent to its last turn, each turn as soon as its previous one returned;
+    ``contexts`` are the agents' contexts before their first turn here (default: empty);
+    agent i starts ``start_offsets_s[i]`` seconds after the run (default: all at once).
+    With ``cut_after_s``, the run ends once every turn submitted up to that many seconds
+    after its start has returned: agents keep submitting until then (the load does not
+    change), and the turns then in flight are aborted, unrecorded.
+
+    Returns the mode, the JCT (until the last agent's last turn, or the cut), the turn count,
+    the prompt, hit and computed token totals, every agent's :class:`TurnRecord` list
+    (``records``) and its context after its last recorded turn (``contexts``: prompt and
+    generated tokens).
+    """
+    events = [threading.Event() for _ in agents]
+    starts = contexts if contexts is not None else [[] for _ in agents]
+    start = time.perf_counter()
+    runs = [_Agent(cluster, turns, mode, ev, progress, context, start, cut_after_s)
+            for turns, ev, context in zip(agents, events, starts, strict=True)]
+    timers = [threading.Timer(offset, run.start)
+              for run, offset in zip(runs, start_offsets_s or [0.0] * len(runs), strict=True)]
+    for timer in timers:
+        timer.daemon = True
+        timer.start()
+    for ev in events:
+        if not ev.wait(max(0.0, timeout_s - (time.perf_counter() - start))):
+            for timer in timers:
+                timer.cancel()
+            raise DualPathError(f"{label}: {mode} did not finish in {timeout_s:.0f} s")
+    for run in runs:
+        run.stop()
+    errors = [a.error for a in runs if a.error is not None]
+    if errors:
+        raise DualPathError(f"{label}: {mode}: a request failed: {errors[0]}")
+    ends = [a.done_at for a in runs if a.done_at is not None]
+    records = [a.records for a in runs]
+    flat = [r for recs in records for r in recs]
+    return {"mode": mode, "agents": len(runs), "jct_s": max(ends) - start, "turns": len(flat),
+            "prompt_tokens": sum(r.prompt_tokens for r in flat),
+            "hit_tokens": sum(r.hit_tokens for r in flat),
+            "computed_tokens": sum(r.computed_tokens for r in flat), "records": records,
+            "contexts": [a.context for a in runs]}
