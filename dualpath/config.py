@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from dualpath.vocab import Mode, Policy, ReadPath, Role
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,32 @@ class EngineConfig:
         fraction = self.gpu_memory_fraction
         if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1] (or None), got {fraction}")
+
+    @classmethod
+    def with_overrides(cls, sets: Sequence[str] = (), **values: object) -> EngineConfig:
+        """An EngineConfig from ``values`` (field names) and then each ``KEY=VALUE`` of
+        ``sets`` (``true``/``false``, int and float values are converted); an unknown field
+        or a malformed item is a ValueError that names it. A device of ``auto`` stays ``auto``:
+        the caller resolves it against its host."""
+        names = {f.name for f in fields(cls)}
+        for item in sets:
+            key, sep, raw = item.partition("=")
+            if not sep or key not in names:
+                raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY in {sorted(names)}")
+            values[key] = _parse_value(raw)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse_value(raw: str) -> object:
+    """``true``/``false`` as a bool, then an int, then a float, else the string itself."""
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 @dataclass(frozen=True)
@@ -151,9 +180,9 @@ class ClusterConfig:
     engine: EngineConfig = EngineConfig()
     storage: StorageConfig = StorageConfig()
     traffic: TrafficConfig = TrafficConfig()
-    mode: str = "dualpath"  # basic | layerwise | dualpath | oracle | recompute
-    read_path: str = "auto"  # auto (the shorter node read queue) | pe | de
-    policy: str = "dualpath"  # global scheduler: dualpath (PAPER §5) | round_robin
+    mode: Mode = Mode.DUALPATH
+    read_path: ReadPath = ReadPath.AUTO  # auto (the shorter node read queue) | pe | de
+    policy: Policy = Policy.DUALPATH  # global scheduler: dualpath (PAPER §5) | round_robin
     alpha_tokens: int | None = None  # short read queue; default: tokens a node reads in 3 s
     beta_tokens: int | None = None  # PE overload; default: unlimited until profiled
     profile_path: str | None = None  # `dualpath profile` output: α, β and the PE cost model
@@ -182,6 +211,11 @@ class ClusterConfig:
     control_keys: str | None = None
 
     def __post_init__(self) -> None:
+        for name, vocab in (("mode", Mode), ("read_path", ReadPath), ("policy", Policy)):
+            value = getattr(self, name)
+            if value not in tuple(vocab):
+                raise ValueError(f"{name} must be one of {', '.join(vocab)}, got {value!r}")
+            object.__setattr__(self, name, vocab(value))
         if self.transfer_protocol not in ("tcp", "rdma"):
             raise ValueError(f"transfer_protocol must be tcp or rdma, got "
                              f"{self.transfer_protocol!r}")
@@ -197,16 +231,16 @@ class ClusterConfig:
                              "router_timeout_s")
 
 
-def engine_config_for(config: ClusterConfig, role: str) -> EngineConfig:
+def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
     """The engine config of a role: a prefill engine runs layerwise prefill (every mode but
     basic) with a window of layers in device memory, and may have its own KV budget."""
     from dataclasses import replace
 
-    if role != "prefill":
+    if role != Role.PREFILL:
         return config.engine
     budget = ({} if config.prefill_kv_cache_mb is None
               else {"kv_cache_mb": config.prefill_kv_cache_mb, "num_kv_blocks": None})
-    window = None if config.mode == "basic" else config.prefill_layer_window
+    window = None if config.mode == Mode.BASIC else config.prefill_layer_window
     return replace(config.engine, layer_window=window, **budget)
 
 
@@ -232,5 +266,5 @@ def cluster_config_from_json(text: str) -> ClusterConfig:
 
 def engine_roles(config: ClusterConfig) -> list[tuple[str, str, int]]:
     """``(name, role, node_id)`` of every engine the config asks for, prefill first."""
-    roles = ["prefill"] * config.num_prefill + ["decode"] * config.num_decode
+    roles = [Role.PREFILL] * config.num_prefill + [Role.DECODE] * config.num_decode
     return [(f"{role[0]}e{node_id}", role, node_id) for node_id, role in enumerate(roles)]

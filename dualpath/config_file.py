@@ -14,12 +14,13 @@ import tomllib
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
-from dualpath.server.router_types import Mode
+from dualpath.vocab import Mode
 
 
 class ConfigError(DualPathError):
@@ -179,6 +180,8 @@ def _tuples(value: Any) -> Any:
 def _checked(value: Any, hint: Any, key: str) -> Any:
     """``value`` if it fits ``hint`` (ints are accepted for floats), else ConfigError."""
     if _fits(value, hint):
+        if _is_str_enum(hint):
+            return hint(value)
         return float(value) if hint is float and isinstance(value, int) else value
     raise ConfigError(f"{key} must be {_name(hint)}, got {value!r}")
 
@@ -195,8 +198,16 @@ def _fits(value: Any, hint: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if origin is tuple:
         return isinstance(value, tuple)
+    if _is_str_enum(hint):
+        return isinstance(value, str) and value in tuple(hint)
     return isinstance(value, hint)
 
 
+def _is_str_enum(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, StrEnum)
+
+
 def _name(hint: Any) -> str:
+    if _is_str_enum(hint):
+        return "one of " + ", ".join(hint)
     return getattr(hint, "__name__", None) or str(hint).replace("NoneType", "None")

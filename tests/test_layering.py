@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from collections import deque
@@ -26,7 +27,8 @@ FORBIDDEN = frozenset(
 )
 
 REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/model/spec.py",
-                 "dualpath/server/router_state.py", "dualpath/server/router_types.py")
+                 "dualpath/server/router_state.py", "dualpath/server/router_types.py",
+                 "dualpath/vocab.py")
 OPTIONAL_PURE = ("dualpath/traffic/lanes.py", "dualpath/traffic/token_bucket.py",
                  "dualpath/kv/layout.py")
 PURE_TREES = ("dualpath/scheduler",)
@@ -250,6 +252,118 @@ def test_import_dualpath_and_the_local_launcher_load_no_optional_extra():
     assert loaded == "[]", f"`import dualpath` or the local launcher pulled in {loaded}"
 
 
+# --- the import graph is acyclic; argparse lives in cli.py alone -----------------------------
+
+
+def import_graph(root: Path = ROOT) -> dict[str, list[str]]:
+    """Each module of the package -> the package modules its import statements name (imports
+    inside functions count; ``if TYPE_CHECKING:`` ones do not)."""
+    files = {module_name(path, root): path for path in sorted((root / PKG).rglob("*.py"))}
+    return {name: sorted({n for n in imported_names(path, root) if n in files and n != name})
+            for name, path in files.items()}
+
+
+def import_cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) through each strongly connected component of ``graph``
+    that has more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(graph[target])))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return [_cycle_through(graph, set(c), c[0]) for c in components]
+
+
+def _cycle_through(graph: dict[str, list[str]], members: set[str], start: str) -> list[str]:
+    """A shortest import chain from ``start`` back to itself within ``members``."""
+    paths = {start: [start]}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for target in graph[node]:
+            if target == start:
+                return [*paths[node], start]
+            if target in members and target not in paths:
+                paths[target] = [*paths[node], target]
+                queue.append(target)
+    raise AssertionError(f"no cycle through {start}")
+
+
+def test_the_import_graph_has_no_cycle():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles (break each, e.g. by moving what both sides need):\n" + (
+        "\n".join("  " + " -> ".join(cycle) for cycle in cycles))
+
+
+CLI = "dualpath/cli.py"  # the one module that parses command lines
+NAMESPACE = re.compile(r"\b(argparse\.)?Namespace\b")
+
+
+def argparse_users(root: Path = ROOT) -> list[str]:
+    """Package files, other than :data:`CLI`, that import argparse at run time or annotate
+    anything (a parameter, a return, a variable) with ``Namespace``."""
+    offenders = []
+    for path in sorted((root / PKG).rglob("*.py")):
+        rel = str(path.relative_to(root))
+        if rel == CLI:
+            continue
+        if "argparse" in (n.split(".")[0] for n in imported_names(path, root)):
+            offenders.append(f"{rel}: imports argparse")
+        tree = ast.parse(path.read_text(), filename=rel)
+        for node in ast.walk(tree):
+            annotations = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
+                             node.args.vararg, node.args.kwarg]
+                annotations = [a.annotation for a in arguments if a is not None]
+                annotations.append(node.returns)
+            elif isinstance(node, ast.AnnAssign):
+                annotations = [node.annotation]
+            for annotation in annotations:
+                if annotation is not None and NAMESPACE.search(ast.unparse(annotation)):
+                    offenders.append(f"{rel}:{annotation.lineno}: annotated with "
+                                     f"{ast.unparse(annotation)}")
+    return offenders
+
+
+def test_only_the_cli_parses_command_lines():
+    offenders = argparse_users()
+    assert not offenders, (f"argparse belongs to {CLI} (a command module has add_arguments and "
+                           "an options dataclass):\n" + "\n".join(offenders))
+
+
 # --- self-tests of the checker ---------------------------------------------------------------
 
 
@@ -371,3 +485,34 @@ def test_checker_flags_the_real_torch_backed_kv_cache():
     path = ROOT / "dualpath" / "kv" / "cache.py"
     violations = find_violations(path, is_forbidden_dependency)
     assert ["dualpath.kv.cache", "torch"] in violations
+
+
+def test_cycle_check_names_the_modules_of_a_cycle_through_a_function_level_import(tmp_path):
+    _write(tmp_path, {
+        "dualpath/__init__.py": "",
+        "dualpath/cli.py": "from dualpath.bench import run\n",
+        "dualpath/bench.py": "from dualpath import report\nrun = 1\n",
+        "dualpath/report.py": "def f():\n    from dualpath.cli import main\n",
+        "dualpath/leaf.py": "from typing import TYPE_CHECKING\n"
+                            "if TYPE_CHECKING:\n    from dualpath import cli\n",
+    })
+    assert import_cycles(import_graph(tmp_path)) == [
+        ["dualpath.bench", "dualpath.report", "dualpath.cli", "dualpath.bench"]]
+    _write(tmp_path, {"dualpath/report.py": "def f():\n    return 1\n"})
+    assert import_cycles(import_graph(tmp_path)) == []  # a TYPE_CHECKING import is no edge
+
+
+def test_argparse_check_flags_an_import_and_a_namespace_outside_the_cli(tmp_path):
+    _write(tmp_path, {
+        "dualpath/__init__.py": "",
+        "dualpath/cli.py": "import argparse\ndef run(args: argparse.Namespace) -> int: ...\n",
+        "dualpath/bench.py": "def run(options):\n    import argparse\n",
+        "dualpath/sim.py": "from __future__ import annotations\n"
+                           "def run(args: Namespace) -> None: ...\n",
+        "dualpath/ok.py": "from typing import TYPE_CHECKING\nfrom types import SimpleNamespace\n"
+                          "if TYPE_CHECKING:\n    from argparse import ArgumentParser\n"
+                          "def add_arguments(parser: ArgumentParser, x: SimpleNamespace): ...\n",
+    })
+    assert argparse_users(tmp_path) == ["dualpath/bench.py: imports argparse",
+                                        "dualpath/sim.py:2: annotated with Namespace"]
+

@@ -8,10 +8,12 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from dualpath.vocab import Role
+
 
 def _read_mb(metrics: dict[str, dict[str, Any]]) -> str:
     """MB each node's storage NIC read, the prefill nodes first."""
-    engines = sorted(metrics.values(), key=lambda m: (m["role"] != "prefill", m["node_id"]))
+    engines = sorted(metrics.values(), key=lambda m: (m["role"] != Role.PREFILL, m["node_id"]))
     return ", ".join(f"{m['storage_bytes_read'] / 1e6:,.0f}" for m in engines)
 
 

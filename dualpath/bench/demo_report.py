@@ -8,6 +8,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from dualpath.vocab import Role
+
 
 def node_reads(metrics: dict[str, dict]) -> list[dict[str, Any]]:
     """Per node (sorted by id): its role and the bytes its storage NIC read."""
@@ -25,8 +27,8 @@ def summarize(row: dict[str, Any], read_cap_mb_s: float) -> dict[str, Any]:
     """The table's figures of one mode's run (``run_turns`` output plus ``nodes``)."""
     records = [r for recs in row["records"] for r in recs]
     n = max(1, len(records))
-    pe = [x["read_bytes"] for x in row["nodes"] if x["role"] == "prefill"]
-    de = [x["read_bytes"] for x in row["nodes"] if x["role"] == "decode"]
+    pe = [x["read_bytes"] for x in row["nodes"] if x["role"] == Role.PREFILL]
+    de = [x["read_bytes"] for x in row["nodes"] if x["role"] == Role.DECODE]
     return {"jct_s": row["jct_s"], "mean_ttft_s": sum(r.ttft_s for r in records) / n,
             "mean_turn_latency_s": sum(r.latency_s for r in records) / n,
             "hit_rate": row["hit_tokens"] / max(1, row["prompt_tokens"]),

@@ -14,14 +14,13 @@ balance metric, §7.5: 1.53 with round robin, 1.18 with DualPath).
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import Progress
@@ -29,8 +28,6 @@ from rich.table import Table
 
 from dualpath.bench.report import bar_chart, machine_profile, write_json
 from dualpath.scheduler import (
-    DECODE,
-    PREFILL,
     Assignment,
     ClusterView,
     EngineView,
@@ -39,6 +36,10 @@ from dualpath.scheduler import (
     PendingRequest,
     SchedulerParams,
 )
+from dualpath.vocab import Role
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 BLOCK = 64
 
@@ -82,9 +83,9 @@ class SimCluster:
         self.setup = setup
         self.engines: dict[str, SimEngine] = {}
         for node in range(setup.prefill_nodes + setup.decode_nodes):
-            role = PREFILL if node < setup.prefill_nodes else DECODE
+            role = Role.PREFILL if node < setup.prefill_nodes else Role.DECODE
             for rank in range(setup.engines_per_node):
-                free = setup.de_kv_tokens if role == DECODE else 0
+                free = setup.de_kv_tokens if role == Role.DECODE else 0
                 self.engines[f"{role[0]}{node:03d}.{rank}"] = SimEngine(role, node, f"g{node:03d}",
                                                                        free=free)
         self.read_q = dict.fromkeys(range(setup.prefill_nodes + setup.decode_nodes), 0)
@@ -118,7 +119,7 @@ class SimCluster:
         self.now += s.round_s
         budget = int(s.prefill_tokens_per_s * s.round_s)
         for e in self.engines.values():
-            if e.role == PREFILL:
+            if e.role == Role.PREFILL:
                 self._prefill(e, budget)
         while self.releases and self.releases[0][0] <= self.now:
             _, req_id = heapq.heappop(self.releases)
@@ -214,21 +215,57 @@ def run_policy(setup: SimSetup, params: SchedulerParams, progress: Progress) -> 
             "read_max_over_avg": window.mean_max_over_avg()}
 
 
-def run_scheduler_bench(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SchedulerBenchOptions:
+    """The ``dualpath bench scheduler`` command line."""
+
+    json: str
+    prefill_nodes: int = 48
+    decode_nodes: int = 96
+    engines_per_node: int = 8
+    requests: int = 20_000
+    policies: str = "dualpath,round_robin"
+    split_read: bool = False
+    seed: int = 0
+    png: bool = True
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`SchedulerBenchOptions`."""
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--prefill-nodes", type=int, default=48)
+    parser.add_argument("--decode-nodes", type=int, default=96)
+    parser.add_argument("--engines-per-node", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--policies", default="dualpath,round_robin",
+                        help="comma-separated; the first one's rate is summary.decisions_per_s")
+    parser.add_argument("--split-read", action="store_true",
+                        help="split reads across both sides")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-png", dest="png", action="store_false", help="skip the bar chart")
+
+
+def run(options: SchedulerBenchOptions) -> int:
+    """``dualpath bench scheduler``."""
+    run_scheduler_bench(options)
+    return 0
+
+
+def run_scheduler_bench(options: SchedulerBenchOptions) -> dict[str, Any]:
     """Run every requested policy; print a table, write JSON (and a PNG beside it)."""
-    setup = SimSetup(prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes,
-                     engines_per_node=args.engines_per_node, requests=args.requests,
-                     seed=args.seed)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    setup = SimSetup(prefill_nodes=options.prefill_nodes, decode_nodes=options.decode_nodes,
+                     engines_per_node=options.engines_per_node, requests=options.requests,
+                     seed=options.seed)
+    policies = [p.strip() for p in options.policies.split(",") if p.strip()]
     runs = []
     with Progress() as progress:
         for policy in policies:
             params = SchedulerParams.from_rates(setup.read_tokens_per_s,
                                                 setup.prefill_tokens_per_s, policy=policy,
-                                                split_read=args.split_read)
+                                                split_read=options.split_read)
             runs.append({**run_policy(setup, params, progress), "params": params.to_dict()})
     result = _result(setup, runs)
-    _report(result, Path(args.json), args.png)
+    _report(result, Path(options.json), options.png)
     return result
 
 

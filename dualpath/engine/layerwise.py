@@ -46,6 +46,7 @@ from dualpath.model.hooks import LayerHooks
 from dualpath.traffic.copies import CopyIssue
 from dualpath.traffic.lanes import Lane
 from dualpath.traffic.manager import TrafficManager
+from dualpath.vocab import PrefillMode, ReadPath
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class LayerPlan:
 
     pe_blocks: list[int]  # PE paged-cache block of each prompt block
     num_hit_blocks: int
-    read_path: str  # "pe" | "de" | "split"
-    mode: str  # basic | layerwise | oracle
+    read_path: ReadPath  # pe | de | split
+    mode: PrefillMode
     de_endpoint: str
     de_buffer_addr: int  # the DE's layer-major buffer of this request
     pe_slots: list[int]  # PE host-pool slots holding the PE-read hit blocks
@@ -68,9 +69,9 @@ class LayerPlan:
     @property
     def pe_read_blocks(self) -> int:
         """Leading hit blocks that sit in this PE's host buffer."""
-        if self.read_path == "split":
+        if self.read_path == ReadPath.SPLIT:
             return min(self.num_pe_read_blocks or 0, self.num_hit_blocks)
-        return self.num_hit_blocks if self.read_path == "pe" else 0
+        return self.num_hit_blocks if self.read_path == ReadPath.PE else 0
 
     def host_loads(self) -> range:
         """Prompt blocks loaded from the PE host buffer before each layer."""
@@ -138,7 +139,7 @@ class PrefillHooks(LayerHooks):
                  stream_ordered: bool | None = None) -> None:
         """``stream_ordered`` (default: the cache is on CUDA) runs the CUDA pipeline above;
         ``watcher`` turns compute events into futures (default: the device's shared one)."""
-        if plan.mode == "basic" and cache.is_window:
+        if plan.mode == PrefillMode.BASIC and cache.is_window:
             raise ValueError("basic prefill keeps every layer resident; this cache holds a "
                              f"window of {cache.resident_layers} layers")
         self.plan = plan
@@ -153,7 +154,7 @@ class PrefillHooks(LayerHooks):
         self._landed: list[Future[None]] = []
         self._sends: dict[int, Future[None]] = {}
         self._computed: dict[int, Future[None]] = {}  # CUDA: the device finished layer i
-        self._moves = plan.mode != "oracle"
+        self._moves = plan.mode != PrefillMode.ORACLE
         self._has_loads = self._moves and bool(plan.host_loads() or plan.de_loads())
         self._on_cuda = cache.data.is_cuda if stream_ordered is None else stream_ordered
         self._watcher = watcher if watcher is not None or not self._on_cuda \
@@ -163,7 +164,7 @@ class PrefillHooks(LayerHooks):
 
     # -- hooks --------------------------------------------------------------------------------
     def before_layer(self, layer_idx: int) -> None:
-        if self.plan.mode == "basic":
+        if self.plan.mode == PrefillMode.BASIC:
             if layer_idx == 0 and self._has_loads:
                 for load in [self._start_load(i) for i in range(self.num_layers)]:
                     self._await_load(load)
@@ -178,7 +179,7 @@ class PrefillHooks(LayerHooks):
         self._wait_slot_free(layer_idx)  # the compute writes into the slot
 
     def after_layer(self, layer_idx: int) -> None:
-        if self.plan.mode == "basic" or not self._moves:
+        if self.plan.mode == PrefillMode.BASIC or not self._moves:
             return
         computed = self._device_done()
         if computed is not None and self.cache.is_window:
@@ -187,7 +188,7 @@ class PrefillHooks(LayerHooks):
             self._sends[layer_idx] = self._start_forward(layer_idx, computed)
 
     def finish(self) -> None:
-        if self.plan.mode == "basic" and self._moves and self.plan.forward_blocks():
+        if self.plan.mode == PrefillMode.BASIC and self._moves and self.plan.forward_blocks():
             computed = self._device_done()
             for i in range(self.num_layers):
                 self._sends[i] = self._start_forward(i, computed)

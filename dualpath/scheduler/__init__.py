@@ -24,8 +24,6 @@ from dualpath.scheduler.rules import (
     split_read,
 )
 from dualpath.scheduler.view import (
-    DECODE,
-    PREFILL,
     Assignment,
     ClusterView,
     EngineLoad,
@@ -35,7 +33,7 @@ from dualpath.scheduler.view import (
 )
 
 __all__ = [
-    "DECODE", "DEFAULT_QUOTA_MS", "PREFILL", "Assignment", "AttentionCostModel", "ClusterView",
+    "DEFAULT_QUOTA_MS", "Assignment", "AttentionCostModel", "ClusterView",
     "EngineLoad", "EngineView", "GlobalScheduler", "NodeView", "PendingRequest",
     "SchedulerParams", "build_decode_batch", "build_prefill_batch", "build_token_batch",
     "choose_read_path", "de_phase1", "de_phase2", "high_token_threshold", "largest_chunk",

@@ -34,7 +34,7 @@ Decisions where the paper is silent:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from dualpath.scheduler.rules import (
@@ -48,17 +48,11 @@ from dualpath.scheduler.rules import (
     read_plan,
     split_read,
 )
-from dualpath.scheduler.view import (
-    DECODE,
-    PREFILL,
-    Assignment,
-    ClusterView,
-    EngineLoad,
-    PendingRequest,
-)
+from dualpath.scheduler.view import Assignment, ClusterView, EngineLoad, PendingRequest
+from dualpath.vocab import Policy, ReadPath, Role
 
 __all__ = [
-    "GlobalScheduler", "SchedulerParams", "choose_read_path", "de_phase1", "de_phase2",
+    "POLICIES", "GlobalScheduler", "SchedulerParams", "choose_read_path", "de_phase1", "de_phase2",
     "high_token_threshold", "log_step", "pe_fetch", "read_plan", "replay", "split_read",
 ]
 
@@ -84,8 +78,8 @@ class GlobalScheduler:
         self._order: dict[int, int] = {}  # req_id -> submission number, while queued
         self._submitted = 0
         self._turn = 0  # which PE group fetches first
-        self._rr_last: dict[str, str | None] = {PREFILL: None, DECODE: None}
-        self._rr_next_path = "pe"
+        self._rr_last: dict[Role, str | None] = {Role.PREFILL: None, Role.DECODE: None}
+        self._rr_next_path = ReadPath.PE
         self.log: dict[str, Any] | None = (
             {"params": params.to_dict(), "steps": []} if record else None)
         self._new: list[PendingRequest] = []
@@ -132,11 +126,7 @@ class GlobalScheduler:
         """
         self._reclaim(view)
         fetch = None if fetching is None else frozenset(fetching)
-        if self.params.policy == "round_robin":
-            out = self._round_robin(view, fetch)
-        else:
-            self._fetch_prefill(view, fetch)
-            out = self._finish(view, self._fetch_decode(view, fetch))
+        out = POLICIES[self.params.policy](self, view, fetch)
         if self.log is not None:
             self.log["steps"].append(log_step(self._new, view, fetching, out))
             self._new = []
@@ -144,8 +134,12 @@ class GlobalScheduler:
 
     # --- dualpath ---
 
+    def _dualpath(self, view: ClusterView, fetch: frozenset[str] | None) -> list[Assignment]:
+        self._fetch_prefill(view, fetch)
+        return self._finish(view, self._fetch_decode(view, fetch))
+
     def _fetch_prefill(self, view: ClusterView, fetch: frozenset[str] | None) -> None:
-        groups = view.groups(PREFILL)
+        groups = view.groups(Role.PREFILL)
         names = [g for g in groups if fetch is None or g in fetch]
         if not self._waiting or not names:
             return
@@ -168,7 +162,7 @@ class GlobalScheduler:
 
     def _fetch_decode(self, view: ClusterView,
                       fetch: frozenset[str] | None) -> list[tuple[PendingRequest, str]]:
-        groups = view.groups(DECODE)
+        groups = view.groups(Role.DECODE)
         names = [g for g in groups if fetch is None or g in fetch]
         if self._global and names:
             group_tok = {g: view.group_tokens(g) + self._private_tok.get(g, 0) for g in groups}
@@ -205,7 +199,7 @@ class GlobalScheduler:
         return out
 
     def _assign(self, view: ClusterView, req: PendingRequest, pe: str, de: str,
-                read_q: dict[int, int], path: str | None) -> Assignment:
+                read_q: dict[int, int], path: ReadPath | None) -> Assignment:
         """Choose the read path (unless given), grow the reading queues, build the decision."""
         pe_node, de_node = view.engine(pe).node_id, view.engine(de).node_id
         hit = req.num_hit_tokens
@@ -213,7 +207,7 @@ class GlobalScheduler:
             path, pe_read, de_read = read_plan(hit, read_q.get(pe_node, 0),
                                                read_q.get(de_node, 0), self.params)
         else:
-            pe_read, de_read = (hit, 0) if path == "pe" else (0, hit)
+            pe_read, de_read = (hit, 0) if path == ReadPath.PE else (0, hit)
         read_q[pe_node] = read_q.get(pe_node, 0) + pe_read
         read_q[de_node] = read_q.get(de_node, 0) + de_read
         del self._order[req.req_id]
@@ -225,7 +219,7 @@ class GlobalScheduler:
         A lost DE group's requests return to the DE global queue; a request whose PE is gone
         returns to the waiting FIFO. Both queues stay in submission order.
         """
-        lost = [g for g in self._private if g not in view.groups(DECODE)]
+        lost = [g for g in self._private if g not in view.groups(Role.DECODE)]
         for group in lost:
             self._global.extend(self._private.pop(group))
             del self._private_tok[group]
@@ -254,20 +248,20 @@ class GlobalScheduler:
     def _round_robin(self, view: ClusterView, fetch: frozenset[str] | None) -> list[Assignment]:
         engines = [e for e in view.engines if fetch is None or e.group in fetch]
         loads = {e.name: EngineLoad.of(e) for e in engines}
-        pes = sorted(e.name for e in engines if e.role == PREFILL)
-        des = sorted(e.name for e in engines if e.role == DECODE)
+        pes = sorted(e.name for e in engines if e.role == Role.PREFILL)
+        des = sorted(e.name for e in engines if e.role == Role.DECODE)
         read_q = view.read_queues()
         out = []
         while self._waiting and pes and des:
             req = self._waiting[0]
-            pe = next_in_rotation(pes, self._rr_last[PREFILL],
+            pe = next_in_rotation(pes, self._rr_last[Role.PREFILL],
                                   lambda n: loads[n].tok <= self.params.beta_tokens)
-            de = next_in_rotation(des, self._rr_last[DECODE],
+            de = next_in_rotation(des, self._rr_last[Role.DECODE],
                                   lambda n, need=req.num_tokens: loads[n].free_kv_tokens >= need)
             if pe is None or de is None:
                 break
             self._waiting.popleft()
-            self._rr_last[PREFILL], self._rr_last[DECODE] = pe, de
+            self._rr_last[Role.PREFILL], self._rr_last[Role.DECODE] = pe, de
             for name in (pe, de):
                 loads[name].tok += req.num_tokens
                 loads[name].seq += 1
@@ -276,12 +270,20 @@ class GlobalScheduler:
             out.append(self._assign(view, req, pe, de, read_q, path))
         return out
 
-    def _rr_path(self) -> str:
-        if self.params.read_path != "auto":
+    def _rr_path(self) -> ReadPath:
+        if self.params.read_path != ReadPath.AUTO:
             return self.params.read_path
         path = self._rr_next_path
-        self._rr_next_path = "de" if path == "pe" else "pe"
+        self._rr_next_path = ReadPath.DE if path == ReadPath.PE else ReadPath.PE
         return path
+
+
+# A policy is one entry: its name (``vocab.Policy``) -> how a schedule call places requests.
+POLICIES: Mapping[Policy, Callable[[GlobalScheduler, ClusterView, frozenset[str] | None],
+                                   list[Assignment]]] = {
+    Policy.DUALPATH: GlobalScheduler._dualpath,
+    Policy.ROUND_ROBIN: GlobalScheduler._round_robin,
+}
 
 
 # --- recording and replay --------------------------------------------------------------------

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dualpath.scheduler.view import EngineLoad, PendingRequest
+from dualpath.vocab import Policy, ReadPath
 
-POLICIES = ("dualpath", "round_robin")
-FORCED_PATHS = ("auto", "pe", "de")
+FORCED_PATHS = (ReadPath.AUTO, ReadPath.PE, ReadPath.DE)  # what a caller may ask for
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,9 @@ class SchedulerParams:
     alpha_tokens: int  # a node's read queue at or below this is "short" (class C2)
     beta_tokens: int  # a PE with more unfinished tokens than this is overloaded (class C1)
     z_factor: float = 1.05  # high-token DE threshold Z = z_factor × average
-    policy: str = "dualpath"  # dualpath | round_robin
+    policy: Policy = Policy.DUALPATH  # global_scheduler.POLICIES has what each one does
     split_read: bool = False  # read one request's hit partly on each side
-    read_path: str = "auto"  # auto (shorter queue) | pe | de (e.g. the Basic baseline: pe)
+    read_path: ReadPath = ReadPath.AUTO  # auto (shorter queue) | pe | de (Basic's baseline: pe)
     block_size: int = 64  # split-read granularity in tokens
 
     def __post_init__(self) -> None:
@@ -37,10 +37,14 @@ class SchedulerParams:
             raise ValueError("alpha_tokens and beta_tokens must be >= 0")
         if self.z_factor <= 0 or self.block_size <= 0:
             raise ValueError("z_factor and block_size must be > 0")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in tuple(Policy):
+            raise ValueError(f"policy must be one of {tuple(map(str, Policy))}, "
+                             f"got {self.policy!r}")
         if self.read_path not in FORCED_PATHS:
-            raise ValueError(f"read_path must be one of {FORCED_PATHS}, got {self.read_path!r}")
+            raise ValueError(f"read_path must be one of {tuple(map(str, FORCED_PATHS))}, "
+                             f"got {self.read_path!r}")
+        object.__setattr__(self, "policy", Policy(self.policy))
+        object.__setattr__(self, "read_path", ReadPath(self.read_path))
 
     @classmethod
     def from_rates(cls, read_tokens_per_s: float, prefill_tokens_per_s: float,
@@ -177,9 +181,9 @@ def de_phase2(private_queue: Sequence[PendingRequest], group_engines: Sequence[E
     return out
 
 
-def choose_read_path(pe_queue_tokens: int, de_queue_tokens: int) -> str:
-    """The side whose node has the shorter read queue: ``"pe"`` or ``"de"`` (tie: ``"pe"``)."""
-    return "pe" if pe_queue_tokens <= de_queue_tokens else "de"
+def choose_read_path(pe_queue_tokens: int, de_queue_tokens: int) -> ReadPath:
+    """The side whose node has the shorter read queue: ``pe`` or ``de`` (tie: ``pe``)."""
+    return ReadPath.PE if pe_queue_tokens <= de_queue_tokens else ReadPath.DE
 
 
 def split_read(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
@@ -201,18 +205,18 @@ def split_read(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
 
 
 def read_plan(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
-              params: SchedulerParams) -> tuple[str, int, int]:
+              params: SchedulerParams) -> tuple[ReadPath, int, int]:
     """(read_path, pe_read_tokens, de_read_tokens) under ``params`` (forced, split or auto)."""
-    if params.read_path != "auto":
+    if params.read_path != ReadPath.AUTO:
         path = params.read_path
     elif params.split_read and hit_tokens:
         pe, de = split_read(hit_tokens, pe_queue_tokens, de_queue_tokens, params.block_size)
         if pe and de:
-            return "split", pe, de
-        path = "pe" if pe else "de"
+            return ReadPath.SPLIT, pe, de
+        path = ReadPath.PE if pe else ReadPath.DE
     else:
         path = choose_read_path(pe_queue_tokens, de_queue_tokens)
-    return (path, hit_tokens, 0) if path == "pe" else (path, 0, hit_tokens)
+    return (path, hit_tokens, 0) if path == ReadPath.PE else (path, 0, hit_tokens)
 
 
 def next_in_rotation(names: Sequence[str], last: str | None,

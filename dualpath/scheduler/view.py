@@ -17,10 +17,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-PREFILL = "prefill"
-DECODE = "decode"
-ROLES = (PREFILL, DECODE)
-READ_PATHS = ("pe", "de", "split")
+from dualpath.vocab import ReadPath, Role
+
+READ_PATHS = ("pe", "de", "split")  # an assignment's: never auto
 
 
 def _check_fields(cls: type, data: Mapping[str, Any]) -> None:
@@ -41,7 +40,7 @@ class EngineView:
     """One engine as it reported itself at the last fetch."""
 
     name: str
-    role: str  # "prefill" | "decode"
+    role: Role
     node_id: int
     group: str
     seq: int = 0  # assigned, unfinished requests
@@ -49,8 +48,9 @@ class EngineView:
     free_kv_tokens: int = 0  # device KV free for new requests (what a DE can still admit)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"engine {self.name!r}: role must be one of {ROLES}")
+        if self.role not in tuple(Role):
+            raise ValueError(f"engine {self.name!r}: role must be one of {tuple(map(str, Role))}")
+        object.__setattr__(self, "role", Role(self.role))
         if self.seq < 0 or self.tok < 0 or self.free_kv_tokens < 0:  # the message only then
             _non_negative(f"engine {self.name!r}", seq=self.seq, tok=self.tok,
                           free_kv_tokens=self.free_kv_tokens)
@@ -131,7 +131,7 @@ class ClusterView:
             if group_of_node.setdefault(e.node_id, e.group) != e.group:
                 raise ValueError(f"node {e.node_id} has engines in two groups")
             members.setdefault(e.group, []).append(e)
-        groups: dict[str, dict[str, tuple[EngineView, ...]]] = {role: {} for role in ROLES}
+        groups: dict[str, dict[str, tuple[EngineView, ...]]] = {role: {} for role in Role}
         for name in sorted(members):
             groups[role_of[name]][name] = tuple(sorted(members[name], key=lambda e: e.name))
         return groups
@@ -149,8 +149,8 @@ class ClusterView:
         engines' ``tok``) passes them; they are copied.
         """
         view = object.__new__(cls)
-        index = {role: dict(groups.get(role, {})) for role in ROLES}
-        engines = tuple(e for role in ROLES for members in index[role].values() for e in members)
+        index = {role: dict(groups.get(role, {})) for role in Role}
+        engines = tuple(e for role in Role for members in index[role].values() for e in members)
         if by_name is None:
             by_name = {e.name: e for e in engines}
         if group_tok is None:
@@ -239,7 +239,7 @@ class Assignment:
     req_id: int
     prefill: str
     decode: str
-    read_path: str  # "pe" | "de" | "split"
+    read_path: ReadPath  # pe | de | split
     num_hit_tokens: int
     pe_read_tokens: int
     de_read_tokens: int
@@ -247,6 +247,7 @@ class Assignment:
     def __post_init__(self) -> None:
         if self.read_path not in READ_PATHS:
             raise ValueError(f"read_path must be one of {READ_PATHS}, got {self.read_path!r}")
+        object.__setattr__(self, "read_path", ReadPath(self.read_path))
         if self.pe_read_tokens < 0 or self.de_read_tokens < 0:
             _non_negative(f"assignment {self.req_id}", pe_read_tokens=self.pe_read_tokens,
                           de_read_tokens=self.de_read_tokens)

@@ -58,7 +58,8 @@ from dualpath.server.api_schema import (
 from dualpath.server.detok import TextStream
 from dualpath.server.metrics import RequestTimer, ServeMetrics
 from dualpath.server.router import Router
-from dualpath.server.router_types import ClusterOutput, Mode, RequestAborted
+from dualpath.server.router_types import ClusterOutput, RequestAborted
+from dualpath.vocab import Mode, Role
 
 # A temperature this close to 0 samples greedily: logits divided by it overflow float32 (at
 # 5e-324 the sampler's softmax was all NaN and the request failed on every engine).
@@ -71,7 +72,6 @@ TOP_P_MIN = 1e-6
 # 5 ms, and its own queries wait 10 s (a probe thread of its own, one probe at a time).
 HEALTH_TIMEOUT_S = 2.0
 DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")  # behind the API key, like /v1 and /metrics
-ROLES = ("prefill", "decode")
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 411, 413, 429, 503, 504)}
@@ -364,7 +364,7 @@ class _HealthProbe:
                           for e in self.router.engines.values() if e.name in ages),
                          key=lambda e: e["name"])
         live = {e["role"] for e in engines if e["heartbeat_age_s"] < timeout_s}
-        missing = [role for role in ROLES if role not in live]
+        missing = [role for role in Role if role not in live]
         if missing:
             return f"no live {' or '.join(missing)} engine", engines
         return None, engines

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dualpath.server.router_types import Mode, ReadPath
+from dualpath.vocab import Mode, ReadPath
 
 NonNegInt = Annotated[int, Field(ge=0)]
 MAX_CACHE_SALT_CHARS = 256

@@ -70,13 +70,12 @@ from dualpath.server.router_types import (
     ClusterOutput,
     Effects,
     EngineInfo,
-    Mode,
-    ReadPath,
     RequestAborted,
     RequestFailed,
     RequestState,
 )
 from dualpath.storage import open_store
+from dualpath.vocab import Mode, ReadPath, Role
 
 log = logging.getLogger("dualpath.router")
 __all__ = ["ClusterOutput", "EngineInfo", "RequestAborted", "RequestFailed", "RequestFuture",
@@ -114,9 +113,9 @@ class Router:
         self.block_size = layout.block_size
         self.key_space = KeySpace(model_id(model_dir), layout.layout_id, layout.block_size)
         self.store = open_store(config.storage, layout)
-        capacity = Capacity(self.block_size, _kv_tokens(config, layout, "decode"),
+        capacity = Capacity(self.block_size, _kv_tokens(config, layout, Role.DECODE),
                             config.host_pool_blocks, config.save_staging_blocks,
-                            _kv_tokens(config, layout, "prefill"))
+                            _kv_tokens(config, layout, Role.PREFILL))
         self.state = RouterState(GlobalScheduler(scheduler_params(config, layout.full_block_bytes)),
                                  capacity, config.engine_timeout_s, config.heartbeat_s)
         self.bad_messages = 0  # handler errors, logged and skipped
@@ -181,7 +180,7 @@ class Router:
                            Mode(mode or self.config.mode),
                            ReadPath(read_path or self.config.read_path), cache_salt=cache_salt)
         future = RequestFuture(req.req_id)
-        if req.mode == Mode.BASIC and engine_config_for(self.config, "prefill").layer_window:
+        if req.mode == Mode.BASIC and engine_config_for(self.config, Role.PREFILL).layer_window:
             future.set_exception(RequestError(
                 "basic prefill keeps every layer resident, and this cluster's prefill engines "
                 "hold a layer window: start a cluster with mode=basic for it"))
@@ -230,7 +229,7 @@ class Router:
     def ready(self) -> bool:
         """True while at least one prefill and one decode engine are registered."""
         roles = {e.info.role for e in list(self.state.engines.values())}
-        return {"prefill", "decode"} <= roles
+        return set(Role) <= roles
 
     def _ask(self, query: Callable[[], T]) -> T:
         """Run ``query`` on the router thread (which owns the state) and return its answer."""
@@ -394,7 +393,7 @@ class Router:
     def _join_config(self, msg: Join) -> JoinConfig:
         """What a joining engine runs with (or why it may not join)."""
         error = ""
-        if msg.role not in ("prefill", "decode"):
+        if msg.role not in tuple(Role):
             error = f"role must be prefill or decode, got {msg.role!r}"
         elif msg.node_id < 0:
             error = f"node id must be >= 0, got {msg.node_id}"
@@ -476,7 +475,7 @@ def _bind(host: str, port: int, keys: ClusterKeys,
     return socket, f"tcp://{local}:{port}"
 
 
-def _kv_tokens(config: ClusterConfig, layout: KVLayout, role: str) -> int:
+def _kv_tokens(config: ClusterConfig, layout: KVLayout, role: Role) -> int:
     """Tokens of KV one engine of ``role`` holds (a layerwise PE: with its layer window)."""
     engine = engine_config_for(config, role)
     return layout.cache_blocks(engine.num_kv_blocks, engine.kv_cache_mb,

@@ -1,46 +1,16 @@
-"""What the router tracks, as plain records (pure): the vocabularies (mode, read path, phase),
-a request's state and holds, an engine's load, the capacities it admits against, and the
-effects a transition asks the I/O loop to carry out. ``router_state.py`` has the transitions.
+"""What the router tracks, as plain records (pure): a request's state and holds, an engine's
+load, the capacities it admits against, and the effects a transition asks the I/O loop to carry
+out. ``router_state.py`` has the transitions; the vocabularies are ``dualpath.vocab``'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from dualpath.errors import DualPathError
 from dualpath.protocol import Heartbeat, Message
 from dualpath.request import SamplingParams
-
-
-class Mode(StrEnum):
-    """The ablation ladder (DESIGN §7) plus ``recompute`` (no cache at all)."""
-
-    BASIC = "basic"
-    LAYERWISE = "layerwise"
-    DUALPATH = "dualpath"
-    ORACLE = "oracle"
-    RECOMPUTE = "recompute"
-
-
-class ReadPath(StrEnum):
-    """Where a request's hit is read: the scheduler's choice, or forced to one side."""
-
-    AUTO = "auto"
-    PE = "pe"
-    DE = "de"
-    SPLIT = "split"  # the PE reads the leading hit blocks, the DE the rest
-
-
-class Phase(StrEnum):
-    """Where a request is in its life."""
-
-    QUEUED = "queued"
-    BUFFERING = "buffering"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    DRAINING = "draining"  # ended for the caller; the PE may still write the DE buffer
-    MOVING = "moving"  # its decode engine was lost: its hit is looked up anew, then re-placed
+from dualpath.vocab import Mode, Phase, ReadPath, Role
 
 
 class RequestFailed(DualPathError):
@@ -56,7 +26,7 @@ class EngineInfo:
     """A registered engine."""
 
     name: str
-    role: str
+    role: Role
     node_id: int
     endpoint: str
     nic_address: str = ""  # its compute NIC's grant address ("": none)

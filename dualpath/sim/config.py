@@ -39,9 +39,8 @@ from dualpath.sim.profiles import (
     get_model,
 )
 from dualpath.traffic.lanes import DEFAULT_LANE_WEIGHTS, Lane, weights_from_pairs
+from dualpath.vocab import Rung
 from dualpath.workloads.presets import WorkloadConfig
-
-MODES = ("basic", "layerwise", "dualpath", "round_robin", "oracle")
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class SimConfig:
     hardware: str | HardwareProfile = "hopper"  # a preset's name or a profile
     prefill_nodes: int = 2
     decode_nodes: int = 4
-    mode: str = "dualpath"
+    mode: Rung = Rung.DUALPATH  # a rung of the ablation ladder (vocab.LADDER)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     prefill_eff: float = 0.12
     decode_eff: float = 0.15
@@ -61,7 +60,8 @@ class SimConfig:
     ep_lockstep: bool = True  # forwards/steps in lock step within an EP group (DESIGN §7)
     ep_nodes: tuple[int, int] | None = None  # (prefill, decode) nodes per EP group; None: a side
     quota_ms: float = 300.0
-    quota_modes: tuple[str, ...] = ("dualpath", "oracle")  # PAPER A.4: the quota is DualPath's
+    # PAPER A.4: the quota is DualPath's
+    quota_modes: tuple[Rung, ...] = (Rung.DUALPATH, Rung.ORACLE)
     dram_buffer_gb: float | None = None  # per-node DRAM staging for layerwise reads (None: ∞)
     storage_eff: float = 1.0  # storage goodput as a fraction of the storage NIC's line rate
     read_streams: int | None = None  # request reads in flight per storage NIC (None: all)
@@ -78,8 +78,9 @@ class SimConfig:
     lane_weights: tuple[tuple[str, int], ...] | None = None  # compute-NIC lanes (None: default)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in tuple(Rung):
+            raise ValueError(f"mode must be one of {tuple(map(str, Rung))}, got {self.mode!r}")
+        object.__setattr__(self, "mode", Rung(self.mode))
         if self.prefill_nodes <= 0 or self.decode_nodes <= 0:
             raise ValueError("need at least one prefill and one decode node")
         if not 0 < self.prefill_eff <= 1 or not 0 < self.decode_eff <= 1 or not (

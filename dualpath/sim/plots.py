@@ -17,9 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dualpath.vocab import Rung
+
 TTFT_SLO_S = 4.0  # default online SLOs (a result's summary may override them)
 TPOT_SLO_S = 0.050
-MODE_ORDER = ("basic", "layerwise", "round_robin", "dualpath", "oracle")
+MODE_ORDER = tuple(Rung)  # the ladder's order
 PAPER_MARKER: dict[str, Any] = {"marker": "x", "color": "black", "s": 45, "linewidths": 1.6,
                                 "zorder": 4}
 LOG_SPAN = 8.0  # auto log y when max / min of the plotted values exceeds this
@@ -225,7 +227,7 @@ def plot_ablation(result: Result, path: str | Path) -> Path:
     """Ablation: JCT change vs Basic (%) per agent count and mode, simulated vs paper ``x``."""
     rows = _rows(result)
     agents = _agent_counts(rows)
-    modes = [m for m in _modes(rows) if m != "basic"]
+    modes = [m for m in _modes(rows) if m != Rung.BASIC]
     sim, paper = _reductions(rows), _table(rows, "paper_fig_reduction_pct")
     for key, value in _table(rows, "paper_reduction_pct").items():
         paper.setdefault(key, value)

@@ -46,14 +46,14 @@ from typing import Any
 
 from dualpath.sim.cluster import simulate
 from dualpath.sim.config import SimConfig
+from dualpath.vocab import Rung
 
 DS660B = SimConfig(model="ds660b", hardware="hopper", prefill_nodes=2, decode_nodes=4,
                    kv_bytes_per_token=48_068, hbm_kv_bytes_per_token=48_068,
                    prefill_eff=0.236, decode_eff=0.11485, storage_eff=0.8, dram_buffer_gb=80.0,
-                   quota_modes=("dualpath", "oracle"), token_budget=8192, read_streams=1)
+                   quota_modes=(Rung.DUALPATH, Rung.ORACLE), token_budget=8192, read_streams=1)
 # The alternative: every mode batches by the compute quota (isolates I/O; not the paper's).
-DS660B_QUOTA_ALL = replace(DS660B, quota_modes=("basic", "layerwise", "round_robin",
-                                                "dualpath", "oracle"))
+DS660B_QUOTA_ALL = replace(DS660B, quota_modes=tuple(Rung))
 
 # What was fitted, to what, and what was chosen a priori (see the module docstring).
 CALIBRATION: dict[str, Any] = {
@@ -87,7 +87,7 @@ PRESETS = ("paper-fig7", "paper-ablation", "paper-scale", "paper-online", "testb
 Progress = Callable[[str, int, int], None]
 
 
-def _run(base: SimConfig, mode: str, agents: int, progress: Progress | None,
+def _run(base: SimConfig, mode: Rung, agents: int, progress: Progress | None,
          workload: str = "64k", aps: float | None = None, **over: Any) -> dict[str, Any]:
     cfg = replace(base, mode=mode, workload=replace(base.workload, preset=workload,
                                                     agents=agents, aps=aps), **over)
@@ -142,20 +142,20 @@ def fig7(agents: tuple[int, ...] = (512, 1024, 2048, 4096), base: SimConfig = DS
     """Basic, DualPath and Oracle JCT vs the paper; summary ``max_rel_error_vs_paper``."""
     rows = []
     for n in agents:
-        for mode in ("oracle", "basic", "dualpath"):
+        for mode in (Rung.ORACLE, Rung.BASIC, Rung.DUALPATH):
             r = _run(base, mode, n, progress, workload)
             paper = FIG7[mode].get(n) if workload == "64k" else None
             r["paper_jct_s"] = paper
             r["rel_error"] = None if paper is None else r["jct_s"] / paper - 1
-            r["fitted_point"] = mode == "oracle"
+            r["fitted_point"] = mode == Rung.ORACLE
             rows.append(r)
     jct = {(r["mode"], r["agents"]): r["jct_s"] for r in rows}
     speedups = {n: jct["basic", n] / jct["dualpath", n] for n in agents}
     predicted = [abs(r["rel_error"]) for r in rows
-                 if r["rel_error"] is not None and r["mode"] != "oracle"
+                 if r["rel_error"] is not None and r["mode"] != Rung.ORACLE
                  and r["agents"] in (1024, 2048, 4096)]
     every = [abs(r["rel_error"]) for r in rows
-             if r["rel_error"] is not None and r["mode"] != "oracle"]
+             if r["rel_error"] is not None and r["mode"] != Rung.ORACLE]
     paper_speedup = {1024: 1.84, 2048: 1.87, 4096: 1.87} if workload == "64k" else {}
     return {"preset": "paper-fig7", "workload": workload, "rows": rows,
             "summary": {"max_rel_error_vs_paper": max(predicted, default=None),
@@ -179,11 +179,11 @@ def ablation(agents: tuple[int, ...] = (1024, 2048), base: SimConfig = DS660B,
     """
     rows = []
     for n in agents:
-        b = _run(base, "basic", n, progress, workload)
+        b = _run(base, Rung.BASIC, n, progress, workload)
         rows.append(b)
         for mode in ABLATION:
             rows.append(_run(base, mode, n, progress, workload))
-    basic = {r["agents"]: r["jct_s"] for r in rows if r["mode"] == "basic"}
+    basic = {r["agents"]: r["jct_s"] for r in rows if r["mode"] == Rung.BASIC}
     for r in rows:
         r["reduction_pct"] = 100 * (r["jct_s"] / basic[r["agents"]] - 1)
         fig = ABLATION_FIG.get(r["agents"]) if workload == "64k" else None
@@ -196,7 +196,7 @@ def ablation(agents: tuple[int, ...] = (1024, 2048), base: SimConfig = DS660B,
     paper_fig = ABLATION_FIG if workload == "64k" else {}
     error = {m: mean[m] - paper for m, paper in ABLATION.items()}
     vs_fig = [abs(r["error_points_vs_figure"]) for r in rows
-              if r["mode"] != "basic" and "error_points_vs_figure" in r]
+              if r["mode"] != Rung.BASIC and "error_points_vs_figure" in r]
     return {"preset": "paper-ablation", "workload": workload, "rows": rows,
             "summary": {"max_abs_error_points": max(abs(e) for e in error.values()),
                         "error_points": error,
@@ -282,7 +282,7 @@ def online(aps: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8),
     paper_cap = ONLINE["aps_capacity"] if workload == "64k" else {}
     ratio = (cap["dualpath"] / cap["basic"]
              if cap.get("dualpath") and cap.get("basic") else None)
-    at = next((r for r in rows if r["mode"] == "dualpath" and abs(r["aps"] - 0.4) < 1e-9), None)
+    at = next((r for r in rows if r["mode"] == Rung.DUALPATH and abs(r["aps"] - 0.4) < 1e-9), None)
     return {"preset": "paper-online", "workload": workload, "rows": rows,
             "summary": {"aps_capacity": cap, "aps_capacity_with_tpot_slo": cap_tpot,
                         "paper_aps_capacity": paper_cap,

@@ -14,7 +14,9 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-MODE_ORDER = ("basic", "layerwise", "round_robin", "dualpath", "oracle")
+from dualpath.vocab import Rung
+
+MODE_ORDER = tuple(Rung)  # the ladder's order
 DASH = "–"
 
 
@@ -84,7 +86,7 @@ def fig7_table(result: dict[str, Any]) -> Table:
     names = ["agents"]
     for m in modes:
         names += [f"{m}\nJCT (s)"] + (["paper\n(s)"] if m in papered else [])
-    speedup = "basic" in modes and "dualpath" in modes
+    speedup = Rung.BASIC in modes and Rung.DUALPATH in modes
     if speedup:
         names += ["speedup"] + (["paper"] if paper_speedup else [])
     _columns(table, names)
@@ -128,10 +130,10 @@ def ablation_table(result: dict[str, Any]) -> Table:
         cells = [f"{n:,}"]
         for m in modes:
             r = by_mode.get(m, {})
-            cells.append(cell(r.get("jct_s"), r.get("reduction_pct"), m == "basic"))
+            cells.append(cell(r.get("jct_s"), r.get("reduction_pct"), m == Rung.BASIC))
             if papered:
                 cells.append(cell(r.get("paper_fig_jct_s"), r.get("paper_fig_reduction_pct"),
-                                  m == "basic"))
+                                  m == Rung.BASIC))
         table.add_row(*cells)
     mean, paper = summary.get("reduction_pct_mean") or {}, summary.get("paper_reduction_pct") or {}
     if mean:

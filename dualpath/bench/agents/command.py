@@ -2,25 +2,55 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dualpath.commands.args import names
+from dualpath.vocab import Rung
+
 if TYPE_CHECKING:
+    from argparse import ArgumentParser
+
     from dualpath.bench.agents.ladder import AgentsOptions
 
 
-def _modes(raw: str) -> tuple[str, ...]:
-    return tuple(m.strip() for m in raw.split(",") if m.strip())
+@dataclass(frozen=True)
+class AgentsCommandOptions:
+    """The command line; None leaves :class:`AgentsOptions`' default."""
+
+    workload: str = "weka-sample"
+    modes: tuple[str, ...] = tuple(Rung)
+    online_modes: tuple[str, ...] = (Rung.BASIC, Rung.DUALPATH)
+    offline_off: bool = False
+    split_read: bool = False
+    cold_start: bool = False
+    via: str = "python"
+    agents: int | None = None
+    turns: int | None = None
+    scale: float | None = None
+    trace_dir: str | None = None
+    read_cap_mb_s: float | None = None
+    compute_cap_mb_s: float | None = None
+    online_trials: int | None = None
+    ttft_slo_s: float | None = None
+    profile: str | None = None
+    model: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    block_size: int | None = None
+    seed: int | None = None
+    json: str = "results/agents.json"
+    dir: str | None = None
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options (defaults: :class:`dualpath.bench.agents.ladder.AgentsOptions`)."""
+def add_arguments(p: ArgumentParser) -> None:
+    """The options of :class:`AgentsCommandOptions`."""
     p.add_argument("--workload", default="weka-sample",
                    help="weka-sample (shipped), weka (the full traces: --trace-dir), 32k, 48k, "
                    "64k (the paper's Table 2, scaled), mooncake (--trace-dir)")
-    p.add_argument("--modes", default="basic,layerwise,round_robin,dualpath,oracle",
+    p.add_argument("--modes", type=names, default=",".join(Rung),
                    help="offline modes, in order, each on a fresh cluster")
-    p.add_argument("--online-modes", default="basic,dualpath",
+    p.add_argument("--online-modes", type=names, default="basic,dualpath",
                    help="modes whose online capacity is searched ('' for none)")
     p.add_argument("--offline-off", action="store_true", help="skip the offline runs")
     p.add_argument("--split-read", action="store_true",
@@ -54,27 +84,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default="results/agents.json",
                    help="where to write the results (a PNG beside it; '' for none)")
     p.add_argument("--dir", default=None, help="work folder, kept (default: a temporary one)")
-    p.set_defaults(func=command)
 
 
-def command(args: argparse.Namespace) -> int:
+def run(options: AgentsCommandOptions) -> int:
     """Run the benchmark with the options given."""
     from dualpath.bench.agents.ladder import run_bench
 
-    run_bench(options_from(args))
+    run_bench(options_from(options))
     return 0
 
 
-def options_from(args: argparse.Namespace) -> AgentsOptions:
+def options_from(options: AgentsCommandOptions) -> AgentsOptions:
     """The :class:`AgentsOptions` the parsed command line asks for (defaults where unset)."""
     from dualpath.bench.agents.ladder import AgentsOptions, with_overrides
 
+    o = options
     return with_overrides(
-        AgentsOptions(), workload=args.workload, modes=_modes(args.modes),
-        online_modes=_modes(args.online_modes), offline=not args.offline_off, via=args.via,
-        agents=args.agents, turns=args.turns, scale=args.scale, trace_dir=args.trace_dir,
-        read_cap_mb_s=args.read_cap_mb_s, compute_cap_mb_s=args.compute_cap_mb_s,
-        online_trials=args.online_trials, prime_first_turns=not args.cold_start,
-        ttft_slo_s=args.ttft_slo_s, profile=args.profile, model=args.model, dtype=args.dtype,
-        device=args.device, block_size=args.block_size, split_read=args.split_read or None,
-        seed=args.seed, json_path=args.json or "", work_dir=args.dir)
+        AgentsOptions(), workload=o.workload, modes=o.modes, online_modes=o.online_modes,
+        offline=not o.offline_off, via=o.via, agents=o.agents, turns=o.turns, scale=o.scale,
+        trace_dir=o.trace_dir, read_cap_mb_s=o.read_cap_mb_s, compute_cap_mb_s=o.compute_cap_mb_s,
+        online_trials=o.online_trials, prime_first_turns=not o.cold_start,
+        ttft_slo_s=o.ttft_slo_s, profile=o.profile, model=o.model, dtype=o.dtype,
+        device=o.device, block_size=o.block_size, split_read=o.split_read or None, seed=o.seed,
+        json_path=o.json or "", work_dir=o.dir)

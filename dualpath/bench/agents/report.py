@@ -22,6 +22,7 @@ from rich.table import Table
 
 from dualpath.bench.cluster import COMPUTE_PER_STORAGE
 from dualpath.bench.report import write_json
+from dualpath.vocab import Rung
 
 BREAKDOWN = ("queue_s", "read_s", "prefill_s", "other_s", "transfer_s", "queue_router_s",
              "queue_pe_s", "read_pe_s")
@@ -97,7 +98,6 @@ def simulate_same(profile: str, sim_turns: list[list[Any]], modes: tuple[str, ..
     from dataclasses import replace
 
     from dualpath.sim.cluster import simulate
-    from dualpath.sim.config import MODES as SIM_MODES
     from dualpath.sim.config import SimConfig
     from dualpath.sim.profiles import testbed_profile
 
@@ -105,7 +105,7 @@ def simulate_same(profile: str, sim_turns: list[list[Any]], modes: tuple[str, ..
                      decode_nodes=decode, ep_lockstep=False, basic_prefetch=True,
                      read_streams=1)
     out = {}
-    for mode in (m for m in modes if m in SIM_MODES):
+    for mode in (m for m in modes if m in tuple(Rung)):
         cfg = replace(base, mode=mode, workload=replace(base.workload, agents=len(sim_turns)))
         out[mode] = float(simulate(cfg, trajectories=sim_turns)["jct_s"])
     return out
@@ -113,10 +113,10 @@ def simulate_same(profile: str, sim_turns: list[list[Any]], modes: tuple[str, ..
 
 def _ratios(jct: dict[str, float], prefix: str = "") -> dict[str, float]:
     out = {}
-    if "basic" in jct and "dualpath" in jct:
-        out[f"{prefix}speedup_dualpath_vs_basic"] = jct["basic"] / jct["dualpath"]
-    if "oracle" in jct and "dualpath" in jct:
-        out[f"{prefix}dualpath_vs_oracle"] = jct["oracle"] / jct["dualpath"]
+    if Rung.BASIC in jct and Rung.DUALPATH in jct:
+        out[f"{prefix}speedup_dualpath_vs_basic"] = jct[Rung.BASIC] / jct[Rung.DUALPATH]
+    if Rung.ORACLE in jct and Rung.DUALPATH in jct:
+        out[f"{prefix}dualpath_vs_oracle"] = jct[Rung.ORACLE] / jct[Rung.DUALPATH]
     return out
 
 
@@ -125,15 +125,15 @@ def aps_ratio(online: list[dict[str, Any]]) -> dict[str, float]:
     missed the SLO at every APS tried, its capacity lies below the lowest of them, so
     ``aps_ratio_dualpath_vs_basic_at_least`` bounds the ratio from below instead."""
     by_mode = {o["mode"]: o for o in online}
-    if "basic" not in by_mode or "dualpath" not in by_mode:
+    if Rung.BASIC not in by_mode or Rung.DUALPATH not in by_mode:
         return {}
-    dualpath_aps = by_mode["dualpath"]["capacity_aps"]
-    basic_aps = by_mode["basic"]["capacity_aps"]
+    dualpath_aps = by_mode[Rung.DUALPATH]["capacity_aps"]
+    basic_aps = by_mode[Rung.BASIC]["capacity_aps"]
     if not dualpath_aps:
         return {}
     if basic_aps:
         return {"aps_ratio_dualpath_vs_basic": dualpath_aps / basic_aps}
-    lowest_missed_aps = min(t["aps"] for t in by_mode["basic"]["trials"])
+    lowest_missed_aps = min(t["aps"] for t in by_mode[Rung.BASIC]["trials"])
     return {"aps_ratio_dualpath_vs_basic_at_least": dualpath_aps / lowest_missed_aps}
 
 
@@ -141,13 +141,13 @@ def build_result(options: Any, workload: Any, model: str, offline: list[dict[str
                  online: list[dict[str, Any]]) -> dict[str, Any]:
     """The result: options, workload, every mode's figures and records, online trials, the
     simulator's prediction, and the summary."""
-    from dualpath.bench.agents.ladder import expected_hit_rate, timed_sim_turns
+    from dualpath.bench.agents.turns import expected_hit_rate, timed_sim_turns
 
     modes = {r["mode"]: mode_figures(r) for r in offline}
     jct = {m: f["jct_s"] for m, f in modes.items()}
     summary: dict[str, Any] = {"jct_s": jct, **_ratios(jct),
-                               "speedup_vs_basic": {m: jct["basic"] / t for m, t in jct.items()}
-                               if "basic" in jct else {},
+                               "speedup_vs_basic": {m: jct[Rung.BASIC] / t for m, t in jct.items()}
+                               if Rung.BASIC in jct else {},
                                "hit_rate": {m: f["hit_rate"] for m, f in modes.items()},
                                "expected_hit_rate": expected_hit_rate(workload, options),
                                "snic_busy": {m: f["snic_busy"] for m, f in modes.items()},

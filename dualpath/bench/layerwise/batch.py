@@ -21,6 +21,7 @@ from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
+from dualpath.vocab import Mode, Role
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,11 @@ def largest_prefill(model_dir: Path, base_config: ClusterConfig, vocab: int,
     with LocalCluster(model_dir, warm, log_dir=log_dir / "warm") as cluster:
         cluster.submit(base, params).result(timeout=1800)  # its full blocks go to the store
     rows: dict[str, Any] = {}
-    for mode in ("basic", "layerwise"):
+    for mode in (Mode.BASIC, Mode.LAYERWISE):
         config = replace(base_config, mode=mode)
         with LocalCluster(model_dir, config, log_dir=log_dir / mode) as cluster:
             rows[mode] = _climb(cluster, base, tails, params, block, progress)
-            pe = next(m for m in cluster.metrics().values() if m["role"] == "prefill")
+            pe = next(m for m in cluster.metrics().values() if m["role"] == Role.PREFILL)
             rows[mode]["pe_max_forward_hit_tokens"] = pe.get("max_forward_hit_tokens", 0)
     _check_same_tokens(rows)
     return rows

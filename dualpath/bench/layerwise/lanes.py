@@ -31,6 +31,7 @@ from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
+from dualpath.vocab import Role
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def _engine_deltas(before: dict[str, dict], after: dict[str, dict]) -> dict[str,
     def delta(role: str, key: str) -> float:
         return _role_delta(before, after, role, key)
 
-    decodes = sum(1 for a in after.values() if a["role"] == "decode")
+    decodes = sum(1 for a in after.values() if a["role"] == Role.DECODE)
     return {"de_loop_runqueue_wait_s": delta("decode", "loop_runqueue_wait_s") / max(1, decodes),
             "de_loop_cpu_s": delta("decode", "loop_cpu_s") / max(1, decodes),
             "de_step_s": (delta("decode", "step_s_total") / steps
@@ -208,4 +209,4 @@ def _engine_deltas(before: dict[str, dict], after: dict[str, dict]) -> dict[str,
             "pe_cnic_recv_bytes": delta("prefill", "cnic_recv_bytes"),
             "de_cnic_send_peak_mb_s_100ms": max(
                 (float(a.get("cnic_send_peak_mb_s_100ms") or 0) for a in after.values()
-                 if a["role"] == "decode"), default=0.0)}
+                 if a["role"] == Role.DECODE), default=0.0)}
