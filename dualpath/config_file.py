@@ -20,7 +20,7 @@ from typing import Any
 
 from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
-from dualpath.vocab import Mode
+from dualpath.vocab import Launcher, Mode
 
 
 class ConfigError(DualPathError):
@@ -53,7 +53,7 @@ class ServeConfig:
     request_timeout_s: float = 600.0
     # Who places the engines: "local" (child processes), "ray" (Ray actors on the nodes whose
     # custom resources name them) or "none" (engines join with `dualpath engine --router`).
-    launcher: str = "local"
+    launcher: Launcher = Launcher.LOCAL
     ray_address: str | None = None  # an existing Ray cluster ("auto", "ray://..."); None: local
     # The run folders (logs, resolved config) kept under <cache>/serve: older ones go at start,
     # except one whose serve process still runs.
@@ -73,8 +73,9 @@ class ServeConfig:
         if not self.request_timeout_s > 0:
             raise ValueError(f"serve.request_timeout_s must be > 0, got "
                              f"{self.request_timeout_s}")
-        if self.launcher not in ("local", "ray", "none"):
+        if self.launcher not in tuple(Launcher):
             raise ValueError(f"serve.launcher must be local, ray or none, got {self.launcher!r}")
+        object.__setattr__(self, "launcher", Launcher(self.launcher))
         if not 0 <= self.port < 65536:
             raise ValueError(f"serve.port must be in 0..65535, got {self.port}")
         if min(self.max_body_bytes, self.max_concurrent_requests, self.default_max_tokens) < 1:

@@ -54,6 +54,14 @@ class Role(StrEnum):
     DECODE = "decode"
 
 
+class Launcher(StrEnum):
+    """Who places a served cluster's engines (``serve.launcher``)."""
+
+    LOCAL = "local"  # child processes of the serve process
+    RAY = "ray"  # Ray actors on the nodes whose custom resources name them
+    NONE = "none"  # nobody: engines join with `dualpath engine --router`
+
+
 class Policy(StrEnum):
     """How the global scheduler places requests (``scheduler.global_scheduler.POLICIES``)."""
 

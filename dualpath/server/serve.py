@@ -22,12 +22,13 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dualpath.commands.args import add_device_argument, gigabytes
 from dualpath.config import StorageConfig
-from dualpath.config_file import AppConfig, config_to_json
+from dualpath.config_file import AppConfig, config_to_json, load_config
 from dualpath.model.default_model import cache_dir, resolve_model
 from dualpath.model.spec import load_spec
 from dualpath.model.tokenizer import Tokenizer
@@ -36,12 +37,15 @@ from dualpath.server.launch import ClusterBase, ExternalCluster, LocalCluster
 from dualpath.server.metrics import ServeMetrics
 from dualpath.server.router import Router
 from dualpath.storage.fs_capacity import pid_alive, stored_bytes
+from dualpath.vocab import Launcher
 
 RUN_NAME = re.compile(r"[0-9]{8}-[0-9]{6}(-[0-9]+)?")  # a run folder's name: its start time
 PID_FILE = "serve.pid"  # in a run folder: "PID START" of the serve process that uses it
 
 
 if TYPE_CHECKING:
+    from argparse import ArgumentParser
+
     import uvicorn
 
 ROUTER_WATCH_S = 0.5  # how often serve checks that its router thread still runs
@@ -141,12 +145,12 @@ class RouterWatch:
 def _launcher(model_dir: Path, config: AppConfig, log_dir: Path) -> ClusterBase:
     """The cluster whose launcher ``serve.launcher`` names (Ray is imported only for it)."""
     launcher = config.serve.launcher
-    if launcher == "ray":
+    if launcher == Launcher.RAY:
         from dualpath.server.launch_ray import RayCluster
 
         return RayCluster(model_dir, config.cluster, log_dir=log_dir,
                           ray_address=config.serve.ray_address)
-    if launcher == "none":
+    if launcher == Launcher.NONE:
         return ExternalCluster(model_dir, config.cluster, log_dir=log_dir)
     return LocalCluster(model_dir, config.cluster, log_dir=log_dir)
 
@@ -241,3 +245,75 @@ def _started(pid: int) -> str:
         return f"{psutil.Process(pid).create_time():.2f}"
     except (psutil.Error, OSError):
         return ""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The ``dualpath serve`` command line; None leaves the config file's (or default) value."""
+
+    host: str | None = None
+    port: int | None = None
+    prefill: int | None = None
+    decode: int | None = None
+    model: str | None = None
+    device: str | None = None
+    storage: str | None = None
+    store_capacity_gb: float | None = None
+    config: str | None = None
+    sets: tuple[str, ...] = ()
+    api_key: str | None = None
+    launcher: str | None = None
+    ray_address: str | None = None
+    router_host: str | None = None
+    router_port: int | None = None
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`ServeOptions`."""
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    parser.add_argument("--prefill", type=int, default=None, help="prefill engines (default 1)")
+    parser.add_argument("--decode", type=int, default=None, help="decode engines (default 2)")
+    parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
+    add_device_argument(parser, None)  # None: the config's engine.device (cpu unless it says)
+    parser.add_argument("--storage", default=None, help="KV store root (an fs directory)")
+    parser.add_argument("--store-capacity-gb", type=gigabytes, default=None, metavar="GB",
+                        help="cap on the fs store's block files (default: half of the free "
+                        "disk plus what the store holds; serve.store_capacity_fraction)")
+    parser.add_argument("--config", default=None, help="TOML config file")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. storage.read_cap_mb_s=200 "
+                        "(repeatable)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--launcher", default=None, choices=tuple(Launcher),
+                        help="who starts the engines: local child processes (default), Ray "
+                        "actors, or none (engines join with `dualpath engine --router`)")
+    parser.add_argument("--ray-address", default=None,
+                        help="the Ray cluster for --launcher ray (default: a local one)")
+    parser.add_argument("--router-host", default=None,
+                        help="address the engine endpoint binds (default 127.0.0.1; 0.0.0.0 "
+                        "for engines on other hosts)")
+    parser.add_argument("--router-port", type=int, default=None,
+                        help="engine endpoint port (default: any free one)")
+
+
+def serve_config(options: ServeOptions) -> AppConfig:
+    """The configuration ``options`` ask for: the file's, then the flags, then each ``--set``."""
+    base: dict[str, object] = {}
+    for key, value in (("serve.host", options.host), ("serve.port", options.port),
+                       ("num_prefill", options.prefill), ("num_decode", options.decode),
+                       ("serve.model", options.model), ("storage.root", options.storage),
+                       ("storage.capacity_gb", options.store_capacity_gb),
+                       ("serve.api_key", options.api_key), ("serve.launcher", options.launcher),
+                       ("serve.ray_address", options.ray_address),
+                       ("engine.device", options.device), ("router_host", options.router_host),
+                       ("router_port", options.router_port)):
+        if value is not None:
+            base[key] = value
+    return load_config(options.config, list(options.sets), base)
+
+
+def run(options: ServeOptions) -> int:
+    """``dualpath serve``: serve until interrupted."""
+    serve(serve_config(options))
+    return 0
