@@ -12,7 +12,7 @@ from dualpath.cli import main
 
 def _run(tmp_path, model_dir, parts: str, *extra: str) -> dict:
     out = tmp_path / "layerwise.json"
-    args = ["bench", "layerwise", "--model", str(model_dir), "--parts", parts, "--out", str(out),
+    args = ["bench", "layerwise", "--model", str(model_dir), "--parts", parts, "--json", str(out),
             "--block-size", "16", "--dir", str(tmp_path / "work"), *extra]
     assert main(args) == 0
     assert out.with_suffix(".png").stat().st_size > 0

@@ -109,3 +109,72 @@ def test_keys_writes_owner_only_files_the_router_and_engines_read(tmp_path, caps
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert main(["keys", str(tmp_path / "j"), "--engines", "pe0,../x"]) == 2
     assert main(["keys", str(tmp_path / "j"), "--engines", "pe0,pe0"]) == 2
+
+
+def test_help_lists_every_command_on_one_line_and_imports_none_of_them():
+    import subprocess
+    import sys
+
+    from dualpath.cli import COMMANDS
+
+    code = ("import sys\nfrom dualpath.cli import main\ntry:\n    main(['--help'])\n"
+            "except SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('dualpath.') "
+            "and m not in ('dualpath.cli', 'dualpath.errors')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    lines = out.splitlines()
+    lines = lines[lines.index("every command:"):]
+    for path, command in COMMANDS.items():
+        named = [line for line in lines if line.split(None, len(path))[:len(path)] == list(path)
+                 and command.help in line]
+        assert len(named) == 1, (path, out)
+    assert lines[-1] == "[]"  # no command module was imported
+
+
+def test_every_commands_arguments_are_the_fields_of_its_options():
+    import argparse
+    from dataclasses import MISSING, fields
+
+    from dualpath.cli import COMMANDS, _function, options_type
+
+    for path in COMMANDS:
+        parser = argparse.ArgumentParser()
+        _function(path, "add_arguments")(parser)
+        dests = {a.dest for a in parser._actions if a.dest != "help"}
+        kind = options_type(path)
+        names = {f.name for f in fields(kind)}
+        required = {f.name for f in fields(kind)
+                    if f.default is MISSING and f.default_factory is MISSING}
+        assert dests <= names, (path, dests - names)
+        assert required <= dests, (path, required - dests)
+        assert kind.__dataclass_params__.frozen, path
+
+
+def test_engine_overrides_set_fields_by_name_and_name_a_bad_key():
+    from dualpath.config import EngineConfig
+
+    config = EngineConfig.with_overrides(["kv_cache_mb=256", "cpu_kernels=false",
+                                          "gil_switch_ms=1.5"], dtype="float32", threads=2)
+    assert (config.kv_cache_mb, config.cpu_kernels, config.gil_switch_ms) == (256, False, 1.5)
+    assert (config.dtype, config.threads, config.device) == ("float32", 2, "cpu")
+    assert EngineConfig.with_overrides(["device=auto"]).device == "auto"  # the caller resolves
+    for bad in ("no_such_field=1", "kv_cache_mb"):
+        with pytest.raises(ValueError, match="expected KEY=VALUE"):
+            EngineConfig.with_overrides([bad])
+
+
+def test_python_m_entries_run_their_dualpath_command(monkeypatch):
+    from dualpath.bench import gpu_check, soak
+    from dualpath.storage import mooncake_service
+    from dualpath.transfer import mooncake_wheel
+    from dualpath.workloads import sample
+
+    seen = []
+    monkeypatch.setattr("dualpath.cli.main", lambda argv: seen.append(argv) or 0)
+    assert soak.main(["--agents", "3"]) == gpu_check.main(["--budget-s", "9"]) == 0
+    assert mooncake_service.main(["master", "--port", "1"]) == 0
+    assert mooncake_wheel.main(["trim", "w.whl"]) == sample.main(["--json", "s.json"]) == 0
+    assert seen == [["bench", "soak", "--agents", "3"], ["bench", "gpu-check", "--budget-s", "9"],
+                    ["mooncake", "master", "--port", "1"], ["mooncake", "wheel", "trim", "w.whl"],
+                    ["workloads", "sample", "--json", "s.json"]]

@@ -19,7 +19,6 @@ check is meant to finish in 8 minutes on an H200 (``--budget-s``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -28,10 +27,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
+
+from dualpath.commands.args import names
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 FLOORS = {
     "layerwise_vs_basic": 1.0,
@@ -44,7 +48,7 @@ AGENT_MODES = ("oracle", "basic", "layerwise", "dualpath")
 GPU_TEST_MARKER = "mark.gpu"
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckOptions:
     """What the check runs and within how long."""
 
@@ -298,23 +302,30 @@ def render_table(steps: list[StepResult]) -> Table:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dualpath.bench.gpu_check``: exit 0 when every step passed its floors."""
-    p = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
+def add_arguments(p: ArgumentParser) -> None:
+    """The options: fields of :class:`CheckOptions`."""
     p.add_argument("--budget-s", type=float, default=CheckOptions.budget_s)
-    p.add_argument("--json", default=CheckOptions.json_path)
-    p.add_argument("--dir", default=None, help="work folder (models, logs), kept")
-    p.add_argument("--skip", default="", help="comma-separated steps: tests, engine, "
-                   "agents-smollm2, agents-llama3")
+    p.add_argument("--json", dest="json_path", default=CheckOptions.json_path)
+    p.add_argument("--dir", dest="work_dir", default=None,
+                   help="work folder (models, logs), kept")
+    p.add_argument("--skip", type=names, default=(), help="comma-separated steps: tests, "
+                   "engine, agents-smollm2, agents-llama3")
     p.add_argument("--llama3-layers", type=int, default=None,
                    help="fewer Llama-3-8B layers (same layer shape), for a shorter check")
-    args = p.parse_args(argv)
-    options = CheckOptions(budget_s=args.budget_s, json_path=args.json, work_dir=args.dir,
-                           skip=tuple(s for s in args.skip.split(",") if s),
-                           llama3_layers=args.llama3_layers)
+
+
+def run(options: CheckOptions) -> int:
+    """Run the check: exit status 0 when every step passed its floors."""
     result = GpuCheck(options, Path(__file__).resolve().parents[2]).run()
     statuses = result["summary"]["statuses"]
     return 0 if statuses and all(s == "passed" for s in statuses.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dualpath.bench.gpu_check`` is ``dualpath bench gpu-check``."""
+    from dualpath.cli import main as cli_main
+
+    return cli_main(["bench", "gpu-check", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

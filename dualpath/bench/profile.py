@@ -13,19 +13,20 @@ model predicts forward time; the quota is applied to that.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
 from rich.progress import track
 
 from dualpath.bench.report import machine_profile, write_json
+from dualpath.commands.args import EngineOptions, add_engine_arguments
 from dualpath.config import EngineConfig, StorageConfig
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.kv.host_pool import HostPool
@@ -33,6 +34,9 @@ from dualpath.request import SamplingParams
 from dualpath.scheduler.batch import AttentionCostModel
 from dualpath.scheduler.rules import SchedulerParams
 from dualpath.storage import open_store
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 GRID_CACHED = (0, 256, 1024)
 GRID_BSZ = (64, 256, 512)
@@ -106,16 +110,44 @@ def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def run_profile(args: argparse.Namespace) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class ProfileOptions(EngineOptions):
+    """The ``dualpath profile`` command line."""
+
+    json: str
+    storage_root: str = ".cache/kv-store"
+    read_blocks: int = 64
+    read_cap_mb_s: float | None = None
+    compute_cap_mb_s: float | None = None
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`ProfileOptions`."""
+    parser.add_argument("--json", required=True, help="where to write the profile")
+    parser.add_argument("--storage-root", default=".cache/kv-store", help="the store to time")
+    parser.add_argument("--read-blocks", type=int, default=64)
+    parser.add_argument("--read-cap-mb-s", type=float, default=None,
+                        help="the storage NIC cap the cluster will run with")
+    parser.add_argument("--compute-cap-mb-s", type=float, default=None,
+                        help="the compute NIC cap the cluster will run with (for the simulator)")
+    add_engine_arguments(parser)
+
+
+def run(options: ProfileOptions) -> int:
+    """``dualpath profile``."""
+    run_profile(options)
+    return 0
+
+
+def run_profile(options: ProfileOptions) -> dict:
     """Profile, fit, derive α and β, write the JSON profile."""
-    from dualpath.cli import engine_config
     from dualpath.model.default_model import resolve_model
 
-    config: EngineConfig = engine_config(args)
+    config: EngineConfig = options.engine_config()
     cluster_config = config
     config = EngineConfig(**{**asdict(config), "max_num_batched_tokens": max(GRID_BSZ) + 64,
                              "num_kv_blocks": config.num_kv_blocks or 256})
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(options.model)
     engine = LLMEngine(model_dir, config)
     grid = [(c, b) for c in GRID_CACHED for b in GRID_BSZ]
     _time_prefill(engine, 0, 64, seed=0)  # warm-up
@@ -126,10 +158,10 @@ def run_profile(args: argparse.Namespace) -> dict:
     # tok (the scheduler's load) counts prompt tokens, hits included: β is in prompt tokens a
     # PE gets through at an agentic hit rate (the most-cached sample: 1024 + 64 tokens here)
     prompt_tok_s = max((c + b) / (ms / 1e3) for (c, b), ms in samples if c >= 8 * b)
-    storage = StorageConfig(root=args.storage_root, o_direct=True)
-    read_tok_s = _read_rate(engine, storage, args.read_blocks)
-    if args.read_cap_mb_s:
-        read_tok_s = min(read_tok_s, args.read_cap_mb_s * 1e6 / engine.layout.full_block_bytes
+    storage = StorageConfig(root=options.storage_root, o_direct=True)
+    read_tok_s = _read_rate(engine, storage, options.read_blocks)
+    if options.read_cap_mb_s:
+        read_tok_s = min(read_tok_s, options.read_cap_mb_s * 1e6 / engine.layout.full_block_bytes
                          * engine.layout.block_size)
     params = SchedulerParams.from_rates(read_tok_s, prompt_tok_s)
     decode = [(b, _time_decode_step(engine, b, DECODE_CONTEXT))
@@ -150,9 +182,9 @@ def run_profile(args: argparse.Namespace) -> dict:
                     "decode_samples_ms": {str(b): ms for b, ms in decode},
                     "kv_bytes_per_token": layout.full_block_bytes / layout.block_size,
                     "kv_capacity_tokens": cluster_blocks * layout.block_size,
-                    "compute_cap_bps": (args.compute_cap_mb_s or 1500.0) * 1e6},
+                    "compute_cap_bps": (options.compute_cap_mb_s or 1500.0) * 1e6},
     }
-    write_json(args.json, result)
+    write_json(options.json, result)
     Console().print_json(json.dumps(result["summary"]))
     return result
 

@@ -12,15 +12,15 @@ durable; ``mooncake_store`` writes end in the memory of a segment holder that th
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import mmap
 import os
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -35,6 +35,9 @@ from dualpath.model.spec import load_spec
 from dualpath.storage.base import StorageBackend
 from dualpath.storage.block_file import HEADER_BYTES
 from dualpath.storage.fs import O_DIRECT, FsStore
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 BACKENDS = ("fs", "mooncake_store")
 RAW = "raw"  # the raw O_DIRECT reader of the fs files
@@ -86,13 +89,14 @@ def _write(name: str, store: StorageBackend, keys: list, buffers: list) -> float
 
 
 def _interleaved_reads(readers: dict[str, Reader], num_blocks: int,
-                       args: argparse.Namespace) -> dict[str, float]:
+                       options: StorageBenchOptions) -> dict[str, float]:
     """Total read seconds per reader over ``rounds`` passes, chunk by chunk, each chunk read
     by every reader in an order that rotates from chunk to chunk."""
     seconds = dict.fromkeys(readers, 0.0)
     names = list(readers)
-    chunks = [slice(c, c + args.chunk_blocks) for c in range(0, num_blocks, args.chunk_blocks)]
-    steps = [(r, i, c) for r in range(args.rounds) for i, c in enumerate(chunks)]
+    step = options.chunk_blocks
+    chunks = [slice(c, c + step) for c in range(0, num_blocks, step)]
+    steps = [(r, i, c) for r in range(options.rounds) for i, c in enumerate(chunks)]
     for r, i, chunk in track(steps, description="read rounds"):
         shift = (r + i) % len(names)
         for name in names[shift:] + names[:shift]:
@@ -101,18 +105,18 @@ def _interleaved_reads(readers: dict[str, Reader], num_blocks: int,
 
 
 def _open_stores(stack: contextlib.ExitStack, backends: list[str], layout: KVLayout,
-                 root: Path, args: argparse.Namespace) -> dict[str, StorageBackend]:
+                 root: Path, options: StorageBenchOptions) -> dict[str, StorageBackend]:
     """Each backend's store; ``mooncake_store`` with a master and segment holder of its own."""
     stores: dict[str, StorageBackend] = {}
     for name in backends:
         if name == "fs":
             stores[name] = stack.enter_context(
-                FsStore(root, layout, o_direct=True, workers=args.workers))
+                FsStore(root, layout, o_direct=True, workers=options.workers))
             continue
         from dualpath.storage.mooncake_service import local_mooncake
         from dualpath.storage.mooncake_store import MooncakeStore
 
-        object_bytes = args.blocks * (HEADER_BYTES + layout.full_block_bytes)
+        object_bytes = options.blocks * (HEADER_BYTES + layout.full_block_bytes)
         segment_mb = -(-object_bytes // int(MOONCAKE_FILL * (1 << 20))) + 16
         master = stack.enter_context(local_mooncake(segment_mb, log_dir=root / "mooncake-logs"))
         stores[name] = stack.enter_context(MooncakeStore(layout, master=master,
@@ -133,37 +137,75 @@ def _readers(stores: dict[str, StorageBackend], keys: list, buffers: list,
     return readers
 
 
-def run_storage_bench(args: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class StorageBenchOptions:
+    """The ``dualpath bench storage`` command line."""
+
+    json: str
+    backends: str = "fs"
+    model: str | None = None
+    dir: str | None = None
+    blocks: int = 256
+    rounds: int = 4
+    chunk_blocks: int = 32
+    workers: int = 4
+    keep: bool = False
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`StorageBenchOptions`."""
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--backends", default="fs",
+                        help="comma-separated: fs, mooncake_store (starts its own master and "
+                        "segment holder); the same blocks on each, reads side by side")
+    parser.add_argument("--model", default=None, help="model whose full-block size to use")
+    parser.add_argument("--dir", default=None,
+                        help="store folder (default: cache/bench-storage)")
+    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--chunk-blocks", type=int, default=32,
+                        help="blocks per interleaved chunk")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--keep", action="store_true", help="keep the files afterwards")
+
+
+def run(options: StorageBenchOptions) -> int:
+    """``dualpath bench storage``."""
+    run_storage_bench(options)
+    return 0
+
+
+def run_storage_bench(options: StorageBenchOptions) -> dict:
     """Write the blocks to each backend, then time interleaved read rounds; print, write JSON
     and PNG."""
     from dualpath.model.default_model import cache_dir, resolve_model
 
-    backends = parse_backends(getattr(args, "backends", "fs"))
-    spec = load_spec(resolve_model(args.model))
+    backends = parse_backends(options.backends)
+    spec = load_spec(resolve_model(options.model))
     layout = KVLayout.from_spec(spec, "bfloat16", 64)
-    root = Path(args.dir) if args.dir else cache_dir() / "bench-storage"
+    root = Path(options.dir) if options.dir else cache_dir() / "bench-storage"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     keys = KeySpace("bench", layout.layout_id, layout.block_size).keys(
-        list(range(args.blocks * layout.block_size)))
-    pool = HostPool(layout.full_block_bytes, args.blocks, pin=False)
+        list(range(options.blocks * layout.block_size)))
+    pool = HostPool(layout.full_block_bytes, options.blocks, pin=False)
     pool.slab.copy_(torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8))
-    buffers = [pool.buffer(s) for s in pool.alloc(args.blocks)]
+    buffers = [pool.buffer(s) for s in pool.alloc(options.blocks)]
     with contextlib.ExitStack() as stack:
-        stores = _open_stores(stack, backends, layout, root, args)
+        stores = _open_stores(stack, backends, layout, root, options)
         write_s = {name: _write(name, store, keys, buffers) for name, store in stores.items()}
-        read_s = _interleaved_reads(_readers(stores, keys, buffers, layout), len(keys), args)
-    if not args.keep:
+        read_s = _interleaved_reads(_readers(stores, keys, buffers, layout), len(keys), options)
+    if not options.keep:
         shutil.rmtree(root, ignore_errors=True)
-    total_bytes = args.blocks * layout.full_block_bytes
-    result = _result(args, backends, layout, root, total_bytes, write_s, read_s)
-    _report(result, Path(args.json))
+    total_bytes = options.blocks * layout.full_block_bytes
+    result = _result(options, backends, layout, root, total_bytes, write_s, read_s)
+    _report(result, Path(options.json))
     return result
 
 
-def _result(args: argparse.Namespace, backends: list[str], layout: KVLayout, root: Path,
+def _result(options: StorageBenchOptions, backends: list[str], layout: KVLayout, root: Path,
             total_bytes: int, write_s: dict[str, float], read_s: dict[str, float]) -> dict:
-    read_bytes = args.rounds * total_bytes
+    read_bytes = options.rounds * total_bytes
     summary: dict[str, float] = {}
     for name in backends:
         summary[f"read_gb_s_{name}"] = read_bytes / read_s[name] / 1e9
@@ -178,10 +220,10 @@ def _result(args: argparse.Namespace, backends: list[str], layout: KVLayout, roo
                                                       / summary["read_gb_s_fs"])
     return {
         "benchmark": "storage",
-        "setup": {"backends": backends, "blocks": args.blocks,
+        "setup": {"backends": backends, "blocks": options.blocks,
                   "block_bytes": layout.full_block_bytes, "layout": layout.layout_id,
-                  "workers": args.workers, "rounds": args.rounds,
-                  "chunk_blocks": args.chunk_blocks, "root": str(root),
+                  "workers": options.workers, "rounds": options.rounds,
+                  "chunk_blocks": options.chunk_blocks, "root": str(root),
                   "o_direct": bool(O_DIRECT),
                   "mooncake_store": "master + 1 segment holder on this host, TCP loopback"},
         "machine": machine_profile(),

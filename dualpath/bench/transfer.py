@@ -19,7 +19,6 @@ what was sent, so every byte really moves where it should.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import mmap
@@ -27,8 +26,10 @@ import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import track
@@ -41,6 +42,9 @@ from dualpath.kv.layout import KVLayout
 from dualpath.traffic.lanes import Lane
 from dualpath.traffic.manager import TrafficManager
 from dualpath.transfer.base import Segment
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 VARIANTS = ("large", "layer", "large_tm", "layer_tm")
 PEER_START_S = 60.0
@@ -171,28 +175,53 @@ def _verify(op: Callable[[], None], read_back: Callable[[], bytes], expected: by
         raise TransferError("the peer's buffer does not hold the bytes that were written")
 
 
-def run_transfer_bench(args: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class TransferBenchOptions:
+    """The ``dualpath bench transfer`` command line."""
+
+    json: str
+    model: str | None = None
+    blocks: int = 32
+    repeats: int = 10
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`TransferBenchOptions`."""
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--model", default=None, help="model whose layer-block size to use")
+    parser.add_argument("--blocks", type=int, default=32,
+                        help="full blocks (x layers = segments)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed rounds")
+
+
+def run(options: TransferBenchOptions) -> int:
+    """``dualpath bench transfer``."""
+    run_transfer_bench(options)
+    return 0
+
+
+def run_transfer_bench(options: TransferBenchOptions) -> dict:
     """Measure, then print a table and write the JSON and PNG."""
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec
 
-    layout = KVLayout.from_spec(load_spec(resolve_model(args.model)), "bfloat16", 64)
-    times = _measure(layout, args.blocks, args.repeats)
-    result = _result(args, layout, times)
-    _report(result, Path(args.json))
+    layout = KVLayout.from_spec(load_spec(resolve_model(options.model)), "bfloat16", 64)
+    times = _measure(layout, options.blocks, options.repeats)
+    result = _result(options, layout, times)
+    _report(result, Path(options.json))
     return result
 
 
-def _result(args: argparse.Namespace, layout: KVLayout, times: dict[str, list[float]]) -> dict:
-    total = args.blocks * layout.full_block_bytes
+def _result(options: TransferBenchOptions, layout: KVLayout, times: dict[str, list[float]]) -> dict:
+    total = options.blocks * layout.full_block_bytes
     gb_s = {name: total * len(ts) / sum(ts) / 1e9 for name, ts in times.items()}
     return {
         "benchmark": "transfer",
         "setup": {"backend": "mooncake", "protocol": "tcp", "processes": 2,
-                  "layers": layout.num_layers, "blocks": args.blocks,
-                  "segments": layout.num_layers * args.blocks,
+                  "layers": layout.num_layers, "blocks": options.blocks,
+                  "segments": layout.num_layers * options.blocks,
                   "segment_bytes": layout.layer_block_bytes, "total_bytes": total,
-                  "repeats": args.repeats, "chunk_bytes": TrafficConfig().chunk_bytes,
+                  "repeats": options.repeats, "chunk_bytes": TrafficConfig().chunk_bytes,
                   "inflight_chunks": TrafficConfig().inflight_chunks,
                   "layout": layout.layout_id},
         "machine": machine_profile(),

@@ -11,7 +11,6 @@ Tests and benchmarks start both with ``local_mooncake`` (a free port, stopped af
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import os
@@ -24,10 +23,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dualpath.errors import StorageError
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 from dualpath.storage.mooncake_store import INSTALL_HINT, connect, master_reachable
 
 READY_LINE = "mooncake-segment-ready"  # a holder prints it once its segment is mounted
@@ -212,26 +215,61 @@ def _tail(log_path: str | Path | None, lines: int = 5) -> str:
     return ": " + " | ".join(text)
 
 
+@dataclass(frozen=True)
+class SegmentHolderOptions:
+    """``dualpath mooncake serve`` (``python -m dualpath.storage.mooncake_store serve``)."""
+
+    segment_mb: int
+    master: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device_name: str = ""
+
+
+def segment_add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`SegmentHolderOptions`."""
+    parser.add_argument("--master", default="127.0.0.1:50051", help="the master's host:port")
+    parser.add_argument("--segment-mb", type=int, required=True,
+                        help="memory to contribute (MB)")
+    parser.add_argument("--host", default="127.0.0.1", help="the address peers reach this at")
+    parser.add_argument("--metadata-server", default="P2PHANDSHAKE")
+    parser.add_argument("--protocol", default="tcp")
+    parser.add_argument("--device-name", default="", help="RDMA devices (rdma only)")
+
+
+def segment_run(options: SegmentHolderOptions) -> int:
+    """Hold a segment until SIGTERM."""
+    return serve(options.master, options.segment_mb, host=options.host,
+                 metadata_server=options.metadata_server, protocol=options.protocol,
+                 device_name=options.device_name)
+
+
+@dataclass(frozen=True)
+class MasterOptions:
+    """``dualpath mooncake master`` (``python -m dualpath.storage.mooncake_store master``)."""
+
+    port: int = 50051
+    host: str = "127.0.0.1"
+
+
+def master_add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`MasterOptions`."""
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+
+
+def master_run(options: MasterOptions) -> int:
+    """Run ``mooncake_master`` until SIGTERM."""
+    return _serve_master(options.port, options.host)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``serve`` (hold a segment) or ``master`` (run ``mooncake_master``) until SIGTERM."""
-    parser = argparse.ArgumentParser(prog="python -m dualpath.storage.mooncake_store")
-    sub = parser.add_subparsers(dest="command", required=True)
-    srv = sub.add_parser("serve", help="contribute a memory segment until SIGTERM")
-    srv.add_argument("--master", default="127.0.0.1:50051", help="the master's host:port")
-    srv.add_argument("--segment-mb", type=int, required=True, help="memory to contribute (MB)")
-    srv.add_argument("--host", default="127.0.0.1", help="the address peers reach this at")
-    srv.add_argument("--metadata-server", default="P2PHANDSHAKE")
-    srv.add_argument("--protocol", default="tcp")
-    srv.add_argument("--device-name", default="", help="RDMA devices (rdma only)")
-    mst = sub.add_parser("master", help="run mooncake_master until SIGTERM")
-    mst.add_argument("--port", type=int, default=50051)
-    mst.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    args = parser.parse_args(argv)
-    if args.command == "master":
-        return _serve_master(args.port, args.host)
-    return serve(args.master, args.segment_mb, host=args.host,
-                 metadata_server=args.metadata_server, protocol=args.protocol,
-                 device_name=args.device_name)
+    """``serve`` (hold a segment) or ``master`` (run ``mooncake_master``) until SIGTERM: the
+    ``dualpath mooncake`` commands."""
+    from dualpath.cli import main as cli_main
+
+    return cli_main(["mooncake", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -340,6 +340,6 @@ def connect(master: str, *, metadata_server: str = "P2PHANDSHAKE",
 
 
 if __name__ == "__main__":  # `python -m dualpath.storage.mooncake_store serve|master ...`
-    from dualpath.storage.mooncake_service import main
+    from dualpath.cli import main
 
-    sys.exit(main())
+    sys.exit(main(["mooncake", *sys.argv[1:]]))

@@ -14,14 +14,18 @@ version (``transfer/mooncake_build.py`` recognizes it as the CUDA build).
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import os
 import sys
 import tempfile
 import zipfile
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 # Files of the CUDA wheel that dualpath never loads (see the module doc).
 UNUSED = ("mooncake/libmooncake_pg.so", "mooncake/libmooncake_pg_device.so",
@@ -67,18 +71,35 @@ def trim(wheel: Path, patterns: Sequence[str] = UNUSED) -> list[str]:
     return sorted(dropped)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``trim WHEEL...``: trim each wheel, printing what was dropped and the new size."""
-    parser = argparse.ArgumentParser(prog="python -m dualpath.transfer.mooncake_wheel")
+@dataclass(frozen=True)
+class WheelOptions:
+    """``dualpath mooncake wheel trim WHEEL...``."""
+
+    command: str
+    wheels: tuple[Path, ...]
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`WheelOptions`."""
     parser.add_argument("command", choices=("trim",))
     parser.add_argument("wheels", nargs="+", type=Path)
-    args = parser.parse_args(argv)
-    for wheel in args.wheels:
+
+
+def run(options: WheelOptions) -> int:
+    """Trim each wheel, printing what was dropped and the new size."""
+    for wheel in options.wheels:
         before = wheel.stat().st_size
         dropped = trim(wheel)
         print(f"{wheel.name}: dropped {len(dropped)} unused files, "
               f"{before / 2**20:.1f} -> {wheel.stat().st_size / 2**20:.1f} MiB")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dualpath.transfer.mooncake_wheel trim WHEEL...``: ``dualpath mooncake wheel``."""
+    from dualpath.cli import main as cli_main
+
+    return cli_main(["mooncake", "wheel", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

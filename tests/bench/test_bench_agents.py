@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from dualpath.bench.agents.ladder import STORAGE_BOUND, poisson_offsets
+from dualpath.bench.agents.ladder import STORAGE_BOUND
 from dualpath.bench.agents.online import _next_aps, steady_stats
 from dualpath.bench.agents.run import serve_overrides
+from dualpath.bench.agents.turns import poisson_offsets
 from dualpath.bench.report import host_cpu_shares, host_cpu_ticks
 from dualpath.cli import main
 from dualpath.config import ClusterConfig, StorageConfig

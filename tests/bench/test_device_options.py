@@ -14,8 +14,9 @@ from dualpath.bench import demo
 from dualpath.bench.agents.command import options_from
 from dualpath.bench.agents.ladder import cluster_config
 from dualpath.bench.agents.run import serve_overrides
-from dualpath.cli import build_parser, demo_options, engine_config, serve_config
+from dualpath.cli import parse
 from dualpath.devices import DevicePlacementError
+from dualpath.server.serve import serve_config
 
 STORE = Path("/nonexistent/kv")
 
@@ -29,7 +30,8 @@ def gpus(monkeypatch):
 
 
 def _parse(*argv: str):
-    return build_parser().parse_args(list(argv))
+    """The options dataclass of the command line ``argv``."""
+    return parse(list(argv))[1]
 
 
 @pytest.mark.parametrize("mode", ["basic", "round_robin", "dualpath", "oracle"])
@@ -49,7 +51,7 @@ def test_bench_agents_and_the_demo_default_to_auto_which_is_the_cpu_without_a_gp
 
     gpus(0)
     assert options_from(_parse("bench", "agents")).device == "auto"
-    assert demo_options(_parse("demo")).device == "auto"
+    assert (_parse("demo")).device == "auto"
     assert resolve_local_device("auto") == "cpu"
     gpus(1)
     assert resolve_local_device("auto") == "cuda"
@@ -59,20 +61,20 @@ def test_bench_cluster_device_reaches_its_engines(gpus):
     gpus(2)
     for argv in (("--device", "cuda"), ("--set", "device=cuda"), ()):
         args = _parse("bench", "cluster", *argv)
-        config = bench_cluster._config(args, STORE, engine_config(args), "dualpath")
+        config = bench_cluster._config(args, STORE, args.engine_config(), "dualpath")
         assert config.engine.device == "cuda", argv  # () : auto, and this host has GPUs
 
 
 def test_bench_cluster_stays_on_the_cpu_without_a_gpu(gpus):
     gpus(0)
     args = _parse("bench", "cluster")
-    assert bench_cluster._config(args, STORE, engine_config(args), "basic").engine.device == "cpu"
+    assert bench_cluster._config(args, STORE, args.engine_config(), "basic").engine.device == "cpu"
     with pytest.raises(DevicePlacementError, match="no CUDA device"):
-        engine_config(_parse("bench", "cluster", "--device", "cuda"))
+        _parse("bench", "cluster", "--device", "cuda").engine_config()
 
 
 def test_the_demos_device_reaches_its_engines():
-    options = demo_options(_parse("demo", "--device", "cuda"))
+    options = (_parse("demo", "--device", "cuda"))
     for mode in ("basic", "dualpath"):
         assert demo._config(options, mode, STORE).engine.device == "cuda"
 
@@ -88,5 +90,5 @@ def test_every_engine_command_takes_the_same_device_flag(gpus):
     gpus(1)
     for command in (("generate", "hi"), ("bench", "engine", "--json", "x.json"),
                     ("profile", "--json", "x.json")):
-        assert engine_config(_parse(*command, "--device", "cuda:0")).device == "cuda:0"
-        assert engine_config(_parse(*command, "--device", "cpu")).device == "cpu"
+        assert _parse(*command, "--device", "cuda:0").engine_config().device == "cuda:0"
+        assert _parse(*command, "--device", "cpu").engine_config().device == "cpu"

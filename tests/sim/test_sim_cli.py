@@ -1,11 +1,9 @@
 """``dualpath sim`` options: the baselines' batcher and bad combinations."""
 
-import argparse
-
 import pytest
 
-from dualpath.cli import main
-from dualpath.sim.commands import _paper_base
+from dualpath.cli import main, parse
+from dualpath.sim.commands import SimOptions, _paper_base
 from dualpath.sim.presets import DS660B, DS660B_QUOTA_ALL
 
 
@@ -13,7 +11,7 @@ def _args(**kw):
     base = {"preset": "paper-fig7", "baseline_batcher": None, "token_budget": None,
             "read_queue": None, "storage_eff": None, "basic_prefetch": False,
             "lengths": None}
-    return argparse.Namespace(**{**base, **kw})
+    return SimOptions(**{**base, **kw})
 
 
 def test_paper_base_applies_the_batcher_options():
@@ -109,10 +107,9 @@ def test_sim_testbed_prints_the_predicted_and_the_real_ratio(tmp_path, capsys):
 
 def run_sim_cli(argv):
     """``run_sim`` on parsed ``argv``: the result dict it returns (unchanged by printing)."""
-    from dualpath.cli import build_parser
     from dualpath.sim.commands import run_sim
 
-    return run_sim(build_parser().parse_args(argv))
+    return run_sim(parse(argv)[1])
 
 
 def test_plan_prints_the_candidates_and_the_range(capsys):
@@ -123,16 +120,15 @@ def test_plan_prints_the_candidates_and_the_range(capsys):
 
 
 def test_plan_table_shows_each_candidates_simulated_jct(monkeypatch, capsys):
-    from dualpath.cli import build_parser
-    from dualpath.sim.commands import run_plan
+    from dualpath.sim.plan_command import run_plan
     from dualpath.sim.report import fmt_s
 
     def fake_simulate(cfg, progress=None):
         return {"jct_s": 1000.0 + 100 * cfg.prefill_nodes + 10 * cfg.decode_nodes}
 
     monkeypatch.setattr("dualpath.sim.cluster.simulate", fake_simulate)
-    result = run_plan(build_parser().parse_args(
-        ["plan", "--model", "ds27b", "--workload", "64k", "--max-nodes", "4", "--beyond"]))
+    result = run_plan(parse(
+        ["plan", "--model", "ds27b", "--workload", "64k", "--max-nodes", "4", "--beyond"])[1])
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert len(result["candidates"]) >= 4

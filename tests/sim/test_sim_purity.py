@@ -9,7 +9,7 @@ import pytest
 MODULES = ["dualpath.sim", "dualpath.sim.cluster", "dualpath.sim.presets",
            "dualpath.sim.commands", "dualpath.sim.planner", "dualpath.sim.profiles",
            "dualpath.sim.online", "dualpath.sim.hops", "dualpath.sim.links",
-           "dualpath.sim.reads"]
+           "dualpath.sim.reads", "dualpath.sim.plan_command"]
 ENGINE = ("torch", "dualpath.engine", "dualpath.model")
 
 

@@ -19,15 +19,14 @@ the table; ``--set cpu_kernels=false`` runs dualpath with the CPU fast path off.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -36,7 +35,11 @@ from rich.table import Table
 
 from dualpath.bench.engine.report import ratios, render_plot
 from dualpath.bench.report import machine_profile, write_json
+from dualpath.commands.args import EngineOptions, add_engine_arguments
 from dualpath.errors import DualPathError
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 PEERS = ("transformers", "vllm")
 PEERS_PYTHON_ENV = "DUALPATH_PEERS_PYTHON"
@@ -44,25 +47,65 @@ DEFAULT_PEERS_PYTHON = Path(".venv-peers/bin/python")
 SYSTEM_TIMEOUT_S = 3600.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineBenchOptions(EngineOptions):
+    """The ``dualpath bench engine`` command line."""
+
+    json: str
+    prompt_tokens: int = 1024
+    decode_batches: str = "1,8,32"
+    decode_tokens: int = 128
+    decode_prompt_tokens: int = 128
+    repeats: int = 3
+    against: str = "transformers"
+    pin_core: int | None = None
+    peers_python: str | None = None
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`EngineBenchOptions`."""
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--decode-batches", default="1,8,32")
+    parser.add_argument("--decode-tokens", type=int, default=128,
+                        help="generated tokens per row")
+    parser.add_argument("--decode-prompt-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median)")
+    parser.add_argument("--against", default="transformers",
+                        help="comma-separated peers, each in its own process: transformers, "
+                        "vllm (vllm runs in the peers' environment: make peers)")
+    parser.add_argument("--pin-core", type=int, default=None, metavar="K",
+                        help="confine every system's whole process tree to core K (vLLM's "
+                        "scheduler process included) for a like-for-like run")
+    parser.add_argument("--peers-python", default=None,
+                        help="the peers' python (default $DUALPATH_PEERS_PYTHON or "
+                        ".venv-peers/bin/python)")
+    add_engine_arguments(parser)
+
+
+def run(options: EngineBenchOptions) -> int:
+    """``dualpath bench engine``."""
+    run_engine_bench(options)
+    return 0
+
+
 def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 1, (count, length), generator=g).tolist()
 
 
-def make_spec(args: argparse.Namespace, model_dir: Path, dtype: str,
+def make_spec(options: EngineBenchOptions, model_dir: Path, dtype: str,
               vocab: int) -> dict[str, Any]:
     """What every system runs: the prompts, the token count, the repeats, the model."""
-    from dualpath.cli import engine_config
-
-    batches = [int(b) for b in args.decode_batches.split(",")]
-    return {"model": str(model_dir), "dtype": dtype, "threads": args.threads,
-            "engine": asdict(engine_config(args)),  # dualpath's config, --set included
-            "block_size": args.block_size, "repeats": args.repeats,
-            "decode_tokens": args.decode_tokens,
-            "prefill_prompt": _random_prompts(1, args.prompt_tokens, vocab, seed=1)[0],
-            "decode_prompts": {str(b): _random_prompts(b, args.decode_prompt_tokens, vocab, b)
+    batches = [int(b) for b in options.decode_batches.split(",")]
+    return {"model": str(model_dir), "dtype": dtype, "threads": options.threads,
+            "engine": asdict(options.engine_config()),  # dualpath's config, --set included
+            "block_size": options.block_size, "repeats": options.repeats,
+            "decode_tokens": options.decode_tokens,
+            "prefill_prompt": _random_prompts(1, options.prompt_tokens, vocab, seed=1)[0],
+            "decode_prompts": {str(b): _random_prompts(b, options.decode_prompt_tokens, vocab, b)
                                for b in batches},
-            "vllm_core": args.pin_core if args.pin_core is not None else 0}
+            "vllm_core": options.pin_core if options.pin_core is not None else 0}
 
 
 def peers_python(explicit: str | None) -> Path:
@@ -108,49 +151,50 @@ def _run_system(name: str, command: list[str], pin_core: int | None, log_path: P
                             f"({log_path}) ends:\n{tail}")
 
 
-def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
+def run_engine_bench(options: EngineBenchOptions) -> dict[str, Any]:
     """Run dualpath and every ``--against`` peer, print a table, write JSON and PNG."""
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec, resolve_dtype
 
-    peers = [p.strip() for p in args.against.split(",") if p.strip()]
+    peers = [p.strip() for p in options.against.split(",") if p.strip()]
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise DualPathError(f"--against takes {', '.join(PEERS)}; got {', '.join(unknown)}")
-    peers_py = peers_python(args.peers_python) if "vllm" in peers else None
-    model_dir = resolve_model(args.model)
+    peers_py = peers_python(options.peers_python) if "vllm" in peers else None
+    model_dir = resolve_model(options.model)
     model = load_spec(model_dir)
-    spec = make_spec(args, model_dir, resolve_dtype(args.dtype, model), model.vocab_size)
+    spec = make_spec(options, model_dir, resolve_dtype(options.dtype, model), model.vocab_size)
     work = Path(tempfile.mkdtemp(prefix="dualpath-bench-engine-"))
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    logs = Path(args.json).with_suffix(".logs")
+    logs = Path(options.json).with_suffix(".logs")
     logs.mkdir(parents=True, exist_ok=True)
     measured = {}
     with Progress() as progress:
         for name in ["dualpath", *peers]:
             out = work / f"{name}.json"
-            _run_system(name, system_command(name, spec_path, out, peers_py), args.pin_core,
+            _run_system(name, system_command(name, spec_path, out, peers_py), options.pin_core,
                         logs / f"{name}.log", progress)
             measured[name] = json.loads(out.read_text())
-    result = _result(args, model_dir, spec, measured, peers)
+    result = _result(options, model_dir, spec, measured, peers)
     Console().print(render_table(result))
-    path = write_json(args.json, result)
+    path = write_json(options.json, result)
     render_plot(path.with_suffix(".png"), result)
     return result
 
 
-def _result(args: argparse.Namespace, model_dir: Path, spec: dict[str, Any],
+def _result(options: EngineBenchOptions, model_dir: Path, spec: dict[str, Any],
             measured: dict[str, Any], peers: list[str]) -> dict[str, Any]:
     batches = list(spec["decode_prompts"])
     return {
         "benchmark": "engine",
         "model": model_dir.name,
         "dtype": spec["dtype"],
-        "setup": {"prompt_tokens": args.prompt_tokens, "decode_batches": [int(b) for b in batches],
-                  "decode_prompt_tokens": args.decode_prompt_tokens,
-                  "decode_tokens": args.decode_tokens, "repeats": args.repeats,
-                  "threads": args.threads, "pin_core": args.pin_core,
+        "setup": {"prompt_tokens": options.prompt_tokens,
+                  "decode_batches": [int(b) for b in batches],
+                  "decode_prompt_tokens": options.decode_prompt_tokens,
+                  "decode_tokens": options.decode_tokens, "repeats": options.repeats,
+                  "threads": options.threads, "pin_core": options.pin_core,
                   "method": "prefill: prompt tokens / t(1 token); decode: batch x (N-1) / "
                             "(t(N) - t(1)); median, min and max over the repeats"},
         "machine": machine_profile(),

@@ -21,7 +21,6 @@ to another. Progress lines ``PROGRESS done total`` go to stdout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -115,13 +114,20 @@ def measure(generate: Generate, spec: dict[str, Any]) -> dict[str, Any]:
             "peak_rss_mb": max(_peak_rss_mb(), *rss)}
 
 
+def _spec_and_out(argv: list[str]) -> tuple[str, str]:
+    """``--spec S --out O`` (either order): the command line ``compare.system_command`` gives
+    a system's process. No argparse: this file imports nothing of dualpath and runs in the
+    peers' environment too, and the line is the bench's own, not a user's."""
+    values = dict(zip(argv[::2], argv[1::2], strict=False))
+    if len(argv) != 4 or set(values) != {"--spec", "--out"}:
+        sys.exit(f"usage: --spec SPEC.json --out OUT.json (got {argv})")
+    return values["--spec"], values["--out"]
+
+
 def run_system(name: str, make_system: MakeSystem, argv: list[str] | None = None) -> int:
     """A system process's main: read ``--spec``, build the system, measure, write ``--out``."""
-    parser = argparse.ArgumentParser(description=f"dualpath bench engine: {name}")
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    with open(args.spec) as f:
+    spec_path, out_path = _spec_and_out(list(sys.argv[1:] if argv is None else argv))
+    with open(spec_path) as f:
         spec = json.load(f)
     started = time.perf_counter()
     generate, info = make_system(spec)
@@ -129,7 +135,7 @@ def run_system(name: str, make_system: MakeSystem, argv: list[str] | None = None
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     result = {"system": name, "load_s": load_s, "cpu_affinity": affinity, **info,
               **measure(generate, spec)}
-    with open(args.out, "w") as f:
+    with open(out_path, "w") as f:
         json.dump(result, f, indent=2)
     return 0
 

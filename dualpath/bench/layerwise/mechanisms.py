@@ -16,12 +16,11 @@ PNG beside it. NIC caps and the EP generator are testbed emulation, stated in th
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import Progress
@@ -34,13 +33,50 @@ from dualpath.bench.report import machine_profile, write_json
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, TrafficConfig
 from dualpath.server.launch import LocalCluster
 
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
+
+if TYPE_CHECKING:
+    pass
+
 PARTS = ("a", "b", "c")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The command's options."""
+@dataclass(frozen=True)
+class LayerwiseOptions:
+    """The ``dualpath bench layerwise`` command line (see :func:`add_arguments`)."""
+
+    model: str | None = None
+    json: str = "results/layerwise.json"
+    parts: str = "a,b,c"
+    dtype: str = "float32"
+    block_size: int = 64
+    prefill_kv_blocks: int = 8
+    hit_blocks: str = "2,4,7,15,31,63,118"
+    compute_cap_mb_s: float = 20.0
+    ep_bytes_per_token: int = 48 << 10
+    chunk_kb: int = 64
+    kv_chunk_kb: int = 256
+    burst_chunks: int = 0
+    kv_hit_tokens: int = 1024
+    kv_in_flight: int = 4
+    prefill: int = 1
+    decode_tokens: int = 256
+    settle_s: float = 1.0
+    read_cap_mb_s: float = 30.0
+    agents: int = 4
+    turns: int = 4
+    first: int = 1024
+    append: int = 64
+    gen: int = 8
+    dir: str | None = None
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """The options of :class:`LayerwiseOptions`."""
     parser.add_argument("--model", default=None, help="HF folder (default: the default model)")
-    parser.add_argument("--out", default="results/layerwise.json", help="JSON path (PNG beside)")
+    parser.add_argument("--json", default="results/layerwise.json",
+                        help="where to write the results (PNG beside)")
     parser.add_argument("--parts", default="a,b,c", help="which parts: a,b,c")
     parser.add_argument("--dtype", default="float32", help="compute and KV dtype")
     parser.add_argument("--block-size", type=int, default=64)
@@ -81,19 +117,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=None, help="work folder (stores, logs)")
 
 
-def run_layerwise_bench(args: argparse.Namespace) -> dict[str, Any]:
+def run(options: LayerwiseOptions) -> int:
+    """``dualpath bench layerwise``: run, write, print the summary."""
+    print_summary(run_layerwise_bench(options))
+    return 0
+
+
+def run_layerwise_bench(options: LayerwiseOptions) -> dict[str, Any]:
     """Run the chosen parts; write the JSON and PNG; returns the result."""
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec
 
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(options.model)
     vocab = load_spec(model_dir).vocab_size
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    parts = [p.strip() for p in options.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown parts {unknown}; choose from {list(PARTS)}")
-    work = Path(args.dir or tempfile.mkdtemp(prefix="dualpath-bench-layerwise-"))
-    engine = EngineConfig(dtype=args.dtype, block_size=args.block_size, threads=1)
+    work = Path(options.dir or tempfile.mkdtemp(prefix="dualpath-bench-layerwise-"))
+    engine = EngineConfig(dtype=options.dtype, block_size=options.block_size, threads=1)
     result: dict[str, Any] = {"benchmark": "layerwise", "machine": machine_profile(),
                               "parts": {}, "configs": {}}
     with Progress(transient=True) as bar:
@@ -102,25 +144,25 @@ def run_layerwise_bench(args: argparse.Namespace) -> dict[str, Any]:
             return lambda: bar.advance(task)
 
         if "a" in parts:
-            config = _batch_config(args, engine, _fresh(work / "a" / "kv"))
-            ladder = tuple(int(k) for k in args.hit_blocks.split(","))
+            config = _batch_config(options, engine, _fresh(work / "a" / "kv"))
+            ladder = tuple(int(k) for k in options.hit_blocks.split(","))
             rows = largest_prefill(model_dir, config, vocab, BatchOptions(hit_blocks=ladder),
                                    work / "a" / "logs", step("(a) largest prefill",
                                                             2 * len(ladder)))
             result["parts"]["a"], result["configs"]["a"] = rows, asdict(config)
         if "b" in parts:
-            config = _lanes_config(args, engine, _fresh(work / "b" / "kv"))
-            options = LanesOptions(kv_hit_tokens=args.kv_hit_tokens,
-                                   decode_tokens=args.decode_tokens,
-                                   kv_in_flight=args.kv_in_flight, settle_s=args.settle_s)
-            rows = lanes_experiment(model_dir, config, vocab, options, work / "b" / "logs",
-                                    step("(b) lanes vs FIFO", 4 * options.rounds))
+            config = _lanes_config(options, engine, _fresh(work / "b" / "kv"))
+            lanes = LanesOptions(kv_hit_tokens=options.kv_hit_tokens,
+                                 decode_tokens=options.decode_tokens,
+                                 kv_in_flight=options.kv_in_flight, settle_s=options.settle_s)
+            rows = lanes_experiment(model_dir, config, vocab, lanes, work / "b" / "logs",
+                                    step("(b) lanes vs FIFO", 4 * lanes.rounds))
             result["parts"]["b"], result["configs"]["b"] = rows, asdict(config)
         if "c" in parts:
             result["parts"]["c"], result["configs"]["c"] = _split_reads(
-                args, engine, model_dir, vocab, work / "c", step)
-    result["summary"] = _summary(result["parts"], args)
-    out = write_json(args.out, result)
+                options, engine, model_dir, vocab, work / "c", step)
+    result["summary"] = _summary(result["parts"], options)
+    out = write_json(options.json, result)
     plot_layerwise(out.with_suffix(".png"), result)
     return result
 
@@ -131,45 +173,46 @@ def _fresh(store: Path) -> Path:
     return store
 
 
-def _batch_config(args: argparse.Namespace, engine: EngineConfig, store: Path) -> ClusterConfig:
+def _batch_config(options: LayerwiseOptions, engine: EngineConfig, store: Path) -> ClusterConfig:
     from dualpath.kv.layout import KVLayout
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec
 
-    spec = load_spec(resolve_model(args.model))
-    layout = KVLayout.from_spec(spec, args.dtype, args.block_size)
-    budget_mb = -(-args.prefill_kv_blocks * layout.full_block_bytes // 2**20)
+    spec = load_spec(resolve_model(options.model))
+    layout = KVLayout.from_spec(spec, options.dtype, options.block_size)
+    budget_mb = -(-options.prefill_kv_blocks * layout.full_block_bytes // 2**20)
     return ClusterConfig(engine=engine, storage=StorageConfig(root=str(store)),
                          prefill_kv_cache_mb=budget_mb, num_prefill=1, num_decode=1)
 
 
-def _lanes_config(args: argparse.Namespace, engine: EngineConfig, store: Path) -> ClusterConfig:
-    cap = args.compute_cap_mb_s
+def _lanes_config(options: LayerwiseOptions, engine: EngineConfig, store: Path) -> ClusterConfig:
+    cap = options.compute_cap_mb_s
     traffic = TrafficConfig(compute_send_cap_mb_s=cap, compute_recv_cap_mb_s=cap,
-                            chunk_bytes=args.chunk_kb << 10, burst_chunks=args.burst_chunks,
-                            kv_chunk_bytes=args.kv_chunk_kb << 10,
-                            ep_bytes_per_token=args.ep_bytes_per_token)
+                            chunk_bytes=options.chunk_kb << 10, burst_chunks=options.burst_chunks,
+                            kv_chunk_bytes=options.kv_chunk_kb << 10,
+                            ep_bytes_per_token=options.ep_bytes_per_token)
     return ClusterConfig(engine=engine, storage=StorageConfig(root=str(store)),
-                         traffic=traffic, num_prefill=args.prefill, num_decode=2,
+                         traffic=traffic, num_prefill=options.prefill, num_decode=2,
                          mode="dualpath")
 
 
-def _split_reads(args: argparse.Namespace, engine: EngineConfig, model_dir: Path, vocab: int,
+def _split_reads(options: LayerwiseOptions, engine: EngineConfig, model_dir: Path, vocab: int,
                  work: Path, step: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The same storage-bound multi-turn run with split reads off, then on."""
-    trajs = make_trajectories(args.agents, args.turns, args.first, args.append, vocab, seed=7)
-    cnic = 8 * args.read_cap_mb_s  # DESIGN §6: compute NIC = 8 x an engine's storage share
+    trajs = make_trajectories(options.agents, options.turns, options.first, options.append,
+                              vocab, seed=7)
+    cnic = 8 * options.read_cap_mb_s  # DESIGN §6: compute NIC = 8 x an engine's storage share
     rows: dict[str, Any] = {}
     config = None
     for name, split in (("split_off", False), ("split_on", True)):
         config = ClusterConfig(
             engine=engine, mode="dualpath", split_read=split,
             storage=StorageConfig(root=str(_fresh(work / name / "kv")),
-                                  read_cap_mb_s=args.read_cap_mb_s),
+                                  read_cap_mb_s=options.read_cap_mb_s),
             traffic=TrafficConfig(compute_send_cap_mb_s=cnic, compute_recv_cap_mb_s=cnic))
         with LocalCluster(model_dir, config, log_dir=work / name / "logs") as cluster:
-            row = run_agents(cluster, trajs, args.gen, "dualpath",
-                             step(f"(c) {name}", args.agents * args.turns))
+            row = run_agents(cluster, trajs, options.gen, "dualpath",
+                             step(f"(c) {name}", options.agents * options.turns))
             metrics = cluster.metrics()
             paths = [d[3] for d in cluster.router.decisions]
         row["read_bytes_per_node"] = {
@@ -179,14 +222,14 @@ def _split_reads(args: argparse.Namespace, engine: EngineConfig, model_dir: Path
     return rows, asdict(replace(config, split_read=True)) if config else {}
 
 
-def _summary(parts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def _summary(parts: dict[str, Any], options: LayerwiseOptions) -> dict[str, Any]:
     summary: dict[str, Any] = {"parts": sorted(parts)}
     if "a" in parts:
         a = parts["a"]
         basic, lw = a["basic"]["max_hit_tokens"], a["layerwise"]["max_hit_tokens"]
         summary["max_prefill_hit_tokens"] = {"basic": basic, "layerwise": lw}
         summary["max_prefill_tokens_ratio_layerwise_vs_basic"] = lw / basic if basic else None
-        summary["prefill_kv_budget_full_blocks"] = args.prefill_kv_blocks
+        summary["prefill_kv_budget_full_blocks"] = options.prefill_kv_blocks
         summary["same_tokens_checked_hit_blocks"] = a["same_tokens_checked"]
     if "b" in parts:
         b = parts["b"]
@@ -215,18 +258,18 @@ def _summary(parts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             quiet = b[name]["quiet"]
             added = (b[name]["loaded"]["de_ep_wait_s"] or 0.0) - (quiet["de_ep_wait_s"] or 0.0)
             summary[f"tpot_inflation_{name}_nic_only"] = (quiet["tpot_s"] + added) / quiet["tpot_s"]
-        summary["testbed"] = {"compute_cap_mb_s": args.compute_cap_mb_s,
-                              "ep_bytes_per_token": args.ep_bytes_per_token,
-                              "chunk_bytes": args.chunk_kb << 10,
-                              "kv_chunk_bytes": args.kv_chunk_kb << 10,
-                              "burst_chunks": args.burst_chunks}
+        summary["testbed"] = {"compute_cap_mb_s": options.compute_cap_mb_s,
+                              "ep_bytes_per_token": options.ep_bytes_per_token,
+                              "chunk_bytes": options.chunk_kb << 10,
+                              "kv_chunk_bytes": options.kv_chunk_kb << 10,
+                              "burst_chunks": options.burst_chunks}
     if "c" in parts:
         c = parts["c"]
         summary["split_read_jct_ratio"] = c["split_on"]["jct_s"] / c["split_off"]["jct_s"]
         summary["jct_s"] = {k: c[k]["jct_s"] for k in ("split_off", "split_on")}
         summary["read_bytes_per_node"] = {k: c[k]["read_bytes_per_node"]
                                           for k in ("split_off", "split_on")}
-        summary["storage_read_cap_mb_s"] = args.read_cap_mb_s
+        summary["storage_read_cap_mb_s"] = options.read_cap_mb_s
     return summary
 
 
