@@ -95,8 +95,8 @@ class StorageConfig:
     read_cap_mb_s: float | None = None  # storage-NIC read cap (MB/s); None = uncapped
     write_cap_mb_s: float | None = None  # storage-NIC write cap (MB/s); None = uncapped
     # A read's result is due this long after it was submitted at the latest; blocks not read
-    # by then are misses, recomputed (DESIGN §9: a slow or hung store never stalls a request).
-    # None = wait as long as the store takes.
+    # by then are misses, recomputed (docs/design.md §9: a slow or hung store never stalls a
+    # request). None = wait as long as the store takes.
     read_deadline_s: float | None = 5.0
     # mooncake_store backend: blocks live in the memory segments of Mooncake Store clients
     # (segment holders: `python -m dualpath.storage.mooncake_store serve`), mapped by a master.
@@ -182,16 +182,16 @@ class ClusterConfig:
     traffic: TrafficConfig = TrafficConfig()
     mode: Mode = Mode.DUALPATH
     read_path: ReadPath = ReadPath.AUTO  # auto (the shorter node read queue) | pe | de
-    policy: Policy = Policy.DUALPATH  # global scheduler: dualpath (PAPER §5) | round_robin
+    policy: Policy = Policy.DUALPATH  # global scheduler: dualpath (docs/paper.md §5) | round_robin
     alpha_tokens: int | None = None  # short read queue; default: tokens a node reads in 3 s
     beta_tokens: int | None = None  # PE overload; default: unlimited until profiled
     profile_path: str | None = None  # `dualpath profile` output: α, β and the PE cost model
-    prefill_quota_ms: float = 300.0  # predicted time per PE forward batch (PAPER §5.5)
+    prefill_quota_ms: float = 300.0  # predicted time per PE forward batch (docs/paper.md §5.5)
     # Layerwise prefill (every mode but basic) keeps this many layers of a forward's KV in the
-    # PE's device memory: the layer computing and the one loading (DESIGN §9).
+    # PE's device memory: the layer computing and the one loading (docs/design.md §9).
     prefill_layer_window: int = 2
     prefill_kv_cache_mb: int | None = None  # the PE's device-KV budget (None: engine.kv_cache_mb)
-    split_read: bool = False  # read one request's hit partly on each side (DESIGN §9)
+    split_read: bool = False  # read one request's hit partly on each side (docs/design.md §9)
     host_pool_blocks: int = 512  # full-block slots of each engine's DRAM buffer
     save_staging_blocks: int = 16  # of those, slots a DE keeps for persisting blocks
     heartbeat_s: float = 0.5  # engines report their state this often

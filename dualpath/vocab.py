@@ -4,7 +4,7 @@ A member is a ``str``, so it goes onto the wire, into JSON and into a config fil
 string it always was; code compares and dispatches on members, and the boundaries (config
 loading, command-line values, decoded messages) parse strings into them.
 
-The ablation ladder (DESIGN §7) is one table, :data:`LADDER`: each :class:`Rung` names the
+The ablation ladder (docs/design.md §7) is one table, :data:`LADDER`: each :class:`Rung` names the
 serving :class:`Mode` it runs and the scheduler :class:`Policy` it places with. ``round_robin``
 is a rung, not a mode (DualPath's mode with the round-robin policy); ``recompute`` is a mode,
 not a rung (no cache at all: a serving option, never part of the ablation).
@@ -65,7 +65,7 @@ class Launcher(StrEnum):
 class Policy(StrEnum):
     """How the global scheduler places requests (``scheduler.global_scheduler.POLICIES``)."""
 
-    DUALPATH = "dualpath"  # PAPER §5: load- and read-queue-aware placement and read path
+    DUALPATH = "dualpath"  # docs/paper.md §5: load- and read-queue-aware placement and read path
     ROUND_ROBIN = "round_robin"  # the paper's load-balance baseline
 
 

@@ -1,5 +1,5 @@
 """``dualpath bench layerwise``: one invocation, one JSON with a summary and a PNG, on a tiny
-model (the default model's figures are in the README)."""
+model (the default model's figures are in docs/results.md)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ``agents`` agents each replay ``turns`` turns on a :class:`LocalCluster` (1 PE + 2 DE processes
 by default, Mooncake transfers, KV in files): turn i's prompt is the previous prompt, the
 tokens the previous turn generated and ``append`` new random tokens, and every turn generates
-exactly ``gen`` tokens (the paper's replay rule, PAPER §7.4, zero tool latency). Agents run
+exactly ``gen`` tokens (the paper's replay rule, docs/paper.md §7.4, zero tool latency). Agents run
 independently (:func:`dualpath.bench.replay.run_turns`): each submits its next turn as soon as
 its previous one returned. JCT is the time until the last agent's last turn. The storage and
 compute NIC caps emulate the testbed's NICs (storage reads must be the bottleneck for DualPath
@@ -65,7 +65,7 @@ def run_agents(cluster: LocalCluster, trajectories: list[tuple[list[int], list[l
 
 
 STORE_SEGMENT_MB = 2048  # a local mooncake_store's memory for the run
-COMPUTE_PER_STORAGE = 8  # compute-NIC cap per engine / storage-NIC cap per node (DESIGN §6)
+COMPUTE_PER_STORAGE = 8  # compute-NIC cap per engine / storage-NIC cap per node (docs/design.md §6)
 
 
 def testbed_config(store: Path, mode: str, *, dtype: str, block_size: int,

@@ -16,8 +16,8 @@ part is the agent loop from turn 2 on, where every turn reloads its context: JCT
 storage NIC read.
 
 The storage NICs are capped so that ``basic`` is storage-bound, as agentic serving is in the
-paper (DESIGN §6): ``basic`` reads every hit through the prefill node's NIC, ``dualpath`` also
-through the two decode nodes' NICs, forwarding over the compute network, capped at 8x the
+paper (docs/design.md §6): ``basic`` reads every hit through the prefill node's NIC, ``dualpath``
+also through the two decode nodes' NICs, forwarding over the compute network, capped at 8x the
 storage cap (the paper's per-GPU ratio). Settings that differ from the cluster's defaults are
 explained where :class:`DemoOptions` sets them; the run reports deadline misses and requests
 placed more than once, which would make the figures mean something else.
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DemoOptions:
-    """What ``dualpath demo`` runs; the defaults are the measured demo (README)."""
+    """What ``dualpath demo`` runs; the defaults are the measured demo (README, docs/results.md)."""
 
     model: str | None = None  # HF folder; None: the default model
     # Storage-NIC read cap of every node: 16 MB/s of float32 KV is 350 tokens/s. Measured here,

@@ -4,7 +4,7 @@ On the actual engine (model, dtype, threads of the config) it times prefills of 
 tokens on top of ``cached`` ones already in the cache, fits the compute-quota cost model
 (``scheduler/batch.py``) to them, and times full-block reads from the configured store. From
 those: α = tokens a node reads in 3 s, β = prompt tokens one engine prefills in 5 s at an
-agentic hit rate (PAPER §5.2, A.4). ``ClusterConfig.profile_path`` points the router at the
+agentic hit rate (docs/paper.md §5.2, A.4). ``ClusterConfig.profile_path`` points the router at the
 JSON it writes.
 
 On a CPU the whole prefill forward is timed (attention cannot be isolated there), so the cost

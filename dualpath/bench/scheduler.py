@@ -9,7 +9,7 @@ the ``schedule`` calls are timed; building the views (the router's work) is time
 
 Besides speed the run reports how evenly storage reads spread over nodes, per policy: max/avg
 over nodes of the tokens each read in a 5 s window, averaged over windows (the paper's load-
-balance metric, §7.5: 1.53 with round robin, 1.18 with DualPath).
+balance metric, docs/paper.md §7.9: 1.53 with round robin, 1.18 with DualPath).
 """
 
 from __future__ import annotations

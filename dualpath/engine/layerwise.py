@@ -4,8 +4,8 @@ Before layer i computes, its context KV is resident in the PE's device cache: th
 copied from the PE host buffer (PE read path) or pulled from the DE host buffer over the compute
 network (DE read path), and, for a later chunk of a chunked prompt, the blocks earlier chunks
 already sent to the DE buffer. After layer i its new KV goes to the DE buffer: every block on
-the PE path (hit + miss), only the miss blocks on the DE path. A split read (DESIGN §9) loads
-the leading hit blocks from the PE host buffer and the rest from the DE buffer, and forwards
+the PE path (hit + miss), only the miss blocks on the DE path. A split read (docs/design.md §9)
+loads the leading hit blocks from the PE host buffer and the rest from the DE buffer, and forwards
 the PE-read blocks plus the miss blocks.
 
 **Overlap.** Every move is asynchronous, through the traffic manager's lanes: while layer i

@@ -3,13 +3,13 @@
 Requests arrive as ``Prefill`` messages. On the PE read path the hit full blocks are read from
 storage into this engine's host buffer as soon as the request arrives (the node's read queue),
 so reads overlap the compute of earlier requests. Requests whose reads are done are batched
-in arrival order under the compute quota (``scheduler/batch.py``, PAPER §5.5): whole requests
-while the predicted time fits, then the largest chunk of the next one; the rest of a chunked
-request goes into later batches. Without a cost model (no profile) each forward takes one whole
-request. The queue is in placement order (the router's wire ids: a DE-path request, which
+in arrival order under the compute quota (``scheduler/batch.py``, docs/paper.md §5.5): whole
+requests while the predicted time fits, then the largest chunk of the next one; the rest of a
+chunked request goes into later batches. Without a cost model (no profile) each forward takes one
+whole request. The queue is in placement order (the router's wire ids: a DE-path request, which
 arrives once its DE buffer is filled, takes the place it was given), and a request still
 reading is passed over, not waited for, so a long read on this node's storage NIC does not
-idle the PE while other requests' KV is ready (PAPER §5.5 is silent on both; the simulator
+idle the PE while other requests' KV is ready (docs/paper.md §5.5 is silent on both; the simulator
 also passes over reads, queueing a request once its read is done).
 
 The forward computes only the miss tokens; per request, ``PrefillHooks`` load its hit KV

@@ -4,7 +4,7 @@ One tensor ``[layers, num_blocks, block_size, 2, kv_heads, head_dim]``: for each
 block, one row per token holding its K and V side by side, so layer i of block b is one
 contiguous *layer block* of ``block_size × bytes_per_token_per_layer`` bytes.
 
-A layerwise prefill engine holds a *window* of W layers instead (DESIGN §9): the tensor is
+A layerwise prefill engine holds a *window* of W layers instead (docs/design.md §9): the tensor is
 ``[W, num_blocks, ...]`` and layer i lives in window slot ``i mod W``, reused by layer i+W once
 layer i's KV has left for the decode side. The same device bytes then hold ``layers / W``
 times the blocks.

@@ -1,4 +1,4 @@
-"""Intra-engine batching: the prefill engine's compute quota (pure; PAPER §5.5, Fig. 6).
+"""Intra-engine batching: the prefill engine's compute quota (pure; docs/paper.md §5.5, Fig. 6).
 
 Data-parallel attention ranks wait for each other before the MoE/FFN stage, so every PE keeps
 the predicted attention time of its forward batch within a compute quota (300 ms in the
@@ -160,5 +160,5 @@ def build_token_batch(fifo: Iterable[tuple[K, int, int]], budget_tokens: int,
 
 
 def build_decode_batch(running: Sequence[T]) -> list[T]:
-    """Decode engines put every running request in every forward batch (PAPER §5.5)."""
+    """Decode engines put every running request in every forward batch (docs/paper.md §5.5)."""
     return list(running)

@@ -1,4 +1,4 @@
-"""The global scheduler: (PE, DE) pair and read path per request (pure; PAPER §5.1–5.4).
+"""The global scheduler: (PE, DE) pair and read path per request (pure; docs/paper.md §5.1–5.4).
 
 Flow. ``submit`` appends to one FIFO waiting queue. On ``schedule(view)`` the fetching groups
 pull work: each PE group runs Algorithm 1 over the head of the FIFO (:func:`pe_fetch`); a

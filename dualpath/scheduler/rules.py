@@ -1,4 +1,4 @@
-"""The selection rules of the global scheduler (pure; PAPER §5.2–5.4 and Algorithm 1).
+"""The selection rules of the global scheduler (pure; docs/paper.md §5.2–5.4 and Algorithm 1).
 
 Each rule works on :class:`EngineLoad` working copies and changes the chosen engine's counters
 in place, so a caller can run several rules over one decision. See

@@ -2,7 +2,7 @@
 
 On every fetch each engine reports its role, node, group, ``seq`` (assigned, unfinished
 requests), ``tok`` (tokens over those requests) and its free device KV in tokens; each node
-reports its storage-read queue in tokens (PAPER §5.1). A waiting request carries its prompt
+reports its storage-read queue in tokens (docs/paper.md §5.1). A waiting request carries its prompt
 length and its hit (the leading tokens whose KV storage holds). An :class:`Assignment` is one
 decision: the (PE, DE) pair and where the hit is read. Everything has a JSON-safe
 ``to_dict``/``from_dict`` so sequences of views and decisions can be recorded and replayed.
@@ -93,7 +93,7 @@ class ClusterView:
     """All engines and nodes at one instant; indexed by name, group and node on construction.
 
     Rules checked (ValueError): engine names are unique, a group holds one role, and all
-    engines of a node are in the same group (PAPER §5.1). A node without a :class:`NodeView`
+    engines of a node are in the same group (docs/paper.md §5.1). A node without a :class:`NodeView`
     has an empty read queue.
     """
 

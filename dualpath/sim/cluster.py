@@ -7,10 +7,10 @@ Only clocks, links and compute are modelled:
 
 * hit KV is read over the chosen side's storage NIC (one shared :class:`Link` per node) into
   that node's DRAM, copied into PE HBM under the request's first forward, and after the
-  prefill sent to the DE's DRAM and HBM: the hops of :mod:`dualpath.sim.hops` (PAPER
-  §2.2–2.4; oracle: no reads, no transfers). EP all-to-all of the running forwards and
-  decode steps takes the compute NICs' high lane (:meth:`ModelProfile.a2a_bytes_per_token`,
-  spread over the forward or step);
+  prefill sent to the DE's DRAM and HBM: the hops of :mod:`dualpath.sim.hops` (docs/paper.md
+  §2.2–2.4; oracle: no reads, no transfers). EP all-to-all of the running forwards and decode steps
+  takes the compute NICs' high lane (:meth:`ModelProfile.a2a_bytes_per_token`, spread over the
+  forward or step);
 * EP lock step (``SimConfig.ep_lockstep``): the PEs of one EP group run their forwards
   together — a round takes the longest member's predicted forward, members without work
   wait — and the DEs of one EP group step together at the busiest member's step time
@@ -19,10 +19,10 @@ Only clocks, links and compute are modelled:
   DE's batch and its KV tokens in lock step (the slowest DE of the EP group sets the step),
   of the batch alone otherwise;
 * when an agent's turn has generated its tokens its next turn is submitted at once (zero tool
-  latency, PAPER §7.4); JCT is when the last agent finishes. Online runs start agents at
+  latency, docs/paper.md §7.4); JCT is when the last agent finishes. Online runs start agents at
   Poisson arrival times and record TTFT / TTST / TPOT per request.
 
-Read/compute overlap per mode (PAPER §4, §7.8):
+Read/compute overlap per mode (docs/paper.md §4, §7.8):
 
 * ``basic`` (no layerwise prefill): a request's whole hit KV must be in PE HBM before its
   forward; a round first reads the hit KV of the requests starting in it, waits until every
@@ -438,7 +438,7 @@ class Simulator:
     # --- run ---
 
     def _sample_snics(self) -> None:
-        """Every ``balance_window_s``: bytes each storage NIC read in the window (PAPER §7.9
+        """Every ``balance_window_s``: bytes each storage NIC read in the window (docs/paper.md §7.9
         reports max/avg of these over the storage NICs); stops when every turn is done."""
         served = [link.served() for link in self.snic]
         self._snic_windows.append([now - before for now, before

@@ -1,7 +1,7 @@
 """Frozen configuration of one simulated run, and the cost models derived from the profiles.
 
-Modes (DESIGN §7): ``basic`` (PE-side reads only, no layerwise prefill: each lock-step forward
-first loads its requests' whole hit KV into PE HBM, then computes, so reads and compute
+Modes (docs/design.md §7): ``basic`` (PE-side reads only, no layerwise prefill: each lock-step
+forward first loads its requests' whole hit KV into PE HBM, then computes, so reads and compute
 alternate), ``layerwise`` (PE-side reads streamed layer by layer under the running forwards:
 reads overlap compute, no PE HBM hold), ``dualpath`` (read
 side chosen by the scheduler), ``round_robin`` (the scheduler's round-robin baseline, read side
@@ -57,7 +57,7 @@ class SimConfig:
     decode_eff: float = 0.15
     decode_base_s: float = 0.0  # extra fixed per-step time (not fitted; 0 by default)
     decode_ctx: int = 32_768  # context the per-request decode cost is evaluated at
-    ep_lockstep: bool = True  # forwards/steps in lock step within an EP group (DESIGN §7)
+    ep_lockstep: bool = True  # forwards/steps in lock step within an EP group (docs/design.md §7)
     ep_nodes: tuple[int, int] | None = None  # (prefill, decode) nodes per EP group; None: a side
     quota_ms: float = 300.0
     # PAPER A.4: the quota is DualPath's

@@ -1,4 +1,4 @@
-"""The KV hops of PAPER §2.2–2.4 past the storage NIC: node DRAM, compute NICs, HBM.
+"""The KV hops of docs/paper.md §2.2–2.4 past the storage NIC: node DRAM, compute NICs, HBM.
 
 Every node's DRAM (reads and writes summed) and each direction of every GPU's compute NIC is
 a :class:`PipeLink`: it serves bookings in order, so a transfer books each of its hops at

@@ -289,8 +289,8 @@ class PipeLink:
 
 
 class DuplexNic:
-    """A full-duplex compute NIC seen from PCIe (PAPER §3.3): ``tx`` reads host or GPU memory
-    (it sends, and it is the first half of a loopback copy), ``rx`` writes memory (it
+    """A full-duplex compute NIC seen from PCIe (docs/paper.md §3.3): ``tx`` reads host or GPU
+    memory (it sends, and it is the first half of a loopback copy), ``rx`` writes memory (it
     receives, and it is the second half of a loopback copy); ``bandwidth`` each way. EP
     all-to-all asks the same of both (balanced dispatch and combine)."""
 

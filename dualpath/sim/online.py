@@ -1,6 +1,6 @@
 """Online serving in the simulator: latency statistics and the APS capacity under an SLO.
 
-Agents arrive as a Poisson process at a given APS (agents per second, PAPER §7.7) and replay
+Agents arrive as a Poisson process at a given APS (agents per second, docs/paper.md §7.7) and replay
 their trajectories; each request records its submit time, the end of its prefill (its first
 token: the PE samples it), the start of its decode and its last token. From these:
 

@@ -1,4 +1,4 @@
-"""P/D planning: the bottleneck-free P/D range of PAPER §3 (eq. 9) and candidate ratios.
+"""P/D planning: the bottleneck-free P/D range of docs/paper.md §3 (eq. 9) and candidate ratios.
 
 ``pd_ratio_range(g, s, B, M)`` returns ``s/(g−s) ≤ P/D ≤ min{(g−2s)/s, (g−s)/(2s),
 (M/(B·s) − 3)/2}`` as exact fractions where the inputs allow, with every term named, so a
@@ -55,8 +55,8 @@ def range_for(hw: HardwareProfile) -> dict[str, Any]:
 def eq9_loads(ratio: Fraction, g: int = 8, s: float = 1.0, B: float = 50.0,
               M: float = 500.0) -> dict[str, Fraction]:
     """Each eq. (9) resource's load at ``P/D = ratio`` as a fraction of its capacity, with every
-    storage NIC reading at ``s·B`` (PAPER §3: the left-hand sides of (1), (2), (4), (6) and the
-    DE DRAM pressure of (8)); keys name the bound each load gives, as in :func:`pd_ratio_range`.
+    storage NIC reading at ``s·B`` (docs/paper.md §3: the left-hand sides of (1), (2), (4), (6) and
+    the DE DRAM pressure of (8)); keys name the bound each load gives, as in :func:`pd_ratio_range`.
 
     A load is 1 exactly at its bound, so every load is ≤ 1 inside the range (load (1) does not
     depend on the ratio; :func:`pd_ratio_range` reports it as ``pe_cnic_read_ok``).

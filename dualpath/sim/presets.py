@@ -13,14 +13,14 @@ Basic or DualPath point):
   per second per node during prefill, 56.3% of them cache hits) give ≈ 4,030 computed tokens
   per second per GPU at ≈ 116 GFLOP each (37B active parameters plus dense MLA attention at
   their ≈ 5K average context): 467 TFLOP/s, 23.6% of the 1,979 TFLOPS FP8 peak.
-* ``dram_buffer_gb`` = 80 (PAPER §7.3).
+* ``dram_buffer_gb`` = 80 (docs/paper.md §7.3).
 * Batching follows the paper's definitions: the compute quota (300 ms) is DualPath's
-  intra-engine scheduling (PAPER §5.5, A.4), the third step of the ablation ("+ scheduling"),
-  so only ``dualpath`` and ``oracle`` use it; ``basic``, ``layerwise`` and ``round_robin`` run
-  the stock chunked prefill of 8,192 new tokens per PE forward (vLLM's and SGLang's usual
-  budget; the paper does not describe its stock batcher). :data:`DS660B_QUOTA_ALL` gives every
-  mode the quota instead (the earlier choice); the closing note of the simulator issue lists
-  both, and :func:`ablation` shows how much the baselines depend on this unknown.
+  intra-engine scheduling (docs/paper.md §5.5, A.4), the third step of the ablation ("+
+  scheduling"), so only ``dualpath`` and ``oracle`` use it; ``basic``, ``layerwise`` and
+  ``round_robin`` run the stock chunked prefill of 8,192 new tokens per PE forward (vLLM's and
+  SGLang's usual budget; the paper does not describe its stock batcher). :data:`DS660B_QUOTA_ALL`
+  gives every mode the quota instead (the earlier choice); the closing note of the simulator issue
+  lists both, and :func:`ablation` shows how much the baselines depend on this unknown.
 * Each node's storage reads are served in FIFO order, one request at a time at the NIC's
   rate (``read_streams`` = 1): the paper's per-node read queue, and what our storage client
   does (a request's blocks are queued before the next request's). Sharing the NIC equally
@@ -32,7 +32,7 @@ Basic or DualPath point):
   records the fit.
 
 Basic (no layerwise prefill) reads each round's KV before the round computes; this is a
-structural choice (DESIGN §7), and the alternatives (HBM-limited prefetch, the stock
+structural choice (docs/design.md §7), and the alternatives (HBM-limited prefetch, the stock
 token-budget batcher) are options of :class:`SimConfig` whose results the closing note of
 the simulator issue lists.
 """
@@ -67,19 +67,19 @@ CALIBRATION: dict[str, Any] = {
                  "token_budget": {"basic": 8192, "layerwise": 8192, "round_robin": 8192}},
 }
 
-# Fig. 7 readings (PAPER §7.6), seconds
+# Fig. 7 readings (docs/paper.md §7.6), seconds
 FIG7 = {"basic": {512: 2900, 1024: 5365, 2048: 10050, 4096: 19400},
         "dualpath": {512: 2100, 1024: 2917, 2048: 5365, 4096: 10350},
         "oracle": {512: 2000, 4096: 9400}}
 ABLATION = {"layerwise": -17.21, "round_robin": -38.19, "dualpath": -45.62}  # % vs basic
-# Ablation figure readings (PAPER §7.8), seconds. The reported reductions are the means of the two
-# agent counts' reductions: these readings give -17.4 / -38.2 / -45.2 on average.
+# Ablation figure readings (docs/paper.md §7.8), seconds. The reported reductions are the means of
+# the two agent counts' reductions: these readings give -17.4 / -38.2 / -45.2 on average.
 ABLATION_FIG = {1024: {"basic": 5400, "layerwise": 4250, "round_robin": 3200, "dualpath": 3000},
                 2048: {"basic": 10100, "layerwise": 8750, "round_robin": 6500,
                        "dualpath": 5450}}
 SCALE = {"small": 3167, "large": 3201}
 
-# Online (PAPER §7.7, Table 3): APS capacity under TTFT ≤ 4 s, TPOT ≤ 50 ms; 2P4D at 0.4 APS
+# Online (docs/paper.md §7.7, Table 3): APS capacity under TTFT ≤ 4 s, TPOT ≤ 50 ms; 2P4D at 0.4 APS
 ONLINE = {"aps_capacity": {"basic": 0.20, "dualpath": 0.45}, "capacity_ratio": 2.25,
           "at_0.4": {"ttft_s": 1.739, "ttst_s": 0.228, "tpot_s": 0.039}}
 
@@ -244,7 +244,7 @@ def scale(small: tuple[int, int, int] = (2, 4, 2048), large: tuple[int, int, int
 
     Both clusters use the small one's EP layout (EP groups of ``small``'s P and D nodes): the
     large cluster is 24 copies of the 2P4D parallel layout under one global scheduler, as the
-    paper's "without tuned parallelism" remark describes (PAPER §7.10).
+    paper's "without tuned parallelism" remark describes (docs/paper.md §7.10).
     """
     rows = []
     for (p, d, n), paper in zip((small, large), (SCALE["small"], SCALE["large"]), strict=True):
@@ -263,7 +263,7 @@ def online(aps: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8),
            progress: Progress | None = None, workload: str = "64k",
            arrival_span_s: float = 2400.0, modes: tuple[str, ...] = ("basic", "dualpath"),
            ) -> dict[str, Any]:
-    """TTFT / TTST / TPOT vs APS and the APS capacity under the SLO (PAPER §7.7).
+    """TTFT / TTST / TPOT vs APS and the APS capacity under the SLO (docs/paper.md §7.7).
 
     At each APS, ``aps × arrival_span_s`` agents arrive as a Poisson process; statistics come
     from the steady window (:func:`dualpath.sim.online.latency_stats`).

@@ -3,7 +3,7 @@
 Hardware (per node): ``g`` GPUs, one compute NIC per GPU (``cnic_bps`` bytes/s), one storage
 NIC per node (``snic_bps``), DRAM bandwidth ``dram_bps``, dense peak FLOP/s per GPU at the
 compute dtype the paper serves with (FP8 for DeepSeek), and HBM per GPU. The paper's node
-(PAPER §1.3, §7.1) is 8 Hopper GPUs, 8 × 400 Gbps CNICs (50 GB/s each), 1 × 400 Gbps SNIC
+(docs/paper.md §1.3, §7.1) is 8 Hopper GPUs, 8 × 400 Gbps CNICs (50 GB/s each), 1 × 400 Gbps SNIC
 (50 GB/s) and ≈ 500 GB/s DRAM.
 
 Models: KV bytes per token and FLOPs per new token are derived from the architecture (see each
@@ -39,7 +39,7 @@ class HardwareProfile:
 
     @property
     def storage_ratio(self) -> float:
-        """``s``: storage NIC bandwidth in units of one compute NIC (PAPER §3 notation)."""
+        """``s``: storage NIC bandwidth in units of one compute NIC (docs/paper.md §3 notation)."""
         return self.snic_bps / self.cnic_bps
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,7 +95,7 @@ class ModelProfile:
         return keys * self.kv_bytes_per_token + ctx * self.index_bytes_per_token
 
     def gb_per_pflop(self, ctx: int, append: int) -> float:
-        """Cache-compute ratio of PAPER §1.2 Table 1: GB of hit KV per PFLOP of prefill."""
+        """Cache-compute ratio of docs/paper.md §1.2 Table 1: GB of hit KV per PFLOP of prefill."""
         flops = sum(self.flops_per_token(ctx + i) for i in range(0, append, max(1, append // 16)))
         flops *= append / len(range(0, append, max(1, append // 16)))
         return ctx * self.kv_bytes_per_token / GB / (flops / 1e15)
@@ -129,7 +129,7 @@ class ModelProfile:
 
 
 # DeepSeek-V3.2 (MLA + DSA). KV: per layer the FP8 latent (512 B) + BF16 RoPE key (64 × 2 B)
-# + 16 B of scales = 656 B; × 61 layers = 40,016 B/token. Alternatives (PAPER §7.2): ~48 KB
+# + 16 B of scales = 656 B; × 61 layers = 40,016 B/token. Alternatives (docs/paper.md §7.2): ~48 KB
 # with the indexer's FP8 keys (128 B + scale per layer), 70,272 B with a BF16 latent
 # (576 × 2 × 61). Linear: 37B active parameters → 74 GFLOP. Attention (absorbed MLA, 128
 # heads): QK over 576 dims + PV over 512 → 2·128·(576+512) = 278,528 FLOPs/key/layer × 61 =
@@ -147,7 +147,7 @@ DS_V32 = ModelProfile(
     notes="DeepSeek-V3.2 660B; FP8 MLA latent 656 B x 61 layers = 40,016 B/token "
     "(alternatives: ~48 KB with indexer keys, 70,272 B BF16 latent)")
 
-# The 27B variant (PAPER §7.2 / A.2): hidden 2560, 30 layers, 32 heads, 72 routed experts
+# The 27B variant (docs/paper.md §7.2 / A.2): hidden 2560, 30 layers, 32 heads, 72 routed experts
 # (6 active) + 2 shared of intermediate 1536, 1 dense layer of 12288, top-k 1024, no Q LoRA.
 # Active per token: experts 29 × 8 × 3·2560·1536 = 2.74B, dense 3·2560·12288 = 94M, attention
 # ≈ 32M × 30 (q 2560·32·192, kv_a 2560·576, kv_b 512·32·256, o 32·128·2560) = 0.96B,
@@ -162,7 +162,7 @@ DS_27B = ModelProfile(
 
 # Qwen2.5-32B: 64 layers, GQA 40 query / 8 KV heads of 128, FP16 KV: 2·8·128·2 B × 64 =
 # 262,144 B = 256 KiB/token. Linear 2 × 32.5B. Dense attention: QK + PV = 2·2·40·128 per key
-# per layer × 64 = 1.31e6 FLOPs/key. Dense and served DP only (PAPER §7.3): no all-to-all.
+# per layer × 64 = 1.31e6 FLOPs/key. Dense and served DP only (docs/paper.md §7.3): no all-to-all.
 QWEN_32B = ModelProfile(
     "qwen32b", layers=64, kv_bytes_per_token=2 * 8 * 128 * 2 * 64, linear_flops=2 * 32.5e9,
     attn_flops_per_key=2 * 2 * 40 * 128 * 64, weight_bytes=65e9,

@@ -1,8 +1,8 @@
 """Each node's storage reads: its storage NIC, the read queue the scheduler sees, the order
 reads start in, and the DRAM staging buffer of layerwise reads.
 
-A read of ``tokens`` joins its node's read queue (the ``read_q`` of PAPER §5, reported in the
-scheduler's :class:`NodeView`) when its path is chosen and leaves it when its last byte has
+A read of ``tokens`` joins its node's read queue (the ``read_q`` of docs/paper.md §5, reported in
+the scheduler's :class:`NodeView`) when its path is chosen and leaves it when its last byte has
 arrived. Reads start in FIFO order, ``read_streams`` at a time (``None``: all at once), and
 share the storage NIC equally while in flight. A staged read (layerwise modes) also needs
 room in the node's DRAM staging buffer, which the simulator gives back with :meth:`unstage`.

@@ -8,7 +8,7 @@ of one node each own a client; given the node's ``NodeNicAccount`` their buckets
 account (``node_nic.py``), so together they stay within the node's cap. Byte counters and
 utilization feed the metrics.
 
-A storage fault never reaches the caller as an exception (DESIGN §9): a block that a backend
+A storage fault never reaches the caller as an exception (docs/design.md §9): a block that a backend
 fails to read — whatever it raises — is a miss that the prefill engine recomputes, a read
 still unfinished at its deadline is a miss too, and a failed write is counted and dropped.
 """

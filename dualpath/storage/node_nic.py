@@ -1,6 +1,6 @@
 """One storage-NIC account per node, shared by every engine process of that node.
 
-Engines of one host share its storage NIC (DESIGN §2), whichever process they run in, so an
+Engines of one host share its storage NIC (docs/design.md §2), whichever process they run in, so an
 emulated NIC cap must pace them together: the token bucket's state lives in a small file in
 ``/dev/shm`` that each engine of the node maps, and every reservation takes an exclusive
 ``flock`` on it. The file is named by the router's run (``cluster_id``) and the node id, so

@@ -1,4 +1,5 @@
-"""``dualpath store verify``: recompute sampled stored chains and compare their KV (DESIGN §9).
+"""``dualpath store verify``: recompute sampled stored chains and compare their KV (docs/design.md
+§9).
 
 A checksum proves a block is the bytes that were written, not that they are the KV of the
 block's tokens: a decode engine that saves another request's KV under a request's keys writes

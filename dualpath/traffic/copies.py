@@ -1,6 +1,6 @@
 """Host↔device copies as NIC work: pieces of at most ``chunk_bytes``, and how one piece runs.
 
-PAPER §4.2: every byte into or out of the device goes through the device's compute NIC, so a
+docs/paper.md §4.2: every byte into or out of the device goes through the device's compute NIC, so a
 copy is cut into chunk-sized pieces that queue in the lanes of the NIC direction it loads
 (host → device: the receive side; device → host: the send side) beside that direction's
 transfers. A piece is a flat ``uint8`` view when both sides are contiguous tensors of one

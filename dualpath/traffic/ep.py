@@ -1,9 +1,9 @@
 """Expert-parallel (EP) traffic generator: MoE all-to-all bytes on the high lane of a dense model.
 
-The paper's latency-critical traffic is MoE dispatch/combine (PAPER §4.1); the testbed model is
-dense, so without this nothing would ever send on ``Lane.HIGH`` and the QoS lanes would never
-face contention. With ``traffic.ep_bytes_per_token`` > 0 every prefill forward and every decode
-step calls :meth:`EpTraffic.exchange` with its token count: the engine writes
+The paper's latency-critical traffic is MoE dispatch/combine (docs/paper.md §4.1); the testbed
+model is dense, so without this nothing would ever send on ``Lane.HIGH`` and the QoS lanes would
+never face contention. With ``traffic.ep_bytes_per_token`` > 0 every prefill forward and every
+decode step calls :meth:`EpTraffic.exchange` with its token count: the engine writes
 ``num_tokens × ep_bytes_per_token`` bytes, split evenly over the other engines of its group
 (PEs with PEs, DEs with DEs; the router's ``Peers`` names them), into each peer's receive buffer
 over the compute NIC on the high lane, and the step waits for all of it, as a MoE layer waits
@@ -60,7 +60,7 @@ each step the NIC spends on the all-to-all:
   **u ≈ 5.1%** (2.1% at batch 16, 8.0% at 256); a prefill GPU computes ≈ 1,678 tokens/s ×
   1.26 MB = 2.1 GB/s, u ≈ 4.2%;
 * testbed: ``ep_bytes_per_token = u × cap / (tokens/s)``. SmolLM2-135M on one core decodes
-  ≈ 131 tokens/s at batch 8 (61 ms steps) and ≈ 289 at batch 32 (README, ``dualpath bench
+  ≈ 131 tokens/s at batch 8 (61 ms steps) and ≈ 289 at batch 32 (docs/results.md, ``dualpath bench
   engine``; ``dualpath profile`` gives a machine's ``decode_step_ms = (base, per_seq)``, and
   tokens/s at batch b = 1000·b / (base + per_seq·b)). With a 200 MB/s compute-NIC cap and
   u = 5%: 0.05 × 200e6 / 131 = 76 KB and 0.05 × 200e6 / 289 = 35 KB.

@@ -2,8 +2,8 @@
 
 Transfers to and from peer engines (the compute network) are split into chunks of at most
 ``chunk_bytes`` on the high lane and ``kv_chunk_bytes`` on the KV lanes; host↔device copies
-into pieces of the same size (PAPER §4.2: every byte into or out of the device goes through the
-device's compute NIC). Each direction of the compute NIC — send (writes, device → host copies)
+into pieces of the same size (docs/paper.md §4.2: every byte into or out of the device goes through
+the device's compute NIC). Each direction of the compute NIC — send (writes, device → host copies)
 and receive (reads, host → device copies) — has one dispatcher thread
 (``nic_queues.NicDirection``) that keeps a queue per lane, lets the ``LaneArbiter`` pick which
 backlogged lane goes next (or, with ``qos_lanes=False``, takes every

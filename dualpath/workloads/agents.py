@@ -7,12 +7,12 @@ append ``new``, generate exactly ``gen``). :meth:`Workload.sim_turns` gives the 
 as :class:`~dualpath.workloads.turns.Turn` lists for the simulator.
 
 **Hit rule** (:func:`agent_sim_turns`). An engine stores every full block of a sequence's KV,
-prompt and generated tokens alike (DESIGN §3.6), and the KV of a turn's last generated token is
-never computed. So turn i's hit is ``floor(min(kept, C − 1) / block) · block`` where ``kept`` is
-the length of the kept prefix and ``C`` the previous turn's prompt + generated tokens (0 on the
-first turn, which has no hit), and at most ``floor((prompt − 1) / block) · block`` so that one
-prompt token is left to compute. For a preset (``keep=None``, ``kept = C``) that is the whole
-previous context less its last token, rounded down; for a trace (``keep`` ≤ previous prompt)
+prompt and generated tokens alike (docs/design.md §3.6), and the KV of a turn's last generated
+token is never computed. So turn i's hit is ``floor(min(kept, C − 1) / block) · block`` where
+``kept`` is the length of the kept prefix and ``C`` the previous turn's prompt + generated tokens
+(0 on the first turn, which has no hit), and at most ``floor((prompt − 1) / block) · block`` so
+that one prompt token is left to compute. For a preset (``keep=None``, ``kept = C``) that is the
+whole previous context less its last token, rounded down; for a trace (``keep`` ≤ previous prompt)
 it is ``floor(keep / block) · block``. :meth:`Workload.expected_hit_rate` is the hit share of
 all prompt tokens: what an engine with ``block_size`` measures when nothing is evicted.
 

@@ -41,8 +41,8 @@ TURNS = 5  # leading top-level turns kept per session
 SESSIONS = 8  # sessions kept
 MAX_CONTEXT = 3584  # tokens (prompt + generated) a kept turn may reach after scaling
 # Raw tokens of a session's first request: sessions that begin at the agent's ~15K-token
-# system and tool prompt (shared/traces/README.md), not ones resumed mid-conversation, whose
-# first turn is one large cold prefill (trace_0001 starts at 71K tokens).
+# system and tool prompt (as the traces' notes describe them), not ones resumed mid-conversation,
+# whose first turn is one large cold prefill (trace_0001 starts at 71K tokens).
 FIRST_PROMPT_MAX = 20_000
 WEKA_BLOCK = 64  # the trace's tokens per hash id
 DATA_FILE = "weka_demo.json"

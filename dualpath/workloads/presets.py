@@ -1,8 +1,8 @@
-"""Synthetic agent trajectories from the paper's Table 2 presets (PAPER §7.4).
+"""Synthetic agent trajectories from the paper's Table 2 presets (docs/paper.md §7.4).
 
 A trajectory is a list of turns; turn ``i`` has a context (tokens from earlier turns), an
 append and a generation length. The prompt is ``context + append``; the hit is the context
-rounded down to whole blocks (the DE persists full blocks only, DESIGN §9), so the prefill
+rounded down to whole blocks (the DE persists full blocks only, docs/design.md §9), so the prefill
 computes ``prompt − hit`` tokens and the decode engine generates ``gen`` tokens.
 
 Replay rule. With ``context_step=None`` the context grows by ``append + gen`` each turn (the
@@ -10,8 +10,8 @@ paper's A.3 rule for one trajectory). Table 2 reports means over 500 trajectorie
 length, and a single trajectory with 157 turns of 429 + 176 tokens would average 47K of
 context, not the table's 32,721 (long trajectories are truncated at MAL). The presets therefore
 use ``context_step = 2·context / (turns − 1)`` by default, so the mean context over turns — and
-the total hit volume, ≈ turns × context per agent as in PAPER §7.2 — match Table 2, while the
-per-turn append and generation (the compute) stay as the table gives them.
+the total hit volume, ≈ turns × context per agent as in docs/paper.md §7.2 — match Table 2, while
+the per-turn append and generation (the compute) stay as the table gives them.
 
 Lengths (``WorkloadConfig.lengths``). ``"same"`` (default): every agent replays that one
 trajectory, so all finish together. ``"varied"``: trajectories of different lengths that

@@ -12,10 +12,10 @@ traces record:
   trajectory, times the trace's block size. The ids are prefix-consistent (equal id at position
   k means equal prefix up to k), so this is the KV a store holding the previous request's full
   blocks would serve. On Weka it covers 96.26 % of prompt tokens against 96.30 % for a
-  per-session unbounded cache (README: about 96 %), so older requests add almost nothing; on
-  Mooncake 65.0 % against 65.1 % for one unbounded cache shared by all requests. The previous
-  turn's *output* is not credited, because the hashes only cover inputs and nothing certifies
-  the next prompt repeats it verbatim. A compaction (the context is rewritten and shrinks)
+  per-session unbounded cache (the trace's notes: about 96 %), so older requests add almost
+  nothing; on Mooncake 65.0 % against 65.1 % for one unbounded cache shared by all requests. The
+  previous turn's *output* is not credited, because the hashes only cover inputs and nothing
+  certifies the next prompt repeats it verbatim. A compaction (the context is rewritten and shrinks)
   therefore keeps only the system/tool prefix it still shares (typically about 15K tokens).
   The hit keeps whole blocks and leaves at least one prompt token to compute (an engine
   recomputes the last prompt token to get the first logits); the first turn has hit 0.
@@ -28,7 +28,7 @@ traces record:
   of its first request; 512-token blocks.
 * **More agents than trajectories** (:func:`trace_trajectories`): the recorded ones come first,
   in order; the rest are copies drawn with replacement by ``random.Random(seed)``. As in the
-  paper's rule (``shared/traces/README.md``), each copy starts with a synthetic turn of
+  paper's rule (the traces' own notes), each copy starts with a synthetic turn of
   ``block_size`` random tokens (hit 0, one generated token) so that copies share no prefix
   with their original. The copied turns keep their recorded lengths: the synthetic turn would
   shift later prompts by ``block_size + 1`` tokens (under 0.1 % of a Weka prompt), and the

@@ -3,7 +3,8 @@ compute, inside a window of device memory.
 
 A real forward of a tiny random 6-layer model runs with ``PrefillHooks`` on a traffic manager
 that logs every KV move, and torch hooks on the decoder layer modules log when each layer
-computes (not ``PrefillHooks``'s own calls). In ``layerwise`` mode (PAPER §2.1, DESIGN §3, §9):
+computes (not ``PrefillHooks``'s own calls). In ``layerwise`` mode (docs/paper.md §2.1,
+docs/design.md §3, §9):
 
 - layer i's context KV is resident before layer i computes;
 - layer i+1's load is *in flight while layer i computes*: the test's transfer backend holds

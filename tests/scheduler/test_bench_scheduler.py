@@ -1,6 +1,6 @@
 """``dualpath bench scheduler``: runs end to end, and schedules a whole 48P96D view.
 
-Its speed (decisions/s) is a benchmark figure (README: the global scheduler), not a test: a
+Its speed (decisions/s) is a benchmark figure (docs/results.md: the global scheduler), not a test: a
 timing floor here fails on a busy or slow CI host without anything being wrong.
 """
 

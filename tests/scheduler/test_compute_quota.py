@@ -1,4 +1,4 @@
-"""Compute-quota batching on the PE (PAPER §5.5) and the attention cost model."""
+"""Compute-quota batching on the PE (docs/paper.md §5.5) and the attention cost model."""
 
 from __future__ import annotations
 

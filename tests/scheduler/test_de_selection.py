@@ -1,4 +1,5 @@
-"""DE selection (PAPER §5.3): phase 1 across groups, phase 2 with R, Z and the memory check."""
+"""DE selection (docs/paper.md §5.3): phase 1 across groups, phase 2 with R, Z and the memory
+check."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PE selection by Algorithm 1 (PAPER §5.2): classes C1/C2/C3, least tokens, FIFO, ties."""
+"""PE selection by Algorithm 1 (docs/paper.md §5.2): classes C1/C2/C3, least tokens, FIFO, ties."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Read-path choice (PAPER §5.4): shorter node queue, ties, split reads, in-call queue updates."""
+"""Read-path choice (docs/paper.md §5.4): shorter node queue, ties, split reads, in-call queue
+updates."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The hops of PAPER §2–3 in the simulator: DRAM per node, both directions of every compute
+"""The hops of docs/paper.md §2–3 in the simulator: DRAM per node, both directions of every compute
 NIC, and the EP all-to-all on the NICs' high lane."""
 
 from dataclasses import replace
@@ -27,7 +27,7 @@ def _workload_bytes(cfg):
 
 @pytest.mark.parametrize("mode", ["dualpath", "layerwise", "basic"])
 def test_hop_bytes_follow_the_papers_traffic_model(mode):
-    """PAPER §3.3, per byte: the PE path reads into PE DRAM and copies it into PE HBM by
+    """docs/paper.md §3.3, per byte: the PE path reads into PE DRAM and copies it into PE HBM by
     loopback (PE DRAM 2×, PE NIC read + write); the DE path reads into DE DRAM and sends it
     DE NIC → PE NIC; every prompt goes PE → DE DRAM (the DE path: only its miss tokens), then
     DE DRAM → DE HBM by loopback. So DE DRAM carries 3× the DE reads + 2× the PE reads (plus

@@ -188,7 +188,7 @@ def test_a_small_dram_staging_buffer_throttles_layerwise_reads():
 
 
 def test_dualpath_balances_storage_nics_better_than_round_robin():
-    # PAPER §7.9: storage-NIC max/avg 1.53 under round robin, 1.18 under DualPath
+    # docs/paper.md §7.9: storage-NIC max/avg 1.53 under round robin, 1.18 under DualPath
     cfg = replace(SMALL, workload=WorkloadConfig("64k", agents=256, turns=20,
                                                  context_step=1600.0))
     ratio = {m: simulate(replace(cfg, mode=m))["snic_max_over_avg"]
@@ -222,7 +222,7 @@ def test_marginal_jct_is_the_slope_between_the_extreme_agent_counts():
     slopes = marginal_jct(jct)
     assert slopes == {"basic": pytest.approx((19000 - 5400) / 3)}  # one count: no slope
     paper = marginal_jct({(m, n): v for n, fig in ABLATION_FIG.items() for m, v in fig.items()})
-    # the paper's Basic and +layerwise add about the same JCT per 1,024 agents (PAPER §7.8)
+    # the paper's Basic and +layerwise add about the same JCT per 1,024 agents (docs/paper.md §7.8)
     assert paper["basic"] == pytest.approx(4700) and paper["layerwise"] == pytest.approx(4500)
 
 

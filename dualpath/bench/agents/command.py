@@ -54,7 +54,8 @@ def add_arguments(p: ArgumentParser) -> None:
                    help="modes whose online capacity is searched ('' for none)")
     p.add_argument("--offline-off", action="store_true", help="skip the offline runs")
     p.add_argument("--split-read", action="store_true",
-                   help="dualpath and round_robin read one hit partly on each side (DESIGN §9)")
+                   help="dualpath and round_robin read one hit partly on each side "
+                        "(docs/design.md §9)")
     p.add_argument("--cold-start", action="store_true",
                    help="time each agent's first prompt as a cold prefill (default: it is "
                    "stored beforehand, untimed, as a deployment keeps the system prompt)")

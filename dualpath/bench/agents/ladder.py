@@ -19,9 +19,9 @@ it): computed once, its blocks are copied into later modes' and trials' stores.
   the store emptied and primed before each trial. The SLO is scaled for the testbed and
   stated in the result.
 
-Storage NICs are capped so that ``basic`` is storage-bound (DESIGN §6): unless a cap is given,
-the oracle runs first and its JCT calibrates the cap (one node's NIC reads the timed run's hits
-in :data:`STORAGE_BOUND` × that JCT), so the regime is the same on a faster or slower CPU.
+Storage NICs are capped so that ``basic`` is storage-bound (docs/design.md §6): unless a cap is
+given, the oracle runs first and its JCT calibrates the cap (one node's NIC reads the timed run's
+hits in :data:`STORAGE_BOUND` × that JCT), so the regime is the same on a faster or slower CPU.
 Compute NICs run at 8× the storage cap (the paper's per-GPU ratio); each node's NIC rates are
 sampled every second. The
 result (JSON with a top-level ``summary``, the resolved cluster config of every mode, every
@@ -72,7 +72,7 @@ VIAS = ("python", "http")
 
 @dataclass(frozen=True)
 class AgentsOptions:
-    """What ``dualpath bench agents`` runs; the defaults are the README's run."""
+    """What ``dualpath bench agents`` runs; the defaults are the run in docs/results.md."""
 
     workload: str = "weka-sample"
     modes: tuple[Rung, ...] = tuple(Rung)  # the ladder (vocab.LADDER), in its order
@@ -87,7 +87,7 @@ class AgentsOptions:
     max_context: int = 8192
     model: str | None = None
     # Storage-NIC read cap per node (MB/s). None: calibrated on this machine after the oracle's
-    # run, so that basic is storage-bound by the same margin on any CPU (DESIGN §6, see
+    # run, so that basic is storage-bound by the same margin on any CPU (docs/design.md §6, see
     # STORAGE_BOUND); a fixed value is the same bandwidth for a faster or slower compute.
     read_cap_mb_s: float | None = None
     compute_cap_mb_s: float | None = None  # None: COMPUTE_PER_STORAGE x read_cap_mb_s

@@ -1,7 +1,7 @@
 """Online serving in ``dualpath bench agents``: Poisson arrivals, latency over the steady
 window, and a short search for the largest APS whose mean TTFT meets the SLO.
 
-The paper's SLO is TTFT ≤ 4 s and TPOT ≤ 50 ms (PAPER §7.7), about 2.3× its TTFT at capacity
+The paper's SLO is TTFT ≤ 4 s and TPOT ≤ 50 ms (docs/paper.md §7.7), about 2.3× its TTFT at capacity
 (1.74 s). The testbed is slower, so the SLO is scaled alike: :data:`TTFT_SLO_S`, about 2.3× a
 default turn's TTFT with the cluster to itself (~2.2 s: a 28 MB hit read at 16 MB/s, then
 its prefill), stated in every result (``--ttft-slo-s`` changes it); TPOT is reported, not

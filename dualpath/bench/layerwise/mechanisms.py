@@ -201,7 +201,8 @@ def _split_reads(options: LayerwiseOptions, engine: EngineConfig, model_dir: Pat
     """The same storage-bound multi-turn run with split reads off, then on."""
     trajs = make_trajectories(options.agents, options.turns, options.first, options.append,
                               vocab, seed=7)
-    cnic = 8 * options.read_cap_mb_s  # DESIGN §6: compute NIC = 8 x an engine's storage share
+    # docs/design.md §6: compute NIC = 8 x an engine's storage share
+    cnic = 8 * options.read_cap_mb_s
     rows: dict[str, Any] = {}
     config = None
     for name, split in (("split_off", False), ("split_on", True)):
