@@ -33,10 +33,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from dualpath.engine.layerwise import LayerPlan, PrefillHooks
 from dualpath.engine.llm_engine import Forwarded, LLMEngine
+from dualpath.engine.prefill_jobs import BlockRuns, PrefillJob
 from dualpath.errors import RequestError
 from dualpath.kv.host_pool import HostPool
 from dualpath.model.hooks import ComposedHooks
@@ -46,67 +46,6 @@ from dualpath.scheduler.batch import AttentionCostModel, build_prefill_batch
 from dualpath.storage.client import ReadFuture, StorageClient
 from dualpath.traffic.manager import TrafficManager
 from dualpath.vocab import PrefillMode
-
-
-@dataclass
-class _Job:
-    msg: Prefill
-    slots: list[int] = field(default_factory=list)  # PE host slots of the hit blocks
-    read: ReadFuture | None = None
-    num_hit_blocks: int = 0
-    num_pe_read_blocks: int = 0  # leading hit blocks this PE reads (PE path, split read)
-    read_reported: bool = False
-    seq: Sequence | None = None  # set when first scheduled; KV in PE cache blocks
-    loaded: bool = False  # its hit KV is in the PE cache (first chunk done)
-    num_computed_tokens: int = 0  # prompt tokens its forwards computed
-    waiting_slots: bool = False  # its read waits for host-pool room
-    # monotonic seconds: accepted; its read submitted and verified; its first forward's start
-    # and its last forward's end (reported in Prefilled as where the PE's time went)
-    accepted_s: float = field(default_factory=time.monotonic)
-    read_submitted_s: float | None = None
-    read_done_s: float | None = None
-    first_forward_s: float | None = None
-    last_forward_end_s: float | None = None
-
-    def timings(self) -> dict[str, float]:
-        """``wait_s``, ``read_s`` and ``forward_s`` as :class:`Prefilled` carries them."""
-        start = self.first_forward_s or self.accepted_s
-        end = self.last_forward_end_s or start
-        read = 0.0
-        if self.read_submitted_s is not None and self.read_done_s is not None:
-            read = max(0.0, self.read_done_s - self.read_submitted_s)
-        return {"wait_s": max(0.0, start - self.accepted_s - read), "read_s": read,
-                "forward_s": max(0.0, end - start)}
-
-    @property
-    def ready(self) -> bool:
-        return not self.waiting_slots and (self.read is None or self.read.io_done.done())
-
-
-class _BlockRuns:
-    """Contiguous runs of PE cache blocks: a request's layer stays one region on the wire."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.free = [True] * num_blocks
-
-    def take(self, count: int) -> list[int] | None:
-        run = 0
-        for i, free in enumerate(self.free):
-            run = run + 1 if free else 0
-            if run == count:
-                blocks = list(range(i - count + 1, i + 1))
-                for b in blocks:
-                    self.free[b] = False
-                return blocks
-        return None
-
-    def give_back(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.free[b] = True
-
-    @property
-    def num_free(self) -> int:
-        return sum(self.free)
 
 
 class PrefillWorker:
@@ -122,8 +61,8 @@ class PrefillWorker:
         self.cost_model = cost_model
         self.quota_ms = quota_ms
         self.block_size = engine.config.block_size
-        self._runs = _BlockRuns(engine.runner.cache.num_blocks)
-        self._jobs: deque[_Job] = deque()
+        self._runs = BlockRuns(engine.runner.cache.num_blocks)
+        self._jobs: deque[PrefillJob] = deque()
         self._orphan_reads: list[tuple[ReadFuture, list[int]]] = []  # aborted, still reading
         self.num_prefilled = 0
         self.num_forwards = 0
@@ -178,7 +117,7 @@ class PrefillWorker:
         self._enqueue(job)
         self.start_reads()
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: PrefillJob) -> None:
         """Queue a job in placement order (the router numbers attempts as it places them): a
         DE-path request arrives once its DE buffer is filled, and takes the place it was
         given then, so its storage read overlaps its wait as a PE-path read does."""
@@ -187,7 +126,7 @@ class PrefillWorker:
             at -= 1
         self._jobs.insert(at, job)
 
-    def _new_job(self, msg: Prefill) -> _Job:
+    def _new_job(self, msg: Prefill) -> PrefillJob:
         """A job and the leading hit blocks it reads here (no more than the pool holds: a
         hit beyond what is read on either side is computed)."""
         hit = msg.num_hit_blocks
@@ -197,7 +136,7 @@ class PrefillWorker:
         pe_reads = min(wanted, self.host_pool.num_slots)
         if pe_reads < wanted:
             hit = pe_reads
-        return _Job(msg, num_hit_blocks=hit, num_pe_read_blocks=pe_reads)
+        return PrefillJob(msg, num_hit_blocks=hit, num_pe_read_blocks=pe_reads)
 
     def start_reads(self) -> None:
         """Start the reads of waiting jobs, in order, while the host pool has room."""
@@ -230,7 +169,7 @@ class PrefillWorker:
         """Req ids this engine holds."""
         return tuple(job.msg.req_id for job in self._jobs)
 
-    def _let_go(self, job: _Job) -> None:
+    def _let_go(self, job: PrefillJob) -> None:
         """Free a job's cache blocks and host slots (the slots once its read has ended)."""
         if job.seq is not None:
             self.engine.sampler.release(job.seq.seq_id)
@@ -288,7 +227,7 @@ class PrefillWorker:
         self.start_reads()
         return out
 
-    def _fail(self, batch: list[tuple[_Job, int]], error: str) -> list[Message]:
+    def _fail(self, batch: list[tuple[PrefillJob, int]], error: str) -> list[Message]:
         out: list[Message] = []
         for job, _ in batch:
             if job in self._jobs:
@@ -297,7 +236,7 @@ class PrefillWorker:
             out.append(Failed(job.msg.req_id, error))
         return out
 
-    def _report_read(self, job: _Job) -> list[Message]:
+    def _report_read(self, job: PrefillJob) -> list[Message]:
         if job.read is None or job.read_reported:
             return []
         job.read_reported = True
@@ -307,7 +246,7 @@ class PrefillWorker:
             job.num_hit_blocks = job.num_pe_read_blocks = good
         return [ReadDone(job.msg.req_id, job.num_hit_blocks)]
 
-    def _pick(self, ready: list[_Job]) -> list[tuple[_Job, int]]:
+    def _pick(self, ready: list[PrefillJob]) -> list[tuple[PrefillJob, int]]:
         """(job, tokens to compute now) under the compute quota, FIFO."""
         if self.cost_model is None:
             return [(ready[0], self._remaining(ready[0]))]
@@ -320,13 +259,13 @@ class PrefillWorker:
             batch.append((ready[i], bsz))
         return batch or [(ready[0], self._remaining(ready[0]))]
 
-    def _cached(self, job: _Job) -> int:
+    def _cached(self, job: PrefillJob) -> int:
         return job.seq.num_computed_tokens if job.seq else job.num_hit_blocks * self.block_size
 
-    def _remaining(self, job: _Job) -> int:
+    def _remaining(self, job: PrefillJob) -> int:
         return len(job.msg.prompt_ids) - self._cached(job)
 
-    def _start(self, job: _Job) -> Sequence | None:
+    def _start(self, job: PrefillJob) -> Sequence | None:
         """The job's sequence in a run of free cache blocks (None: no run is free). A moved
         stream's prior outputs are its outputs, so its first token is drawn as output token
         ``num_prior_outputs``; the PE samples that one token and applies no stop rule."""
@@ -343,7 +282,7 @@ class PrefillWorker:
         job.seq = seq
         return seq
 
-    def _forward(self, batch: list[tuple[_Job, int]]) -> list[Message]:
+    def _forward(self, batch: list[tuple[PrefillJob, int]]) -> list[Message]:
         items: list[tuple[Sequence, int]] = []
         for job, bsz in batch:
             seq = job.seq or self._start(job)
@@ -375,7 +314,7 @@ class PrefillWorker:
             self.num_computed_tokens += bsz
         return self._complete(batch, done) if done.seqs else []
 
-    def _hooks(self, job: _Job, bsz: int) -> PrefillHooks:
+    def _hooks(self, job: PrefillJob, bsz: int) -> PrefillHooks:
         msg, seq = job.msg, job.seq
         assert seq is not None
         first_chunk = not job.loaded
@@ -392,7 +331,7 @@ class PrefillWorker:
                          num_pe_read_blocks=job.num_pe_read_blocks)
         return PrefillHooks(plan, self.engine.runner.cache, self.traffic, self.host_pool)
 
-    def _complete(self, batch: list[tuple[_Job, int]], done: Forwarded) -> list[Message]:
+    def _complete(self, batch: list[tuple[PrefillJob, int]], done: Forwarded) -> list[Message]:
         """Sample the first token of the batch's requests computed to their end (this
         attempt's first output token) and answer ``Prefilled`` for each."""
         jobs = {id(job.seq): job for job, _ in batch}
