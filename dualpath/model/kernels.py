@@ -8,11 +8,8 @@ tensor; attention reads the keys and values where they lie in the paged cache. A
 tied to the embedding table is kept once, packed for the kernels' head GEMM, and the embedding
 look-up reads its rows from there.
 
-Build: the first process that needs them compiles ``cpu_kernels.c`` with the system C
-compiler (``$CC``, else ``cc``/``gcc``; ``-O3 -march=native``, about two seconds) against this
-Python's headers into ``$DUALPATH_CACHE_DIR/kernels/``, named by a hash of the source, the
-compiler, the flags, the Python and this CPU, and renamed into place, so concurrent engines
-never load half a file and another CPU model never loads this one's build. Calls go through
+Build: the first process that needs them compiles and loads them (``kernel_build.py``: the
+system C compiler, a build per source, compiler, flags, Python and CPU). Calls go through
 the module's fast-call functions (about a microsecond; ctypes took several per call, dozens
 of calls a step). No compiler, no AVX-512F, a failed build, or ``DUALPATH_CPU_KERNELS=0``:
 the model runs the plain torch ops (the reference the kernels are tested against) and the log
@@ -28,119 +25,22 @@ as the torch path's ``index_copy_`` raises); a scratch allocation that fails is 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.machinery
-import importlib.util
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
 from pathlib import Path
 
 import torch
 
 from dualpath.model.attention import KernelMeta
+from dualpath.model.kernel_build import KernelBuildError, cpu_flags, library_path, load_module
 
 log = logging.getLogger("dualpath.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=gnu11", "-fPIC",
-          "-shared")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-MODULE_NAME = "dualpath_cpu_kernels"
 MAX_HEAD_DIM = 128  # the kernels keep a head in at most 8 vectors of 16 lanes
 MAX_HEADS = 1024  # cpu_kernels.c's DP_MAX_HEADS: every per-head buffer is sized from the shape
 MAX_CONTEXT = 1 << 24  # DP_MAX_CONTEXT: prefill's scratch grows with the context (1 KB a token)
 ENV_SWITCH = "DUALPATH_CPU_KERNELS"
-
-class KernelBuildError(RuntimeError):
-    """The C kernels could not be compiled or loaded here."""
-
-
-def _compiler() -> str:
-    named = os.environ.get("CC")
-    if named:
-        cc = shutil.which(named)
-        if not cc:
-            raise KernelBuildError(f"no C compiler: $CC={named} is not an executable")
-        return cc
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise KernelBuildError("no C compiler: neither cc nor gcc on $PATH (make setup installs "
-                               "gcc; or set $CC)")
-    return cc
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-def _cpu_id() -> str:
-    """The CPU's model and flags: a build for one CPU must not load on another."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() + platform.machine()
-    keep = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(keep[:2])
-
-
-def library_path() -> Path:
-    """Where this machine's build lives (built now if it is not there yet)."""
-    from dualpath.model.default_model import cache_dir
-
-    cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.stdout.encode(), " ".join(CFLAGS).encode(),
-                 sys.version.encode(), _cpu_id().encode()):
-        digest.update(part)
-    folder = cache_dir() / "kernels"
-    path = folder / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
-    if not path.is_file():
-        _build(cc, folder, path)
-    return path
-
-
-def _build(cc: str, folder: Path, path: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        include = sysconfig.get_paths()["include"]
-        done = subprocess.run([cc, *CFLAGS, f"-I{include}", str(SOURCE.resolve()), "-o", tmp,
-                               "-lm"], capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            hint = ("" if (Path(include) / "Python.h").is_file()
-                    else f" (no Python.h in {include}: make setup installs the Python headers)")
-            raise KernelBuildError(f"{cc} failed on {SOURCE.name}{hint}: "
-                                   f"{done.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _load_module(path: Path) -> object:
-    loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, str(path), loader=loader)
-    if spec is None:
-        raise KernelBuildError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 def _check_cache(qkv: torch.Tensor, kv_layer: torch.Tensor, kv_heads: int,
@@ -179,7 +79,7 @@ class CpuKernels:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.lib = lib = _load_module(path)
+        self.lib = lib = load_module(path)
         if not lib.available():
             raise KernelBuildError("this CPU has no AVX-512F, which the kernels are written for")
         self.has_bf16_dot = bool(lib.has_bf16_dot())
