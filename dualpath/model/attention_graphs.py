@@ -6,7 +6,7 @@ replays the whole forward with one launch.
 
 What is captured: the model's forward over static device buffers (token ids, positions, new
 slots, block tables ``[B, table_width]``, context lengths) for one padded batch size
-(``attention_flex.decode_bucket``: powers of two up to ``max_batch``), the flex decode plan
+(``flex_masks.decode_bucket``: powers of two up to ``max_batch``), the flex decode plan
 included (it is device-only, so it is rebuilt inside the graph from the buffers each replay).
 A step copies its tensors into the buffers and replays; padded rows repeat row 0 (the same
 token at the same position writing the same K/V to the same slot, an idempotent write), and
@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from dualpath.model import attention_flex
+from dualpath.model import attention_flex, flex_masks
 from dualpath.model.attention import AttentionBatch, DecodeSlice
 
 log = logging.getLogger("dualpath.attention")
@@ -126,7 +126,7 @@ class DecodeGraphs:
             batch: AttentionBatch) -> torch.Tensor:
         """The final hidden states ``[B, hidden]`` of a decode step that ``fits``."""
         rows = input_ids.shape[0]
-        padded = attention_flex.decode_bucket(rows)
+        padded = flex_masks.decode_bucket(rows)
         self._fill(input_ids, positions, batch, rows, padded)
         replay = self.replays.get(padded)
         if replay is not None:

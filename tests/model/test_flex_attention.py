@@ -13,9 +13,10 @@ import pytest
 import torch
 from random_models import paged_cache
 
-from dualpath.model import attention_flex
+from dualpath.model import flex_masks
 from dualpath.model.attention import AttentionBatch, DecodeSlice, PrefillSlice, paged_attention
-from dualpath.model.attention_flex import Q_BLOCK_TOKENS, FlexPlan
+from dualpath.model.attention_flex import FlexPlan
+from dualpath.model.flex_masks import Q_BLOCK_TOKENS
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -169,7 +170,7 @@ def test_block_masks_list_every_visible_block_and_only_whole_ones_as_full():
 
 
 def test_decode_batches_pad_to_powers_of_two():
-    assert [attention_flex.decode_bucket(n) for n in (1, 2, 3, 5, 8, 9, 33)] == \
+    assert [flex_masks.decode_bucket(n) for n in (1, 2, 3, 5, 8, 9, 33)] == \
         [1, 2, 4, 8, 8, 16, 64]
 
 
