@@ -8,7 +8,11 @@ message of an earlier attempt can never move a later one. What a request holds �
 the DE's KV and buffer reservations, the PE's host-pool slots, its node's read-queue tokens —
 is recorded in one :class:`Holds` and released by one function on every terminal path:
 finished, failed, aborted, engine lost. Every call returns :class:`Effects` (messages to send,
-requests to complete) for the I/O loop (``server/router.py``) to carry out.
+requests to complete) for the I/O loop (``server/router_loop.py``) to carry out.
+
+The class is built in layers, one pure module each: ``router_ledger.py`` (the records and
+every request's holds), ``router_placement.py`` (queueing and dispatch), ``router_endings.py``
+(retry, move, abort, drain); this module adds the inputs, membership and engine messages.
 
 Membership: whenever an engine joins, rejoins or is lost, every registered engine is sent
 ``Peers`` (the whole list, once per call however many engines changed), so engines know each
@@ -28,13 +32,9 @@ so the buffer is never reused under a live writer.
 
 from __future__ import annotations
 
-from collections import deque
-
-from dualpath.errors import DualPathError, RequestError
+from dualpath.errors import RequestError
 from dualpath.protocol import (
-    Abort,
     Aborted,
-    AllocBuffer,
     BufferReady,
     Decode,
     Failed,
@@ -50,54 +50,26 @@ from dualpath.protocol import (
     ReadDone,
     Tokens,
 )
-from dualpath.scheduler.global_scheduler import GlobalScheduler
-from dualpath.scheduler.view import Assignment, ClusterView, EngineView, NodeView, PendingRequest
+from dualpath.server.router_endings import RouterEndings
+from dualpath.server.router_ledger import count
 from dualpath.server.router_types import (
-    Capacity,
     ClusterOutput,
     Effects,
     EngineInfo,
     EngineState,
-    Holds,
-    Load,
     RequestAborted,
     RequestFailed,
     RequestState,
     timeline,
 )
-from dualpath.vocab import Mode, Phase, PrefillMode, ReadPath, Role
+from dualpath.vocab import Mode, Phase, PrefillMode, ReadPath
 
-MAX_ATTEMPTS = 4  # placements of one request before an engine problem fails it
 UNSEEN_BEATS = 3  # heartbeats of a live engine not listing a request it should hold
-DECISIONS_KEPT = 10_000
 MAX_LOST = 1024  # lost engine names remembered
 
 
-class RouterState:
+class RouterState(RouterEndings):
     """Requests, engines, nodes and reservations, with every transition between them."""
-
-    def __init__(self, scheduler: GlobalScheduler, capacity: Capacity,
-                 engine_timeout_s: float, heartbeat_s: float | None = None) -> None:
-        self.scheduler = scheduler
-        self.capacity = capacity
-        self.engine_timeout_s = engine_timeout_s
-        self.heartbeat_s = engine_timeout_s / 10 if heartbeat_s is None else heartbeat_s
-        self.engines: dict[str, EngineState] = {}
-        # engines declared lost (they hear so when they beat again), the latest MAX_LOST
-        self.lost: dict[str, None] = {}
-        self.stuck: dict[str, int] = {}  # engine -> times it was declared stuck (registered)
-        self.read_queue_tokens: dict[int, int] = {}  # node -> tokens being read for us
-        self.requests: dict[int, RequestState] = {}  # every request not yet completed
-        self.draining: dict[int, RequestState] = {}  # completed, the PE not yet let go
-        # the latest placements (req, pe, de, path, hit), bounded: a server runs for days
-        self.decisions: deque[tuple[int, str, str, str, int]] = deque(maxlen=DECISIONS_KEPT)
-        self.dropped_messages = 0  # late, duplicated or unknown messages ignored
-        self.drift: dict[str, int] = {}  # engine -> requests it and the router disagree on
-        self.corrected = 0  # requests an engine lost track of, placed again or failed
-        self._by_wire: dict[int, RequestState] = {}
-        self._next_wire = 1
-        self._members_changed = False  # an engine joined or left during this call: send Peers
-        self._now_s = 0.0  # the time of the input being applied (requests' timeline marks)
 
     # -- inputs ---------------------------------------------------------------------------------
     def submit(self, req: RequestState, now_s: float) -> Effects:
@@ -192,19 +164,6 @@ class RouterState:
                 "pool_blocks": sum(x.pool_blocks for x in loads),
                 "requests": len(self.requests), "draining": len(self.draining),
                 "queued": len(self.scheduler), "wire_ids": len(self._by_wire)}
-
-    def view(self) -> ClusterView:
-        """The scheduler's snapshot of engines and node read queues."""
-        cap = self.capacity
-        engines = []
-        for name, e in self.engines.items():
-            info, load = e.info, e.load
-            free_buffer_tokens = (cap.buffer_blocks - load.buffer_blocks) * cap.block_size
-            free = max(0, min(cap.kv_tokens - load.kv_tokens, free_buffer_tokens))
-            engines.append(EngineView(name, info.role, info.node_id,
-                                      f"{info.role}-node{info.node_id}", load.seq, load.tok, free))
-        nodes = tuple(NodeView(n, max(0, q)) for n, q in sorted(self.read_queue_tokens.items()))
-        return ClusterView(tuple(engines), nodes)
 
     # -- engines --------------------------------------------------------------------------------
     def _hello(self, msg: Hello, now_s: float, out: Effects) -> None:
@@ -356,7 +315,7 @@ class RouterState:
         req.pe_timings = {"wait_s": msg.wait_s, "read_s": msg.read_s, "forward_s": msg.forward_s}
         h, pe, de = req.holds, self.engines[req.pe].load, self.engines[req.de].load
         self._release_read(req)
-        _count(pe, req, -1)
+        count(pe, req, -1)
         pe.pool_blocks -= h.pe_pool_blocks
         de.buffer_blocks -= h.de_buffer_blocks  # the DE frees the buffer as decoding starts
         h.pe_load, h.pe_pool_blocks, h.de_buffer_blocks = False, 0, 0
@@ -386,213 +345,3 @@ class RouterState:
             self._end(req, out, RequestFailed(f"{engine}: {error}"))
         else:
             self._retry(req, out, f"{engine}: {error}", pe_let_go=engine == req.pe)
-
-    # -- placement ------------------------------------------------------------------------------
-    def _enqueue(self, req: RequestState) -> None:
-        req.phase = Phase.QUEUED
-        req.unseen.clear()
-        req.pe = req.de = req.path = ""
-        self.scheduler.submit(PendingRequest(req.req_id, len(req.kv_ids),
-                                             self._read_tokens(req)))
-
-    def _schedule(self, out: Effects) -> None:
-        if not len(self.scheduler) or not self.engines:
-            return
-        roles = {e.info.role for e in self.engines.values()}
-        if roles != set(Role):
-            return
-        for assignment in self.scheduler.schedule(self.view()):
-            self._dispatch(self.requests[assignment.req_id], assignment, out)
-
-    def _dispatch(self, req: RequestState, a: Assignment, out: Effects) -> None:
-        req.attempts += 1
-        req.marks["dispatched"] = self._now_s
-        req.wire_id, self._next_wire = self._next_wire, self._next_wire + 1
-        self._by_wire[req.wire_id] = req
-        req.pe, req.de = a.prefill, a.decode
-        req.path = self._choose_path(req, a)
-        req.phase = Phase.BUFFERING
-        self._hold(req)
-        self.decisions.append((req.req_id, req.pe, req.de, req.path, req.num_hit_blocks))
-        num_blocks = -(-len(req.kv_ids) // self.capacity.block_size)
-        de_reads = req.num_hit_blocks if req.path != ReadPath.PE and req.reads else 0
-        out.send(req.de, AllocBuffer(req.wire_id, req.kv_ids, num_blocks, de_reads,
-                                     read_from_block=req.num_pe_read_blocks,
-                                     cache_salt=req.cache_salt))
-
-    def _choose_path(self, req: RequestState, a: Assignment) -> str:
-        """basic/layerwise read on the PE; a forced path wins (a forced split halves the hit);
-        else the scheduler's choice, moved to the DE when the PE's host pool cannot take its
-        part now. Sets the PE's part of a split read."""
-        req.num_pe_read_blocks = 0
-        if req.mode in (Mode.BASIC, Mode.LAYERWISE):
-            return ReadPath.PE
-        path = str(req.read_path) if req.read_path != ReadPath.AUTO else a.read_path
-        if path not in (ReadPath.PE, ReadPath.DE, ReadPath.SPLIT):
-            raise DualPathError(f"read path {path!r} is not supported by the engines")
-        if path == ReadPath.SPLIT:
-            hit = req.num_hit_blocks
-            pe_blocks = (a.pe_read_tokens // self.capacity.block_size
-                         if req.read_path == ReadPath.AUTO else hit // 2)
-            if not req.reads or not 0 < pe_blocks < hit:
-                return ReadPath.PE if req.read_path != ReadPath.AUTO or pe_blocks else ReadPath.DE
-            req.num_pe_read_blocks = pe_blocks
-        pe = self.engines[req.pe].load
-        wanted = req.num_pe_read_blocks or (req.num_hit_blocks if path == ReadPath.PE else 0)
-        if (req.read_path == ReadPath.AUTO and req.reads
-                and pe.pool_blocks + wanted > self.capacity.host_pool_blocks):
-            req.num_pe_read_blocks = 0
-            return ReadPath.DE
-        return path
-
-    def _hold(self, req: RequestState) -> None:
-        h, pe, de = req.holds, self.engines[req.pe].load, self.engines[req.de].load
-        _count(pe, req, +1)
-        _count(de, req, +1)
-        h.pe_load = h.de_load = True
-        h.de_kv_tokens = len(req.prompt_ids) + req.params.max_tokens
-        h.de_buffer_blocks = -(-len(req.kv_ids) // self.capacity.block_size)
-        de.kv_tokens += h.de_kv_tokens
-        de.buffer_blocks += h.de_buffer_blocks
-        if req.path == ReadPath.PE and req.reads:
-            h.pe_pool_blocks = req.num_hit_blocks
-        h.pe_pool_blocks += req.num_pe_read_blocks
-        pe.pool_blocks += h.pe_pool_blocks
-        if req.path == ReadPath.SPLIT:
-            block = self.capacity.block_size
-            h.read_node = self.engines[req.pe].info.node_id
-            h.read_tokens = req.num_pe_read_blocks * block
-            h.de_read_node = self.engines[req.de].info.node_id
-            h.de_read_tokens = self._read_tokens(req) - h.read_tokens
-            self.read_queue_tokens[h.read_node] += h.read_tokens
-            self.read_queue_tokens[h.de_read_node] += h.de_read_tokens
-        elif req.reads:
-            reader = self.engines[req.pe if req.path == ReadPath.PE else req.de]
-            h.read_node, h.read_tokens = reader.info.node_id, self._read_tokens(req)
-            self.read_queue_tokens[h.read_node] += h.read_tokens
-
-    # -- endings --------------------------------------------------------------------------------
-    def _retry(self, req: RequestState, out: Effects, reason: str,
-               pe_let_go: bool = False) -> None:
-        """Take an attempt back from its engines and queue the request again (or fail it)."""
-        if req.attempts >= MAX_ATTEMPTS:
-            self._end(req, out, RequestFailed(f"{reason} (after {req.attempts} attempts)"))
-            return
-        self._tell_engines(req, out, pe_let_go)
-        self._release(req)
-        self._by_wire.pop(req.wire_id, None)
-        self._enqueue(req)
-
-    def _move(self, req: RequestState, out: Effects, reason: str) -> None:
-        """Its DE is gone or failed it while decoding: continue the stream on another DE from
-        the KV of the prompt and the tokens streamed so far (see the module docstring)."""
-        if req.attempts >= MAX_ATTEMPTS:
-            self._end(req, out, RequestFailed(
-                f"{reason} while decoding the request (after {req.attempts} attempts)"))
-            return
-        self._tell_engines(req, out, pe_let_go=True)  # decoding: only the DE holds it
-        self._release(req)
-        self._by_wire.pop(req.wire_id, None)
-        req.num_prior_outputs = req.num_streamed
-        req.phase = Phase.MOVING
-        req.pe = req.de = req.path = ""
-        out.lookup(req.req_id)
-
-    def _end(self, req: RequestState, out: Effects, error: DualPathError) -> None:
-        """Complete a request with an error, freeing what it holds on live engines."""
-        if req.phase in (Phase.QUEUED, Phase.MOVING):
-            self.scheduler.cancel(req.req_id)
-            self._forget(req)
-        elif req.phase == Phase.PREFILLING and req.pe in self.engines and req.de in self.engines:
-            out.send(req.pe, Abort(req.wire_id))  # the DE buffer stays until the PE lets go
-            req.phase = Phase.DRAINING
-            del self.requests[req.req_id]
-            self.draining[req.wire_id] = req
-        else:
-            self._tell_engines(req, out, pe_let_go=False)
-            self._release(req)
-            self._forget(req)
-        out.finish(req.req_id, error)
-
-    def _tell_engines(self, req: RequestState, out: Effects, pe_let_go: bool) -> None:
-        """Abort the attempt on its engines — registered or not: one declared lost may be alive
-        (stopped, rejoining) and still hold it; ZeroMQ drops what a dead one cannot take."""
-        if req.phase != Phase.DECODING and not pe_let_go:  # the PE let go at Prefilled
-            out.send(req.pe, Abort(req.wire_id))
-        self._abort_de(req, out, pe_let_go)
-
-    def _abort_de(self, req: RequestState, out: Effects, pe_let_go: bool) -> None:
-        """Free the DE's part; its prompt buffer after a quarantine when the PE may still be
-        writing into it (the PE was lost or never confirmed), so no late write lands in a
-        reused buffer."""
-        writer = req.phase in (Phase.PREFILLING, Phase.DRAINING) and not pe_let_go
-        out.send(req.de, Abort(req.wire_id, self.engine_timeout_s if writer else 0.0))
-
-    def _drained(self, req: RequestState, out: Effects, pe_let_go: bool) -> None:
-        self._abort_de(req, out, pe_let_go)
-        self._release(req)
-        self.draining.pop(req.wire_id, None)
-        self._by_wire.pop(req.wire_id, None)
-
-    def _forget(self, req: RequestState) -> None:
-        self.requests.pop(req.req_id, None)
-        self._by_wire.pop(req.wire_id, None)
-
-    def _release(self, req: RequestState) -> None:
-        """Give back every hold of the current attempt (on engines still registered)."""
-        h = req.holds
-        self._release_read(req)
-        pe, de = self.engines.get(req.pe), self.engines.get(req.de)
-        if pe is not None:
-            if h.pe_load:
-                _count(pe.load, req, -1)
-            pe.load.pool_blocks -= h.pe_pool_blocks
-        if de is not None:
-            if h.de_load:
-                _count(de.load, req, -1)
-            de.load.kv_tokens -= h.de_kv_tokens
-            de.load.buffer_blocks -= h.de_buffer_blocks
-        req.holds = Holds()
-
-    def _release_read(self, req: RequestState) -> None:
-        h = req.holds
-        self._release_de_read(req)
-        if h.read_node is not None:
-            self.read_queue_tokens[h.read_node] -= h.read_tokens
-            h.read_node, h.read_tokens = None, 0
-
-    def _release_de_read(self, req: RequestState) -> None:
-        """A split read's DE part is done (or dropped)."""
-        h = req.holds
-        if h.de_read_node is not None:
-            self.read_queue_tokens[h.de_read_node] -= h.de_read_tokens
-            h.de_read_node, h.de_read_tokens = None, 0
-
-    # -- rules ----------------------------------------------------------------------------------
-    def _never_fits(self, req: RequestState) -> str | None:
-        """Why no engine could ever take ``req`` (its KV to assemble: the prompt, plus the
-        outputs of a moved stream), or None."""
-        cap, n = self.capacity, len(req.kv_ids)
-        if n == 0:
-            return "the prompt is empty"
-        prompt = len(req.prompt_ids)  # max_tokens counts a moved stream's outputs
-        if prompt + req.params.max_tokens > cap.kv_tokens:
-            return (f"prompt ({prompt} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
-                    f"an engine's KV cache ({cap.kv_tokens} tokens)")
-        blocks = -(-n // cap.block_size)
-        pe_tokens = cap.kv_tokens if cap.prefill_kv_tokens is None else cap.prefill_kv_tokens
-        if blocks * cap.block_size > pe_tokens:
-            return (f"the prompt needs {blocks} KV blocks of {cap.block_size} tokens; a prefill "
-                    f"engine's device KV holds {pe_tokens} tokens")
-        if blocks > cap.buffer_blocks:
-            return (f"the prompt needs {blocks} host-buffer blocks; a decode engine has "
-                    f"{cap.buffer_blocks} for prompts")
-        return None
-
-    def _read_tokens(self, req: RequestState) -> int:
-        return req.num_hit_blocks * self.capacity.block_size if req.reads else 0
-
-
-def _count(load: Load, req: RequestState, sign: int) -> None:
-    load.seq += sign
-    load.tok += sign * len(req.kv_ids)

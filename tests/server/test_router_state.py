@@ -40,7 +40,8 @@ from dualpath.protocol import (
 )
 from dualpath.request import SamplingParams
 from dualpath.scheduler.global_scheduler import GlobalScheduler, SchedulerParams
-from dualpath.server.router_state import MAX_ATTEMPTS, RouterState
+from dualpath.server.router_endings import MAX_ATTEMPTS
+from dualpath.server.router_state import RouterState
 from dualpath.server.router_types import (
     Capacity,
     ClusterOutput,
