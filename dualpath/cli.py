@@ -69,8 +69,9 @@ COMMANDS: dict[tuple[str, ...], Command] = {
                                     "split reads (JSON + PNG)"),
     ("bench", "scheduler"): Command("dualpath.bench.scheduler",
                                     "global scheduler decisions/s at 48P96D scale"),
-    ("bench", "soak"): Command("dualpath.bench.soak", "agents against `dualpath serve` for a "
-                               "long run: errors, latency drift, RSS growth (make soak)"),
+    ("bench", "soak"): Command("dualpath.bench.soak.command", "agents against `dualpath "
+                               "serve` for a long run: errors, latency drift, RSS growth "
+                               "(make soak)"),
     ("bench", "gpu-check"): Command("dualpath.bench.gpu_check", "the GPU acceptance: GPU "
                                     "tests, bench engine and bench agents against floors "
                                     "(make gpu-check)"),

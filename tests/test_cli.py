@@ -165,7 +165,8 @@ def test_engine_overrides_set_fields_by_name_and_name_a_bad_key():
 
 
 def test_python_m_entries_run_their_dualpath_command(monkeypatch):
-    from dualpath.bench import gpu_check, soak
+    from dualpath.bench import gpu_check
+    from dualpath.bench.soak import command as soak
     from dualpath.storage import mooncake_service
     from dualpath.transfer import mooncake_wheel
     from dualpath.workloads import sample

@@ -15,7 +15,10 @@ import random
 import pytest
 
 from dualpath.bench.agents.http import HttpTurnRecord
-from dualpath.bench.soak import RunLog, SoakSettings, rss_summary, run_soak, summarize, trajectory
+from dualpath.bench.soak.command import run_soak
+from dualpath.bench.soak.load import RunLog, trajectory
+from dualpath.bench.soak.report import rss_summary, summarize
+from dualpath.bench.soak.settings import SoakSettings
 
 SUMMARY_KEYS = {"ok", "errors", "requests", "ttft_p50_s", "ttft_p99_s", "latency_p50_s",
                 "latency_p99_s", "rss_after_warmup_mb", "rss_end_mb", "rss_growth_after_warmup",
