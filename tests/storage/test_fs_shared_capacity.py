@@ -11,7 +11,7 @@ import pytest
 
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
-from dualpath.storage import fs_capacity
+from dualpath.storage import fs_capacity, lock_file
 from dualpath.storage.block_file import HEADER_BYTES, unpack_header
 from dualpath.storage.fs import FsStore
 
@@ -281,7 +281,7 @@ def test_a_refused_flock_falls_back_to_lock_files(tmp_path, monkeypatch):
 
 
 def test_a_stale_lock_file_is_broken(tmp_path, monkeypatch):
-    monkeypatch.setattr(fs_capacity, "STALE_LOCK_S", 0.05)
+    monkeypatch.setattr(lock_file, "STALE_LOCK_S", 0.05)
     (tmp_path / ".evict.lock.held").write_bytes(b"a writer that died")
     with FsStore(tmp_path, SMALL, capacity_bytes=2 * FILE_BYTES, lock="excl") as store:
         store.put_from(_keys(3, salt=1), _payloads(3))
@@ -294,7 +294,7 @@ def test_a_writer_over_the_cap_waits_for_another_pass(tmp_path):
     for it (then measures again) rather than writing on past the cap."""
     with FsStore(tmp_path, SMALL, capacity_bytes=2 * FILE_BYTES) as store:
         store.put_from(_keys(2, salt=1), _payloads(2))
-        other = fs_capacity.LockFile(tmp_path / fs_capacity.EVICT_LOCK_NAME)
+        other = lock_file.LockFile(tmp_path / fs_capacity.EVICT_LOCK_NAME)
         assert other.acquire(1.0)
         writer = threading.Thread(target=store.put_from, args=(_keys(1, salt=2), _payloads(1)))
         writer.start()
@@ -307,8 +307,8 @@ def test_a_writer_over_the_cap_waits_for_another_pass(tmp_path):
 
 
 def test_a_held_lock_file_excludes_another_holder(tmp_path):
-    first = fs_capacity.LockFile(tmp_path / ".x.lock", "excl")
-    second = fs_capacity.LockFile(tmp_path / ".x.lock", "excl")
+    first = lock_file.LockFile(tmp_path / ".x.lock", "excl")
+    second = lock_file.LockFile(tmp_path / ".x.lock", "excl")
     assert first.acquire(1.0)
     assert not second.acquire(0.05)
     first.release()
