@@ -8,7 +8,8 @@ batch. Every full block the sequence completes beyond what storage already holds
 tail and generated tokens — is gathered into a staging slot and written to storage; a trailing
 partial block is not stored (the next turn recomputes it). A gather holds a reference on its
 device block until it has read it, so the block is never handed to another request first, even
-when the capped NIC runs the copy long after the sequence ended.
+when the capped NIC runs the copy long after the sequence ended. The buffer's reads and the
+persistence are ``decode_storage.py``'s ``DecodeStorage``, which ``DecodeWorker`` mixes in.
 
 Nothing here fails for lack of room: an ``AllocBuffer`` that finds no contiguous run, or a
 ``Decode`` that finds no free KV blocks, waits (FIFO) until earlier requests free theirs; a block
@@ -27,18 +28,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import torch
-
+from dualpath.engine.decode_storage import ActiveRequest, DecodeStorage
 from dualpath.engine.futures import all_of
 from dualpath.engine.llm_engine import LLMEngine
-from dualpath.errors import HostPoolExhaustedError, OutOfBlocksError
-from dualpath.kv.hashing import extend_block_hashes
+from dualpath.errors import OutOfBlocksError
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import (
     Abort,
     Aborted,
     AllocBuffer,
-    BufferReady,
     Decode,
     Failed,
     Finished,
@@ -66,17 +64,7 @@ class _CopyIn:
     aborted: bool = False
 
 
-@dataclass
-class _Active:
-    req_id: int
-    seq: Sequence
-    num_saved_blocks: int  # leading blocks known to be in storage
-    persist: bool = True  # oracle requests hold meaningless KV: never store it
-    num_streamed: int = 1  # output tokens the router has (the first came from the PE)
-    num_saving: int = 0  # its blocks staged or being written
-
-
-class DecodeWorker:
+class DecodeWorker(DecodeStorage):
     """Host buffer management, continuous-batching decode and KV persistence."""
 
     def __init__(self, engine: LLMEngine, host_pool: HostPool, traffic: TrafficManager,
@@ -95,13 +83,14 @@ class DecodeWorker:
         self._pending_allocs: deque[AllocBuffer] = deque()  # waiting for a contiguous run
         self._pending_decodes: deque[Decode] = deque()  # waiting for device KV blocks
         self._copying: list[_CopyIn] = []  # prompt KV moving buffer -> cache (async, paced)
-        self._active: dict[int, _Active] = {}  # seq_id -> request
+        self._active: dict[int, ActiveRequest] = {}  # seq_id -> request
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
         self._quarantine: list[tuple[float, list[int]]] = []  # (free at, slots) of dropped buffers
         self._staging_in_use = 0
         # finished requests whose last blocks are still being written: their Finished waits,
-        # so that an agent's next turn, sent the moment this one returns, finds its context
-        self._finishing: dict[int, tuple[_Active, Finished, float]] = {}  # -> (.., answer, since)
+        # so that an agent's next turn, sent the moment this one returns, finds its context;
+        # req_id -> (request, answer, since)
+        self._finishing: dict[int, tuple[ActiveRequest, Finished, float]] = {}
         # a write that hangs must not hold the answer: past this, it goes without the write
         self.finish_wait_s = FINISH_WAIT_S
         self.num_finish_waits_cut = 0
@@ -140,54 +129,6 @@ class DecodeWorker:
                 "num_finish_waits_cut": self.num_finish_waits_cut, "num_waits": self.num_waits,
                 "num_steps": self.num_steps, "step_s_total": self.step_s_total}
 
-    # -- buffer ---------------------------------------------------------------------------------
-    def alloc_buffer(self, msg: AllocBuffer) -> list[Message]:
-        """Take a contiguous region (or wait for one); start the DE-path read if asked (reply
-        when done).
-
-        Storage holds full blocks, the buffer is layer-major: each block's file is scattered
-        straight into its 30-odd layer slices by one vectored read.
-        """
-        if msg.num_blocks > self.host_pool.num_slots:
-            return [Failed(msg.req_id, f"the prompt needs {msg.num_blocks} host slots, the "
-                                       f"pool has {self.host_pool.num_slots}")]
-        self._pending_allocs.append(msg)
-        out = self._start_allocs()
-        self.num_waits += msg in self._pending_allocs  # it waits for earlier buffers to go
-        return out
-
-    def _start_allocs(self) -> list[Message]:
-        out: list[Message] = []
-        while self._pending_allocs:
-            msg = self._pending_allocs[0]
-            try:
-                slots = self.host_pool.alloc_run(msg.num_blocks)
-            except HostPoolExhaustedError:
-                return out
-            self._pending_allocs.popleft()
-            self._buffers[msg.req_id] = slots
-            self._allocs[msg.req_id] = msg
-            out.extend(self._start_read(msg, slots))
-        return out
-
-    def _start_read(self, msg: AllocBuffer, slots: list[int]) -> list[Message]:
-        """Read hit blocks ``[read_from_block, num_read_blocks)`` (a split read leaves the
-        leading ones to the PE) into their places in the buffer."""
-        first = msg.read_from_block
-        if msg.num_read_blocks <= first:
-            return [self._ready(msg.req_id, msg.num_read_blocks)]
-        space = self.engine.key_space.salted(msg.cache_salt)
-        keys = space.keys(msg.prompt_ids)[first : msg.num_read_blocks]
-        layers = self._layer_major(slots)  # [layers, n, layer_block_bytes]
-        parts = [list(layers[:, b].unbind(0)) for b in range(first, msg.num_read_blocks)]
-        self._reading.add(msg.req_id)
-        future = self.storage.submit_read(keys, parts)
-        # BufferReady only once no read into the buffer can still run: the PE then fills the
-        # blocks the deadline gave up on, and no late block can overwrite them
-        future.io_done.add_done_callback(
-            lambda _, f=future, r=msg.req_id, b=first: self._events.put(("read", (r, b, f))))
-        return []
-
     def abort(self, req_id: int, quarantine_s: float = 0.0) -> list[Message]:
         """Drop a request in any phase and free what it holds — its prompt buffer only after
         ``quarantine_s`` when a PE may still be writing into it; answers ``Aborted``."""
@@ -217,16 +158,6 @@ class DecodeWorker:
         ids |= {a.req_id for a in self._active.values()} | set(self._finishing)
         ids |= {c.msg.req_id for c in self._copying if not c.aborted}
         return tuple(sorted(ids - self._orphans))
-
-    def _ready(self, req_id: int, num_loaded: int) -> BufferReady:
-        slots = self._buffers[req_id]
-        return BufferReady(req_id, self.host_pool.address(slots[0]), len(slots), num_loaded)
-
-    def _layer_major(self, slots: list[int]) -> torch.Tensor:
-        """A request's buffer region as ``[layers, n, layer_block_bytes]`` bytes (no copy)."""
-        n, layout = len(slots), self.layout
-        region = self.host_pool.region(slots[0], n)[: n * layout.full_block_bytes]
-        return region.view(layout.num_layers, n, layout.layer_block_bytes)
 
     # -- decode ---------------------------------------------------------------------------------
     def start_decode(self, msg: Decode) -> list[Message]:
@@ -291,9 +222,9 @@ class DecodeWorker:
             # the router streamed the PE's first token itself, except for a moved stream:
             # then this engine streams from it on (or drops it, see ``start_prefilled``)
             num_streamed = copy.msg.num_prior_outputs or 1
-            self._active[seq.seq_id] = _Active(req_id, seq, copy.msg.num_stored_blocks,
-                                               persist=not copy.msg.oracle,
-                                               num_streamed=num_streamed)
+            self._active[seq.seq_id] = ActiveRequest(req_id, seq, copy.msg.num_stored_blocks,
+                                                     persist=not copy.msg.oracle,
+                                                     num_streamed=num_streamed)
             out.extend(self._after_step([seq] if seq.is_finished else []))
         return out + self._start_allocs()
 
@@ -356,78 +287,6 @@ class DecodeWorker:
                 active.num_streamed = len(output)
         return [Tokens(tuple(items))] if items else []
 
-    # -- persistence ----------------------------------------------------------------------------
-    def _save_new_blocks(self, active: _Active) -> None:
-        """Write each newly completed full block (still in the cache: blocks of a sequence
-        finished in this step are handed out only by a later step, and each gather holds its
-        block until it has read it)."""
-        seq = active.seq
-        num_full = seq.num_computed_tokens // self.block_size
-        if num_full <= active.num_saved_blocks:
-            return
-        space = self.engine.key_space.salted(seq.cache_salt)
-        hashes = extend_block_hashes(seq.block_hashes, seq.token_ids[: num_full * self.block_size],
-                                     self.block_size, space.seed)
-        for k in range(active.num_saved_blocks, num_full):
-            # a finished sequence's blocks are reused after this step: past the staging share,
-            # take any free slot rather than drop them
-            full = self._staging_in_use >= self.staging_blocks and not seq.is_finished
-            if full or not self.host_pool.num_free:
-                if seq.is_finished:  # its blocks are reused after this step: too late
-                    self.num_saves_dropped += num_full - k
-                    active.num_saved_blocks = num_full
-                return  # saved at a later step, when writes have freed staging slots
-            slot = self.host_pool.alloc(1)[0]
-            self._staging_in_use += 1
-            tokens = tuple(seq.token_ids[k * self.block_size:(k + 1) * self.block_size])
-            key = space.key(hashes[k], hashes[k - 1] if k else None, token_ids=tokens)
-            block = seq.block_table[k]
-            # the copy's own reference: however the sequence ends before the copy has run
-            # (finish, abort, preemption), the block is not handed out again under it
-            self.engine.pool.hold([block])
-            copied = self._gather(block, slot)
-            active.num_saving += 1
-            copied.add_done_callback(
-                lambda f, s=slot, key=key, a=active, b=block: self._write_saved(f, s, key, a, b))
-            active.num_saved_blocks = k + 1
-
-    def _gather(self, block: int, slot: int) -> Future[None]:
-        """Device -> host staging on the KV-save lane, asynchronous (paced by the NIC cap, it
-        must not hold up the decode loop); a full block is never written again while its
-        sequence runs."""
-        data = self.engine.runner.cache.data
-        dst = self.host_pool.tensor(slot).view(data.dtype).view(data.shape[0], *data.shape[2:])
-        return self.traffic.submit_copy(dst, data[:, block], Lane.KV_SAVE)
-
-    def _write_saved(self, copied: Future[None], slot: int, key: object,
-                     active: _Active, block: int) -> None:
-        """Once staged, let the device block go and store the staged copy (runs on the
-        traffic manager's thread; the loop drops the block's reference in ``drain_events``)."""
-        self._events.put(("gathered", block))
-        if copied.exception() is not None:
-            self._events.put(("saved", (slot, copied, active)))
-            return
-        future = self.storage.submit_write([key], [self.host_pool.buffer(slot)])  # type: ignore[list-item]
-        future.add_done_callback(lambda f, s=slot: self._events.put(("saved", (s, f, active))))
-
-    def _overdue_finishes(self) -> list[Message]:
-        """Answer the finished requests whose writes have taken over ``finish_wait_s``."""
-        now = time.monotonic()
-        late = [r for r, (_, _, since) in self._finishing.items()
-                if now - since > self.finish_wait_s]
-        self.num_finish_waits_cut += len(late)
-        return [self._finishing.pop(r)[1] for r in late]
-
-    def _one_saved(self, active: _Active) -> list[Message]:
-        """One of ``active``'s blocks is written (or given up): a finished request whose
-        last block this was ends now."""
-        active.num_saving -= 1
-        waiting = self._finishing.get(active.req_id)
-        if active.num_saving or waiting is None or waiting[0] is not active:
-            return []
-        del self._finishing[active.req_id]
-        return [waiting[1]]
-
     # -- completions from storage threads --------------------------------------------------------
     def drain_events(self) -> list[Message]:
         """Handle finished storage reads and writes and ended quarantines; returns messages
@@ -455,25 +314,3 @@ class DecodeWorker:
                 else:
                     self.num_saves_dropped += 1
                 out.extend(self._start_allocs())
-
-    def _end_quarantines(self) -> list[Message]:
-        if not self._quarantine:
-            return []
-        now = time.monotonic()
-        for _, slots in (q for q in self._quarantine if q[0] <= now):
-            self.host_pool.free(slots)
-        self._quarantine = [q for q in self._quarantine if q[0] > now]
-        return self._start_allocs()
-
-    def _read_done(self, req_id: int, first: int,
-                   future: Future[list[bool]]) -> list[Message]:
-        self._reading.discard(req_id)
-        if req_id in self._orphans:  # aborted while reading: the slots are free now
-            self._orphans.discard(req_id)
-            self.host_pool.free(self._buffers.pop(req_id))
-            return self._start_allocs()
-        ok = future.result() if future.exception() is None else []
-        loaded = next((i for i, good in enumerate(ok) if not good), len(ok))
-        return [self._ready(req_id, first + loaded)]
-
-
