@@ -311,4 +311,3 @@ def _channel(identity: str) -> tuple[str, str]:
         if identity.endswith(suffix):
             return identity.removesuffix(suffix), channel
     return identity, "main"
-

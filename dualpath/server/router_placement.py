@@ -84,4 +84,3 @@ class RouterPlacement(RouterLedger):
             req.num_pe_read_blocks = 0
             return ReadPath.DE
         return path
-
