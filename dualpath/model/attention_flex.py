@@ -1,45 +1,19 @@
 """Attention over the paged cache on the GPU: torch's flex attention, and SDPA where it fits.
 
-The reference path (``attention.py``) gathers every sequence's whole context out of the cache
-on every layer and builds dense masks for chunked prefill; on a GPU that gather and the mask
-cost more than the attention. This path reads the cache where it lies:
-
-* **K/V** are the layer's cache seen as one long sequence of ``num_blocks * block_size``
-  slots: ``[1, kv_heads, slots, head_dim]`` views of the K and V halves of
-  ``[num_blocks, block_size, 2, kv_heads, head_dim]`` (no copy: a slot's K and V sit side by
-  side, so the views step ``2 * kv_heads * head_dim`` values a slot).
-* **Which slots a query sees** is a flex ``BlockMask`` whose KV block is one cache block: each
-  query block visits only the cache blocks its sequences own (its block table), and the
-  ``mask_mod`` maps a physical slot back to its logical position through ``p2l`` (block →
-  logical block index in that sequence, -1 when not its block) to apply causality, the
-  sequence's length and the sliding window.
-* **Decode** rows run as a batch of ``B`` one-token queries (padded to a power of two);
-  every block is listed as a partial block (flex decoding spreads a query's listed blocks
-  over its KV splits only when there are no "full" blocks).
-* **Prefill** chunks that continue a cached prefix (``pos0 > 0``) or slide a window run as one
-  flat sequence of their packed queries, each chunk from a query block boundary (so a query
-  block never lists two chunks' blocks, which may be the same shared prefix blocks); the
-  cache blocks every row of a query block attends in full are listed as full blocks (no mask
-  evaluation there).
-* **Prefill from position 0** with the cache in the compute dtype runs plain causal SDPA on
-  the new tokens' K/V as they leave the projection (the same values the cache now holds), no
-  read-back; on CUDA in bf16 that is FlashAttention.
-* **Static shapes**: compiled kernels see a few shapes, whatever the step: block lists are
-  ``num_blocks`` wide, and decode batches, packed prefill lengths and chunk counts are padded
-  to powers of two.
-
-Everything a step needs (block masks, ``p2l``, the packed query rows: ``flex_masks.py``) is
-built once per step, on the first layer, from the step's ``AttentionBatch``: index arithmetic
-on the host where it only needs the slices' integer fields, uploaded in one non-blocking copy,
-and gathers of the block tables on the device; no layer reads anything back from the device,
-and the decode part is device-only (it is captured into CUDA graphs, ``attention_graphs.py``).
+Unlike the reference path (``attention.py``) this one reads the cache where it lies: no-copy K/V
+views of the whole cache, a flex ``BlockMask`` of one cache block per KV block (``p2l`` maps
+slots back to positions), decode as a batch of one-token queries, plain causal SDPA for a
+prefill from position 0; shapes padded to powers of two. A step's masks (``flex_masks.py``) are
+built once, on the first layer; decode is captured into CUDA graphs (``attention_graphs.py``).
 
 Selection (``DUALPATH_ATTENTION``): ``auto`` (default) takes this path when the cache is on
-CUDA; ``flex`` forces it on any device (on the CPU flex runs eagerly, materializing scores
-over the whole cache: for tests); ``reference`` never takes it. A cache whose dtype differs
-from the compute dtype, or (on CUDA) a block size that is not a multiple of 16, keeps the
-reference path. On CUDA the flex calls are ``torch.compile``d; a compile that fails turns
-this path off for the process, said once in the log, and the reference path computes.
+CUDA; ``flex`` forces it on any device (on the CPU flex runs eagerly: for tests); ``reference``
+never takes it. A cache whose dtype differs from the compute dtype, or (on CUDA) a block size
+that is not a multiple of 16, keeps the reference path. On CUDA the flex calls are
+``torch.compile``d; a compile that fails turns this path off for the process, said once in the
+log, and the reference path computes.
+
+How it reads the cache, in detail: docs/derivations.md, 'model/attention_flex.py'.
 """
 
 from __future__ import annotations

@@ -1,49 +1,17 @@
 """The cluster simulator: P prefill nodes × g PEs and D decode nodes × g DEs in virtual time.
 
 It drives the real scheduler: every fetch period a :class:`ClusterView` is built from the
-simulated state and :meth:`GlobalScheduler.schedule` places requests and picks read paths;
-each PE forms its forward batches with :func:`build_prefill_batch` under the compute quota.
-Only clocks, links and compute are modelled:
+simulated state and :meth:`GlobalScheduler.schedule` places requests and picks read paths; each
+PE batches with :func:`build_prefill_batch` (modes in ``quota_modes``) or
+:func:`build_token_batch`. Only clocks, links and compute are modelled: storage reads over one
+shared storage-NIC :class:`Link` per node and the hops of :mod:`dualpath.sim.hops`
+(docs/paper.md §2.2–2.4), EP all-to-all on the compute NICs' high lane, EP lock step
+(:class:`LockstepGroup`, ``SimConfig.ep_lockstep``), decode one token per step, and an agent's
+next turn submitted as its turn ends (docs/paper.md §7.4). ``basic`` reads a round's whole hit
+KV into PE HBM before it computes; layerwise modes stage reads in ``dram_buffer_gb`` of DRAM per
+node and stream them into the forward (docs/paper.md §4, §7.8).
 
-* hit KV is read over the chosen side's storage NIC (one shared :class:`Link` per node) into
-  that node's DRAM, copied into PE HBM under the request's first forward, and after the
-  prefill sent to the DE's DRAM and HBM: the hops of :mod:`dualpath.sim.hops` (docs/paper.md
-  §2.2–2.4; oracle: no reads, no transfers). EP all-to-all of the running forwards and decode steps
-  takes the compute NICs' high lane (:meth:`ModelProfile.a2a_bytes_per_token`, spread over the
-  forward or step);
-* EP lock step (``SimConfig.ep_lockstep``): the PEs of one EP group run their forwards
-  together — a round takes the longest member's predicted forward, members without work
-  wait — and the DEs of one EP group step together at the busiest member's step time
-  (:class:`LockstepGroup`). MoE all-to-all makes real DP-attention + EP engines do this;
-* a DE's running requests advance one token per step of ``SimConfig.decode_step_s``: of the
-  DE's batch and its KV tokens in lock step (the slowest DE of the EP group sets the step),
-  of the batch alone otherwise;
-* when an agent's turn has generated its tokens its next turn is submitted at once (zero tool
-  latency, docs/paper.md §7.4); JCT is when the last agent finishes. Online runs start agents at
-  Poisson arrival times and record TTFT / TTST / TPOT per request.
-
-Read/compute overlap per mode (docs/paper.md §4, §7.8):
-
-* ``basic`` (no layerwise prefill): a request's whole hit KV must be in PE HBM before its
-  forward; a round first reads the hit KV of the requests starting in it, waits until every
-  member's reads have arrived, then computes. Reads and compute of a group alternate.
-  (``basic_prefetch=True`` instead reads ahead into PE HBM as far as HBM allows.)
-* layerwise modes (``layerwise``, ``dualpath``, ``round_robin``): KV is read into the reading
-  node's DRAM staging buffer (``dram_buffer_gb`` per node; reads wait FIFO when it is full)
-  and streamed layer by layer into the forward, so a request joins its PE's queue once its
-  read has been staged and reads proceed while the group computes. The buffer is given back
-  when the prefill has consumed it (PE path) or the DE has loaded it into HBM (DE path).
-
-Batching: modes in ``quota_modes`` use the compute quota (:func:`build_prefill_batch`), the
-others a stock token budget (:func:`build_token_batch`). The scheduler's β is in prompt
-tokens a PE gets through at the workload's mean hit, as ``dualpath profile`` defines it.
-
-Simplifications: the write-back of a turn's new blocks is booked as its decode ends and
-nothing waits for it (the next turn may read them before they are stored); the PE → DE hop
-runs after the prefill rather than layer by layer under it; a DE's all-to-all demand is its
-batch at the current step time when a booking is made; a node's reads start in FIFO order,
-``SimConfig.read_streams`` at a time, and share its NIC equally while in flight (no
-per-request storage latency).
+What is modelled and how, and the simplifications: docs/derivations.md, 'sim/cluster.py'.
 """
 
 from __future__ import annotations

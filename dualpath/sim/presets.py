@@ -1,40 +1,14 @@
 """The paper's experiments as presets (Fig. 7, the ablation, Table 3, online) and a testbed one.
 
-Modelling choices for DS 660B on the paper's nodes, fixed a priori (none is fitted to a
-Basic or DualPath point):
+Modelling choices for DS 660B on the paper's nodes are fixed a priori: 48,068 B/token of KV,
+``storage_eff`` 0.8, ``prefill_eff`` 0.236, ``dram_buffer_gb`` 80 (docs/paper.md §7.3); the
+compute quota (docs/paper.md §5.5, A.4) for ``dualpath`` and ``oracle`` only, a stock 8,192-token
+chunked prefill for the others (:data:`DS660B_QUOTA_ALL` gives every mode the quota); FIFO
+storage reads, ``read_streams`` = 1. ``decode_eff`` is the one fitted parameter:
+:func:`calibrate` fits it on the Oracle JCT at 512 agents (Fig. 7), and ``CALIBRATION`` records
+the fit. Basic reads each round's KV before the round computes (docs/design.md §7).
 
-* KV: 48,068 B/token in storage, on the wire and in HBM — V3.2's FP8 cache per layer: 512 B
-  latent + 16 B scales + 128 B BF16 RoPE key + 132 B FP8 indexer key and scale, × 61 layers.
-  DSA prefill needs the indexer keys of the whole context, so they are stored and reloaded.
-  (The paper's 22 GB/PFLOP, Table 1, matches 40–48 KB; a 70 KB BF16 latent does not.)
-* ``storage_eff`` = 0.8: 3FS's published peak, 6.6 TiB/s read over 180 storage nodes with
-  2 × 200 Gbps each, is 81% of line rate.
-* ``prefill_eff`` = 0.236: DeepSeek's published V3 serving figures on H800 (73.7K input tokens
-  per second per node during prefill, 56.3% of them cache hits) give ≈ 4,030 computed tokens
-  per second per GPU at ≈ 116 GFLOP each (37B active parameters plus dense MLA attention at
-  their ≈ 5K average context): 467 TFLOP/s, 23.6% of the 1,979 TFLOPS FP8 peak.
-* ``dram_buffer_gb`` = 80 (docs/paper.md §7.3).
-* Batching follows the paper's definitions: the compute quota (300 ms) is DualPath's
-  intra-engine scheduling (docs/paper.md §5.5, A.4), the third step of the ablation ("+
-  scheduling"), so only ``dualpath`` and ``oracle`` use it; ``basic``, ``layerwise`` and
-  ``round_robin`` run the stock chunked prefill of 8,192 new tokens per PE forward (vLLM's and
-  SGLang's usual budget; the paper does not describe its stock batcher). :data:`DS660B_QUOTA_ALL`
-  gives every mode the quota instead (the earlier choice); the closing note of the simulator issue
-  lists both, and :func:`ablation` shows how much the baselines depend on this unknown.
-* Each node's storage reads are served in FIFO order, one request at a time at the NIC's
-  rate (``read_streams`` = 1): the paper's per-node read queue, and what our storage client
-  does (a request's blocks are queued before the next request's). Sharing the NIC equally
-  among every queued read (``read_streams=None``) makes staged reads finish together, so a
-  PE idles while its DRAM buffer fills and the buffer stays full while it computes.
-* ``decode_eff`` is the one fitted parameter: :func:`calibrate` fits it on the Oracle JCT at
-  512 agents (Fig. 7, 2,000 s), where the Oracle is latency-bound by decode; the Oracle at
-  4,096 agents is then a prediction like every Basic and DualPath point. ``CALIBRATION``
-  records the fit.
-
-Basic (no layerwise prefill) reads each round's KV before the round computes; this is a
-structural choice (docs/design.md §7), and the alternatives (HBM-limited prefetch, the stock
-token-budget batcher) are options of :class:`SimConfig` whose results the closing note of
-the simulator issue lists.
+Derivation of each figure: docs/derivations.md, 'sim/presets.py'.
 """
 
 from __future__ import annotations

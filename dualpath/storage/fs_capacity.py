@@ -1,38 +1,19 @@
 """Capacity of an ``fs`` store shared by many processes on many hosts.
 
-The block files are the truth; nothing else is trusted for long:
+The block files are the truth. **Recency** is a block file's mtime, set to the writer's or
+reader's wall clock in ns on every write and use (``os.utime``); hosts sharing a root keep their
+clocks in sync. **Usage** is a ledger, ``<root>/.usage``, that writers add to under a lock; it
+only steers, and a pass also runs after every ``RESCAN_FRACTION`` of the capacity written.
+**Eviction** is a pass under ``<root>/.evict.lock``: scan block files (size, mtime, parent), let
+``PrefixLRUIndex`` choose orphans first, then least recently used leaves, down to the capacity
+(95% of it from 1,000 blocks), and unlink them. A writer whose batch takes the ledger over the
+capacity runs a pass unless another writer's already made room; passes remove leaves only, so
+the store stays prefix-closed for readers. The lock (:mod:`dualpath.storage.lock_file`) is
+``flock``, falling back to an ``O_EXCL`` lease file broken after ``STALE_LOCK_S``; pass
+``lock="excl"`` where ``flock`` locks only the local host (NFS ``local_lock=flock``, some FUSE).
 
-* **Recency** is a block file's mtime. Writing a block sets it; every use — a read hit, an
-  ``exists_prefix`` hit, a skipped rewrite — sets it to now (``os.utime``). "Now" is the
-  writer's or reader's wall clock in ns, not the file system's: ext4 here stamps in 4 ms
-  ticks, so most uses would tie. Hosts sharing a root must keep their clocks in sync (NTP):
-  a host whose clock is s seconds behind makes its uses look s seconds older.
-* **Usage** is kept in a small ledger file, ``<root>/.usage``: a running total of block-file
-  bytes that every writer adds to under a lock after each batch it writes. The ledger only
-  steers; the eviction pass measures the directory and re-anchors it. It errs high (a write
-  that lands while a pass scans may be counted twice, costing one extra pass), low only when a
-  writer dies between its rename and its ledger update, or when a block is deleted while a pass
-  scans — so a pass also runs after every ``RESCAN_FRACTION`` of the capacity written, whatever
-  the ledger says.
-* **Eviction** is a pass under the store-wide lock ``<root>/.evict.lock``: list every block file
-  with its size, mtime and parent (from its header, read once per process and cached: a block's
-  parent is part of its hash), then let the pure ``PrefixLRUIndex`` choose victims — orphans
-  (parent gone) first, then leaves least recently used first — down to the capacity (95% of it
-  for stores of 1,000 blocks or more, so passes stay rare), and unlink them.
-
-A writer whose batch takes the ledger over the capacity waits for the lock and, once it holds
-it, runs a pass unless the ledger says another writer's pass already made room. So usage stays
-within the capacity plus the batch each writer has in flight (one block for ``StorageClient``,
-which writes block by block). The store stays prefix-closed for readers: a pass removes leaves
-only; a child written after the scan under a parent the pass then removes is an orphan, which
-``exists_prefix`` never reaches (it stops at the missing parent) and the next pass removes first.
-
-Only open/pread/pwrite/rename/unlink/stat/utime and a lock are used. The lock
-(:mod:`dualpath.storage.lock_file`) is ``flock`` on a lock file; where ``flock`` is refused
-(ENOLCK, EOPNOTSUPP, ...) it falls back to an ``O_EXCL`` lock file with a lease that a waiter
-breaks after ``STALE_LOCK_S`` without change. Pass ``lock="excl"`` for mounts whose ``flock``
-silently locks only the local host (NFS mounted with ``local_lock=flock``, FUSE filesystems
-without lock support).
+Why it holds (clock ticks, the ledger's errors, prefix-closure): docs/derivations.md,
+'storage/fs_capacity.py'.
 """
 
 from __future__ import annotations

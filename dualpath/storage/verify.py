@@ -1,36 +1,16 @@
 """``dualpath store verify``: recompute sampled stored chains and compare their KV (docs/design.md
 §9).
 
-A checksum proves a block is the bytes that were written, not that they are the KV of the
-block's tokens: a decode engine that saves another request's KV under a request's keys writes
-valid blocks. The audit catches that. For each sampled block it walks the chain back to its
-root through the parent hashes the store keeps (the store is prefix-closed), checks that the
-token ids stored with each block hash to its key (``kv/hashing``: a block whose ids do not is
-a *token mismatch*), prefills the chain's tokens with the model (``recompute.py``; one load
-for every chain) and compares each block's stored KV with the recomputed one: the error of a
-block is the largest ``||stored - recomputed|| / ||recomputed||`` over its layers, and a block
-whose error exceeds its KV dtype's tolerance is a *mismatch*. A block saved without token ids,
-one whose chain holds such a block or a token mismatch, and one that is missing or damaged
-(or has such an ancestor) is *unverifiable*, counted by reason, never an error.
+For each sampled block the audit walks the chain back to its root through the stored parent
+hashes, checks the stored token ids hash to each key (else a *token mismatch*), prefills the
+chain's tokens with the model (``recompute.py``; one load for every chain) and compares stored
+and recomputed KV: a block's error is the largest ``||stored - recomputed|| / ||recomputed||``
+over its layers, and one above its KV dtype's ``TOLERANCE`` is a *mismatch*. A block saved
+without token ids, one whose chain holds such a block or a token mismatch, and one missing or
+damaged (or with such an ancestor) is *unverifiable*, counted by reason, never an error.
 
-The tolerances (``TOLERANCE``) come from blocks saved from ``LLMEngine`` runs as a decode
-engine saves them (chunked prefill, batched decode steps, the C kernels) and recomputed here,
-with the kernels and with the torch ops (2026-12-05, 2-core Xeon; ``tests/storage/
-test_verify.py`` checks the tiny models' figures):
-
-| model, contexts | dtype | saved vs recomputed, max | another chain's block, min |
-|---|---|---|---|
-| tiny random Llama, ≤ 105 tokens | float32 / bfloat16 | 2.3e-7 / 0.0049 | 1.33 / 1.10 |
-| tiny chaotic Llama, ≤ 105 tokens | float32 / bfloat16 | 1.9e-6 / 0.014 | 1.37 / 0.91 |
-| SmolLM2-135M, 30 blocks of 64, ≤ 517 tokens | float32 / bfloat16 | 3.4e-6 / 0.022 | 0.92 / 0.92 |
-| SmolLM2-135M, 70 blocks, 1,970 and 2,570 tokens | float32 / bfloat16 | 7.4e-6 / 0.034 | |
-
-Per layer, bfloat16 KV stays within 0.045 even of the float32 KV (2,048 tokens of SmolLM2),
-so 0.1 leaves room for a compute path other than the saving engines' (the torch ops). Subtler
-wrong KV is closer: a block that differs from the right one in one token is 0.15 (SmolLM2) to
-0.38 (tiny) off, caught in both dtypes; a block of the same tokens after a prefix that differs
-in one token, blocks earlier, is 0.026-0.06 off: caught in float32 only. float16 is not
-measured; it gets bfloat16's tolerance (its rounding is 8x finer).
+What it proves, and the measurements behind ``TOLERANCE``: docs/derivations.md,
+'storage/verify.py'.
 """
 
 from __future__ import annotations

@@ -1,76 +1,20 @@
 """Expert-parallel (EP) traffic generator: MoE all-to-all bytes on the high lane of a dense model.
 
-The paper's latency-critical traffic is MoE dispatch/combine (docs/paper.md §4.1); the testbed
-model is dense, so without this nothing would ever send on ``Lane.HIGH`` and the QoS lanes would
-never face contention. With ``traffic.ep_bytes_per_token`` > 0 every prefill forward and every
-decode step calls :meth:`EpTraffic.exchange` with its token count: the engine writes
-``num_tokens × ep_bytes_per_token`` bytes, split evenly over the other engines of its group
-(PEs with PEs, DEs with DEs; the router's ``Peers`` names them), into each peer's receive buffer
-over the compute NIC on the high lane, and the step waits for all of it, as a MoE layer waits
-for its all-to-all. The bytes are scratch: what lands is never read.
+The paper's latency-critical traffic is MoE dispatch/combine (docs/paper.md §4.1). With
+``traffic.ep_bytes_per_token`` > 0 every prefill forward and every decode step calls
+:meth:`EpTraffic.exchange` with its token count: the engine writes ``num_tokens ×
+ep_bytes_per_token`` scratch bytes, split evenly over the other engines of its group (PEs with
+PEs, DEs with DEs; the router's ``Peers`` names them), into each peer's receive buffer over the
+compute NIC on the high lane — one exchange per step, carrying both directions — and the step
+waits for its own (one-sided) sends; what peers write here is charged by the traffic manager,
+not awaited. A peer that fails or exceeds ``timeout_s`` never fails the step: it is counted in
+``ep_failed_exchanges`` and left out for ``retry_s`` (or until the next ``Peers`` names it).
+Buffer: one registered host region per engine, source and target alike, of ``max_step_tokens ×
+ep_bytes_per_token`` rounded up to 4 KiB, at most ``EP_BUFFER_MAX_BYTES`` (64 MiB); a larger
+share is written as several segments.
 
-One exchange per step, carrying both directions of the all-to-all. In a real MoE each token is
-dispatched to its experts' nodes (FP8) and its result combined back (BF16), per MoE layer;
-``ModelProfile.a2a_bytes_per_token`` already sums both into the bytes one token puts on its
-NIC *each way*, and balanced routing makes what a NIC receives equal what it sends. So one
-write of that figure per token, to every peer its share, gives each NIC the real bytes in both
-directions (the peers' writes are what it receives). The testbed's step is not split into MoE
-layers (the hook runs once per forward or decode step), and splitting the bytes into a dispatch
-and a combine write would double the per-submission cost without changing the bytes. The cost
-of that choice: a real step makes ``2 × moe_layers`` synchronised exchanges, each of which can
-queue behind KV traffic on a FIFO link, where this makes one; so the inflation it measures
-under a FIFO link is a lower bound of the real one (the lanes' point stands a fortiori).
-
-Only this engine's sends are waited for (one-sided writes); what peers write here is charged
-to this engine's receive side by the traffic manager, not awaited.
-
-A peer that fails, or does not finish within ``timeout_s``, never fails the step or hangs the
-engine: the step goes on without it, ``ep_failed_exchanges`` counts it, and the peer is left
-out of exchanges for ``retry_s`` (or until the router's next ``Peers`` names it afresh).
-
-Buffer: one host region per engine, registered with the traffic manager, both the source of
-this engine's writes and the target of its peers' (scratch both ways). It is sized for the
-largest step, ``max_step_tokens × ep_bytes_per_token``, rounded up to 4 KiB and bounded by
-``EP_BUFFER_MAX_BYTES`` (64 MiB); a share larger than the sender's or the receiver's buffer is
-written as several segments onto the same region.
-
-## Deriving ``ep_bytes_per_token``
-
-For a real MoE model, the bytes one token puts on its GPU's compute NIC each way
-(``sim/profiles.py``, ``ModelProfile.a2a_bytes_per_token``): per MoE layer and remote node
-reached, one FP8 dispatch (``hidden`` bytes + a 4-byte scale per 128 values) plus one BF16
-combine (``2 × hidden``); a token's ``k`` of ``E`` experts reach
-``N × (1 − C(E − E/N, k) / C(E, k))`` of the ``N`` nodes of the EP group on average (at most
-``node_limit``), ``(N − 1)/N`` of them remote::
-
-    ep_bytes_per_token = moe_layers × (3·hidden + hidden/128·4) × nodes_reached × (N − 1)/N
-
-DeepSeek-V3.2 (58 MoE layers, hidden 7,168, 8 of 256 experts, at most 4 nodes per token):
-1,255,826 B/token over a 2-node EP group, 3,416,040 B over 4 nodes (the paper's 2P4D: the PEs'
-and the DEs' groups).
-
-The real bytes would swamp the testbed: its decode moves ~130–290 tokens/s through a
-compute NIC capped at a few hundred MB/s (a Hopper GPU: ~750 through 50 GB/s), and 131
-tokens/s × 3.4 MB is 450 MB/s, more than the whole capped NIC. Keep instead the *fraction of
-the compute NIC that EP takes*, ``u = tokens/s × bytes/token / NIC bandwidth`` — the share of
-each step the NIC spends on the all-to-all:
-
-* real: the simulator's DS-V3.2 2P4D on Hopper (``SimConfig`` defaults, 50 GB/s NICs, 32K
-  context) decodes 64 requests per GPU in 85.8 ms, 746 tokens/s × 3.42 MB = 2.55 GB/s,
-  **u ≈ 5.1%** (2.1% at batch 16, 8.0% at 256); a prefill GPU computes ≈ 1,678 tokens/s ×
-  1.26 MB = 2.1 GB/s, u ≈ 4.2%;
-* testbed: ``ep_bytes_per_token = u × cap / (tokens/s)``. SmolLM2-135M on one core decodes
-  ≈ 131 tokens/s at batch 8 (61 ms steps) and ≈ 289 at batch 32 (docs/results.md, ``dualpath bench
-  engine``; ``dualpath profile`` gives a machine's ``decode_step_ms = (base, per_seq)``, and
-  tokens/s at batch b = 1000·b / (base + per_seq·b)). With a 200 MB/s compute-NIC cap and
-  u = 5%: 0.05 × 200e6 / 131 = 76 KB and 0.05 × 200e6 / 289 = 35 KB.
-
-**Proposed testbed value: 49,152 B (48 KiB) with 200 MB/s compute-NIC caps** — about 250 B per
-MB/s of cap (32 KiB at the demo's 128 MB/s). Then u = 131 × 49,152 / 200e6 = 3.2% at batch 8
-and 7.1% at batch 32, bracketing the real 5.1% as the real 2–8% spans its batches; a batch-8
-step writes 393 KB, 2.0 ms of its 61 ms at the cap. A PE group (two or more PEs) would see
-536 tokens/s × 48 KiB ≈ 26 MB/s, 13% (above the real 4.2%: the CPU prefills relatively faster
-than it decodes); with one PE it has no peers and sends nothing.
+Derivation (one exchange per step; the value of ``ep_bytes_per_token``): docs/derivations.md,
+'traffic/ep.py'.
 """
 
 from __future__ import annotations

@@ -1,43 +1,21 @@
 """Grants: the passive end of a one-sided transfer is charged and paced by its own NIC.
 
-A one-sided RDMA read or write moves bytes through two NICs, but only the side that starts it
-runs code. On a capped (emulated) NIC that would let several peers pull from one engine at the
-sum of their rates. So every capped traffic manager runs a grant server (ZeroMQ ROUTER, msgpack
-frames); before a chunk moves to or from a peer whose grant server is known, the active side
-asks it for a grant on the opposite direction (our write → its receive side; our read → its
-send side). The passive side queues each request in that direction's lanes beside its own
-chunks and copies; its dispatcher arbitrates, paces and counts it like local work, and answers
-"go". The active side then queues the chunk in its own lanes (its own pacing) and moves it.
-All chunks of a submission are requested up front, so the passive NIC holds a queue of
-outstanding requests as a real NIC holds outstanding work requests: with one FIFO lane a
-latency-critical chunk waits for all of them, with 99:1 lanes it waits for about one.
-
-Credits: a grant is a slot of the passive NIC's time, but the active side moves the chunk a
-little later (its own queue, its threads). So that a requester that falls behind (its CPU
-busy, a slow backend call) cannot collect grants and then move them back to back, past the
-passive NIC's cap, it reports each granted chunk "done" once moved (or dropped), and holds at
-most ``burst_chunks`` grants not yet done (the same bound as the token bucket's burst, and at
-least two, so that the two ends pace a transfer's consecutive chunks at once rather than by
-turns); a request of a requester without credit keeps the head of its lane until it has some.
-
-Liveness, so nothing leaks or wedges:
-
-- The active side pings a peer it awaits grants from every ``timeout / 4`` of its own silence;
-  the server answers at once (``pong``, flagged stalled if its dispatcher has not taken queued
-  work for ``timeout``). A peer that sends nothing useful for ``timeout`` while we wait (dead,
-  hung, unreachable, or its dispatcher stalled) fails every transfer waiting on it with a
-  ``TransferError``; the rest of its requests are cancelled.
-- The passive side drops, uncharged, a request that was cancelled, or whose requester has been
-  silent for ``timeout``, or has held all its credit (below) for ``timeout`` without moving a
-  chunk (a dead or stuck requester cannot hold the head of a lane; should it be alive after
-  all, it is told, and its transfer fails rather than waits forever); a closing server refuses
-  its outstanding and new requests, which fails them on the active side at once.
-- A request the peer cannot queue (its sockets' queue full) fails at once.
+A capped traffic manager runs a grant server (ZeroMQ ROUTER, msgpack). Before a chunk moves to
+or from a peer with a known grant server, the active side asks it, up front for a submission's
+chunks, for a grant on the opposite direction (our write → its receive side; our read → its
+send side); the passive side queues, arbitrates, paces and counts it like local work and answers
+"go". A requester reports each granted chunk "done" once moved or dropped and holds at most
+``burst_chunks`` (≥ 2) grants not yet done. Liveness: the active side pings every ``timeout /
+4`` of silence and fails (``TransferError``) transfers awaiting a peer silent or stalled for
+``timeout``; the passive side drops, uncharged, cancelled requests and those of a requester
+silent, or idle on full credit, for ``timeout``; a closing server or a full queue refuses.
 
 Wire format (one msgpack frame; ROUTER adds the requester's identity frame). To the server:
 ``["req", [[rid, side, lane, nbytes], ...]]``, ``["cancel", [rid, ...]]``, ``["done", [rid,
 ...]]`` (granted chunks moved or dropped), ``["ping", 0]``. Back: ``["go", [rid, ...]]``,
 ``["pong", stalled]``, ``["refused", [[rid, ...], why]]``.
+
+Why, and the credit and liveness rules in full: docs/derivations.md, 'traffic/grants.py'.
 """
 
 from __future__ import annotations

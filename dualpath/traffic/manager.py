@@ -1,42 +1,20 @@
 """The traffic manager: every byte an engine moves goes through it, on a QoS lane.
 
-Transfers to and from peer engines (the compute network) are split into chunks of at most
-``chunk_bytes`` on the high lane and ``kv_chunk_bytes`` on the KV lanes; host↔device copies
-into pieces of the same size (docs/paper.md §4.2: every byte into or out of the device goes through
-the device's compute NIC). Each direction of the compute NIC — send (writes, device → host copies)
-and receive (reads, host → device copies) — has one dispatcher thread
-(``nic_queues.NicDirection``) that keeps a queue per lane, lets the ``LaneArbiter`` pick which
-backlogged lane goes next (or, with ``qos_lanes=False``, takes every
-lane's work from one FIFO in arrival order: the ablation of the lanes), paces the chunk through
-a token bucket when the NIC is capped (the testbed's emulated NIC; off on real hardware) and
-starts it; up to ``inflight_chunks`` transfer chunks are in flight at once per direction
-(``nic_inflight``), and the lanes pick whenever a slot frees. So high-lane traffic gets about
-99% of a busy link, KV traffic the rest, and KV traffic all of an idle one. Everything is
-asynchronous: ``submit``/``submit_copy`` return a future at once and may wait for another future
-(``after``) before their chunks queue.
+Transfers to and from peer engines are split into chunks (``chunk_bytes`` on the high lane,
+``kv_chunk_bytes`` on the KV lanes), host↔device copies into pieces of the same size
+(docs/paper.md §4.2). Each direction of the compute NIC has one dispatcher thread
+(``nic_queues.NicDirection``) with a queue per lane: the ``LaneArbiter`` picks the next lane
+(``qos_lanes=False``: one FIFO), a token bucket paces chunks when the NIC is capped, and up to
+``inflight_chunks`` chunks are in flight per direction. ``submit``/``submit_copy`` return a
+future at once and may wait for another future (``after``) before their chunks queue. A capped
+manager runs a grant server (``nic_address``) and, told a peer's (``set_peer_nic``), asks it for
+a grant before each chunk (``nic_grants``, ``nic_grant_client``); uncapped pairs make no RPC.
 
-Caps bind both ends of a transfer: a capped traffic manager runs a grant server
-(``nic_address``); told a peer's grant server (``set_peer_nic``), it asks that peer's NIC for a
-grant on the opposite side before each chunk moves, and the peer arbitrates and paces the
-request beside its own work (``nic_grants``, ``nic_grant_client``). Uncapped engines talking to
-uncapped peers run no grant server and make no per-chunk RPC.
+``metrics()`` keys: ``cnic_{side}_*`` (bytes, passive, lane, total, queue, utilization, peak),
+``lane_bytes_{lane}``, ``h2d_bytes``/``d2h_bytes``, ``copy_bytes_{lane}``, ``cnic_dropped_grants``,
+``unpaced_peer_chunks``, ``grant_timeouts``.
 
-Metric keys (``metrics()``), ``{side}`` = ``send`` | ``recv``, ``{lane}`` = a ``Lane`` value:
-
-- ``cnic_{side}_bytes``: bytes of transfers this engine started (its side of them);
-- ``lane_bytes_{lane}``: the same per lane, both sides together;
-- ``h2d_bytes`` / ``d2h_bytes``, ``copy_bytes_{lane}``: host↔device copies;
-- ``cnic_{side}_passive_bytes``, ``cnic_{side}_passive_lane_bytes_{lane}``: bytes peers moved
-  through this NIC by one-sided operations it granted (only when a cap is set; see below);
-- ``cnic_{side}_lane_bytes_{lane}``, ``cnic_{side}_total_bytes``: everything through that side
-  of the NIC: started transfers + granted passive bytes + copies;
-- ``cnic_{side}_queue_bytes``: bytes waiting in that side's queues (all three kinds);
-- ``cnic_{side}_utilization``: ``cnic_{side}_total_bytes`` / (cap × uptime); None if uncapped;
-- ``cnic_{side}_peak_mb_s_100ms``: the most bytes charged in any 100 ms window, as MB/s;
-- ``cnic_dropped_grants``: passive requests skipped because their requester gave up or died;
-- ``unpaced_peer_chunks``: chunks sent to a peer whose NIC is not known (local pacing only;
-  counted only once grants are in play: this NIC is capped or a peer NIC is known);
-- ``grant_timeouts``: transfers failed because a peer NIC did not answer in time.
+The lanes' design and every metric key defined: docs/derivations.md, 'traffic/manager.py'.
 """
 
 from __future__ import annotations

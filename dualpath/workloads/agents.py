@@ -1,66 +1,21 @@
 """Agent workloads for ``dualpath bench agents``, as token ids, one schema with the simulator.
 
-A :class:`Workload` is one list of :class:`~dualpath.workloads.turns.AgentTurn` per agent (the
-schema :func:`~dualpath.bench.replay.run_turns` replays: keep the first ``keep`` tokens of the
-context so far, i.e. the previous prompt and the tokens it generated, None keeping all, then
-append ``new``, generate exactly ``gen``). :meth:`Workload.sim_turns` gives the same workload
-as :class:`~dualpath.workloads.turns.Turn` lists for the simulator.
+A :class:`Workload` is one list of :class:`~dualpath.workloads.turns.AgentTurn` per agent (keep
+the first ``keep`` tokens of the context so far, None keeping all, append ``new``, generate
+exactly ``gen``: :func:`~dualpath.bench.replay.run_turns`); :meth:`Workload.sim_turns` gives it
+as :class:`~dualpath.workloads.turns.Turn` lists. **Hit rule** (:func:`agent_sim_turns`):
+``floor(min(kept, C − 1) / block) · block``, ``C`` the previous turn's prompt + generated tokens
+(first turn: 0), at most ``floor((prompt − 1) / block) · block``. **Presets** ``32k``, ``48k``,
+``64k`` (PAPER Table 2): each turn keeps the whole context and appends ``append``;
+:func:`preset_shape` solves a cold first context and the turn count; lengths are divided by
+``scale`` (default 8). **Traces** (``weka``, ``weka-sample``, ``mooncake``; folder ``trace_dir``
+or ``$DUALPATH_TRACES_DIR``): a hash block of B trace tokens becomes ``round(B / scale)`` tokens
+seeded by (agent scope, hash id), a turn keeps its common prefix with the previous prompt,
+``max_context`` ends a trajectory, Weka sub-agents only with ``subagents=True``
+(:mod:`dualpath.workloads.trace_tokens`, :mod:`dualpath.workloads.sample`).
 
-**Hit rule** (:func:`agent_sim_turns`). An engine stores every full block of a sequence's KV,
-prompt and generated tokens alike (docs/design.md §3.6), and the KV of a turn's last generated
-token is never computed. So turn i's hit is ``floor(min(kept, C − 1) / block) · block`` where
-``kept`` is the length of the kept prefix and ``C`` the previous turn's prompt + generated tokens
-(0 on the first turn, which has no hit), and at most ``floor((prompt − 1) / block) · block`` so
-that one prompt token is left to compute. For a preset (``keep=None``, ``kept = C``) that is the
-whole previous context less its last token, rounded down; for a trace (``keep`` ≤ previous prompt)
-it is ``floor(keep / block) · block``. :meth:`Workload.expected_hit_rate` is the hit share of
-all prompt tokens: what an engine with ``block_size`` measures when nothing is evicted.
-
-**Presets** ``32k``, ``48k``, ``64k`` (PAPER Table 2). Every turn keeps the whole previous
-context and appends ``append`` new random tokens (the paper's replay rule: prompt i+1 = all of
-turn i's context + A), so the context grows by ``append + gen`` per turn. With the table's
-append and gen, growing from an empty context over its turn count would overshoot its mean
-context (64k: 157 × 605 tokens, a 47K mean and a 95K final length against 32.7K and 56K),
-and the simulator's ``table_step`` (context + 420 per turn) would drop part of each previous
-turn. We keep the replay rule, the append and gen per turn, the mean context and the mean
-total length, and solve the rest (:func:`preset_shape`): the first turn is a cold prefill of
-a first context plus its append (32k: 6.6K, 48k: 8.3K, 64k: 10.0K tokens), and the
-trajectory has 29 / 53 / 76 turns instead of 60 / 106 / 157. Its hit rate at 64-token
-blocks is 95.1 / 97.4 / 98.2 % (the cold first context counts as a miss; the simulator's
-``table_step`` trajectories, from an empty context, give 96.4 / 98.0 / 98.6 %). Every length
-is divided by ``scale`` (default 8: the 64k trajectory ends at 7.0K tokens, inside an 8K
-model), per-turn lengths by cumulative rounding so their means stay exact (gen at least 1);
-the hit rate is unchanged when the block shrinks with them (8 tokens), while 64-token blocks,
-512 trace tokens each, give 93.9 / 96.6 / 97.6 %. ``turns`` keeps the first turns; ``agents``
-copies the trajectory, each copy with its own seeded random tokens (no shared prefix).
-
-**Traces** (``weka``, ``weka-sample``, ``mooncake``). Token ids are synthesized: each hash
-block of B trace tokens (Weka 64, Mooncake 512) becomes ``round(B / scale)`` tokens drawn from
-a seeded hash of (agent scope, hash id), so two requests share exactly the token prefix their
-hash ids say they share; a request is ``round(in · per_block / B)`` tokens long, the part past
-its hash blocks (Weka's partial last block) drawn unique to the request, and generates
-``max(1, round(out / scale))``. Each turn keeps its common prefix with the previous turn's
-prompt (at most one token short of its own length) and adds the rest as new tokens, so a
-compaction is just a shorter keep. A trajectory stops before its first turn whose prompt +
-gen exceeds ``max_context``; one whose first turn does is skipped (both reported in ``info``).
-``agents`` is the number of sessions (Weka) or conversations (Mooncake, grouped by
-:mod:`dualpath.workloads.mooncake`) taken in order; when the source has fewer, copies follow,
-each with its own token ids. Every trajectory has its own token scope (a Mooncake conversation
-too: conversations are grouped by their first hash id, so they share no prefix anyway), and
-its hash ids are relabelled by first appearance, so the shipped ``weka-sample`` gives its
-requests the very token ids the full archive gives them.
-
-**Sub-agents** (Weka). The reader's one rule (:mod:`dualpath.workloads.weka`; the simulator
-applies it too): skipped by default, since they mostly ran on a smaller model, concurrently
-with their parent. With ``subagents=True`` each sub-agent listed before the parent's first
-dropped turn is an agent of its own, right after its parent, with its own token scope:
-sub-agents of one session do share their system prompt in the trace (trace_0010's four start
-at the same hash id), but with own scopes every agent's hits come from its own turns only,
-which is what :meth:`Workload.expected_hit_rate` counts.
-
-The trace folder is ``trace_dir`` or ``$DUALPATH_TRACES_DIR`` (nothing else is guessed). The
-trace machinery is in :mod:`dualpath.workloads.trace_tokens`, the shipped sample's format and
-maker in :mod:`dualpath.workloads.sample`.
+Derivation (hit rule, preset shapes and hit rates, trace token ids; docs/design.md §3.6):
+docs/derivations.md, 'workloads/agents.py'.
 """
 
 from __future__ import annotations

@@ -2,40 +2,19 @@
 
 The readers (:mod:`dualpath.workloads.weka`, :mod:`dualpath.workloads.mooncake`) give recorded
 sessions; this module turns each trajectory into :class:`~dualpath.workloads.turns.Turn` values
-(``prompt``, ``hit``, ``gen``) and drops the hash lists once the hits are known. The folder
-comes from the caller (``root``) or ``$DUALPATH_TRACES_DIR``
-(:mod:`dualpath.workloads.trace_files`). The replay rules, chosen to stay honest about what the
-traces record:
+(``prompt``, ``hit``, ``gen``) and drops the hash lists once the hits are known. The folder comes
+from the caller (``root``) or ``$DUALPATH_TRACES_DIR`` (:mod:`dualpath.workloads.trace_files`).
+Replay rules:
 
-* **Hit = common prefix with the agent's previous request** (:func:`chain_turns`). A request's
-  hit is the number of leading ``hash_ids`` it shares with the previous request of its
-  trajectory, times the trace's block size. The ids are prefix-consistent (equal id at position
-  k means equal prefix up to k), so this is the KV a store holding the previous request's full
-  blocks would serve. On Weka it covers 96.26 % of prompt tokens against 96.30 % for a
-  per-session unbounded cache (the trace's notes: about 96 %), so older requests add almost
-  nothing; on Mooncake 65.0 % against 65.1 % for one unbounded cache shared by all requests. The
-  previous turn's *output* is not credited, because the hashes only cover inputs and nothing
-  certifies the next prompt repeats it verbatim. A compaction (the context is rewritten and shrinks)
-  therefore keeps only the system/tool prefix it still shares (typically about 15K tokens).
-  The hit keeps whole blocks and leaves at least one prompt token to compute (an engine
-  recomputes the last prompt token to get the first logits); the first turn has hit 0.
-  ``gen`` is the recorded output, at least 1.
-* **Weka**: one trajectory per session file, in archive order, made of its top-level requests
-  in recorded order; sub-agents follow the reader's rule (:mod:`dualpath.workloads.weka`):
-  skipped by default, with ``subagents=True`` each one listed before the parent's first dropped
-  turn is a trajectory of its own right after its parent (``agents`` then counts them too).
-* **Mooncake**: one trajectory per conversation (:mod:`dualpath.workloads.mooncake`), in order
-  of its first request; 512-token blocks.
-* **More agents than trajectories** (:func:`trace_trajectories`): the recorded ones come first,
-  in order; the rest are copies drawn with replacement by ``random.Random(seed)``. As in the
-  paper's rule (the traces' own notes), each copy starts with a synthetic turn of
-  ``block_size`` random tokens (hit 0, one generated token) so that copies share no prefix
-  with their original. The copied turns keep their recorded lengths: the synthetic turn would
-  shift later prompts by ``block_size + 1`` tokens (under 0.1 % of a Weka prompt), and the
-  simulator takes each hit as given.
-* **``max_context``** truncates a trajectory before its first turn whose ``prompt + gen``
-  exceeds it (the agent stops, as a run capped at a maximum length would); sessions left with
-  no top-level turn are dropped from the pool, with their sub-agents.
+* **Hit** (:func:`chain_turns`): leading ``hash_ids`` shared with the agent's previous request ×
+  block size, whole blocks, at least one prompt token left; 0 on the first turn; ``gen`` is the
+  recorded output, at least 1. Weka: a trajectory per session, sub-agents only with
+  ``subagents=True``; Mooncake: one per conversation, 512-token blocks.
+* **More agents than trajectories** (:func:`trace_trajectories`): copies drawn with replacement
+  by ``random.Random(seed)``, each starting with a synthetic ``block_size``-token turn.
+* **``max_context``** ends a trajectory before its first turn past it.
+
+Why these rules, and the measured hit shares: docs/derivations.md, 'workloads/sim_traces.py'.
 """
 
 from __future__ import annotations
