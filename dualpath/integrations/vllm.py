@@ -189,6 +189,9 @@ class DualPathConnector(KVConnectorBase_V1):
         self._layer_events: dict[str, threading.Event] = {}
         self._load_thread: threading.Thread | None = None
         self._load_errors: set[int] = set()
+        # Requests a load failed for: the steps until vLLM has recomputed the bad blocks may
+        # compute on them, so nothing more of such a request is saved (a miss, never wrong KV).
+        self._poisoned: set[str] = set()
         self._errors_lock = threading.Lock()
         self.loaded_tokens = 0
         self.saved_blocks = 0
@@ -344,6 +347,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 for block_id in transfer.block_ids:
                     failed = failed or not ok[row]  # a chain is as good as its first bad block
                     if failed:
+                        self._poisoned.add(transfer.req_id)
                         bad.add(block_id)
                     else:
                         good.append(row)
@@ -365,6 +369,7 @@ class DualPathConnector(KVConnectorBase_V1):
             log.exception("dualpath connector: load failed; every block is recomputed")
             with self._errors_lock:
                 self._load_errors |= {b for t in loads for b in t.block_ids}
+            self._poisoned |= {t.req_id for t in loads}
         finally:
             for event in self._layer_events.values():
                 event.set()
@@ -386,10 +391,11 @@ class DualPathConnector(KVConnectorBase_V1):
         if self._load_thread is not None:  # a step's loads end before its saves read
             self._load_thread.join()
             self._load_thread = None
-        if not meta.saves or not self._layers:
+        saves = [t for t in meta.saves if t.req_id not in self._poisoned]
+        if not saves or not self._layers:
             return
-        keys = [key for t in meta.saves for key in t.keys(self.space)]
-        ids = torch.tensor([b for t in meta.saves for b in t.block_ids], dtype=torch.long)
+        keys = [key for t in saves for key in t.keys(self.space)]
+        ids = torch.tensor([b for t in saves for b in t.block_ids], dtype=torch.long)
         staging = self._staging(len(keys))
         for layer, (_, cache) in enumerate(self._layers):
             self._layer_view(staging, layer, cache).copy_(cache.index_select(0, ids))
@@ -403,6 +409,12 @@ class DualPathConnector(KVConnectorBase_V1):
         with self._errors_lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        """Nothing is asynchronous; forget finished requests."""
+        self._poisoned -= finished_req_ids
+        return None, None
 
     def shutdown(self) -> None:
         """Close the store client."""

@@ -98,6 +98,8 @@ def test_corrupt_block_files_are_misses_and_tokens_still_equal_plain(runs):
     loaded, failed = loads(log)
     assert failed >= 3 and loaded == 0
     assert turns[1]["output"] == runs["plain"][1]["output"]
+    # the damaged files are gone, and a request whose load failed saves nothing more
+    assert stored_blocks(store) == []
 
 
 def test_random_kv_stored_under_valid_checksums_changes_the_tokens(runs):
