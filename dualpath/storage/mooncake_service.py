@@ -166,8 +166,13 @@ def serve(master: str, segment_mb: int, *, host: str = "127.0.0.1",
     if closer.is_alive():
         print(f"segment holder: close did not finish in {CLOSE_TIMEOUT_S:.0f} s; exiting",
               file=sys.stderr, flush=True)
-        os._exit(0)  # not through finalization, which would wait on the native call
-    return 0
+    # Exit here, not through finalization: the transfer engine's native threads can keep a
+    # finalizing interpreter waiting (a holder stopped under load took over 30 s), and a holder
+    # has nothing left to flush or free once its segment is unmounted or abandoned.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+    return 0  # only where os._exit is replaced (tests)
 
 
 def _serve_master(port: int, host: str) -> int:

@@ -354,8 +354,10 @@ def test_mooncake_store_start_master_refuses_a_taken_port(mooncake_store_master)
         start_master(port)
 
 
-def test_a_segment_holder_whose_close_hangs_still_exits(monkeypatch):
-    """Unmounting asks the master: a hung close must not keep a stopping holder alive."""
+@pytest.mark.parametrize("close_hangs", [True, False])
+def test_a_stopping_segment_holder_exits_without_finalizing(monkeypatch, close_hangs):
+    """Unmounting asks the master: a hung close must not keep a stopping holder alive, and a
+    finished one exits at once too (finalization can wait on the native threads)."""
     import threading
 
     from dualpath.storage import mooncake_service
@@ -364,7 +366,8 @@ def test_a_segment_holder_whose_close_hangs_still_exits(monkeypatch):
 
     class HangingClient:
         def close(self) -> None:
-            release.wait(30)
+            if close_hangs:
+                release.wait(30)
 
     exits = []
     monkeypatch.setattr(mooncake_service, "connect", lambda *a, **k: HangingClient())
