@@ -228,7 +228,8 @@ def test_importing_pure_modules_loads_no_torch():
 # Optional extras: the package (top-level import name) -> the only modules that may import it.
 # Everything else, `import dualpath` and the local launcher included, must work without them.
 OPTIONAL_EXTRAS = {"ray": ("dualpath/server/launch_ray.py",),
-                   "vllm": ("dualpath/integrations/vllm.py", "dualpath/bench/engine/peer_vllm.py")}
+                   "vllm": ("dualpath/integrations/vllm.py", "dualpath/integrations/vllm_setup.py",
+                            "dualpath/bench/engine/peer_vllm.py")}
 
 
 def extra_imports(extra: str, root: Path = ROOT) -> list[str]:

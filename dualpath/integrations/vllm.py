@@ -33,25 +33,26 @@ persistence of full blocks; the DE path, the layerwise push to a decode instance
 
 from __future__ import annotations
 
-import logging
-import re
 import threading
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 
-from dualpath.config import StorageConfig
-from dualpath.kv.hashing import KeySpace, extend_block_hashes
-from dualpath.kv.layout import KVLayout
-from dualpath.model.spec import model_id
+from dualpath.integrations.vllm_setup import (
+    LAYER_INDEX,
+    BlockTransfer,
+    key_space,
+    log,
+    storage_config,
+    vllm_layout,
+)
+from dualpath.kv.hashing import extend_block_hashes
 from dualpath.storage import open_store
 from dualpath.storage.client import StorageClient
 
@@ -62,89 +63,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-# vLLM's logger tree, so the engine's handlers print our lines (tests read them).
-log = logging.getLogger("vllm.dualpath")
-
-VLLM_PIN = "0.32."  # the connector API is experimental: what this was written and tested on
-CONNECTOR = "DualPathConnector"
-MODULE = __name__
-_TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-if not vllm.__version__.startswith(VLLM_PIN):
-    log.warning("dualpath connector: written for vLLM %sx, running on %s", VLLM_PIN,
-                vllm.__version__)
-
-
-def transfer_config(store_root: str | Path, *, store: str = "fs",
-                    **extra: Any) -> dict[str, Any]:
-    """The ``kv_transfer_config`` that loads this connector on ``store`` at ``store_root``
-    (``extra``: other ``StorageConfig`` fields, or ``model_id`` when the model is not a local
-    folder). Load failures are recomputed (vLLM's default, ``fail``, would fail the request)."""
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE,
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": store, "root": str(store_root), **extra}}
-
-
-def vllm_layout(vllm_config: VllmConfig) -> KVLayout:
-    """The sizes of this instance's KV blocks (vLLM's block size, model shape, KV dtype)."""
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
-    name = _TORCH_DTYPES.get(dtype, str(dtype))
-    return KVLayout(model.get_num_layers(vllm_config.parallel_config),
-                    model.get_num_kv_heads(vllm_config.parallel_config), model.get_head_size(),
-                    name, cache.block_size)
-
-
-def layout_id(layout: KVLayout) -> str:
-    """vLLM CPU's head-major layout (``LBHNC``); never equal to our engines' ``kv-...`` ids."""
-    return (f"vllm-LBHNC-{layout.dtype}-L{layout.num_layers}-kvh{layout.num_kv_heads}"
-            f"-hd{layout.head_dim}-bs{layout.block_size}")
-
-
-def storage_config(extra: dict[str, Any]) -> StorageConfig:
-    """``StorageConfig`` from ``kv_connector_extra_config`` (``store`` names the backend)."""
-    known = {f.name for f in fields(StorageConfig)}
-    values = {k: v for k, v in extra.items() if k in known}
-    values["backend"] = extra.get("store", values.get("backend", "fs"))
-    if "root" not in values and values["backend"] == "fs":
-        raise ValueError("kv_connector_extra_config needs a store root: {'root': ...}")
-    return StorageConfig(**values)
-
-
-def key_space(vllm_config: VllmConfig, extra: dict[str, Any]) -> KeySpace:
-    """Our key space for this instance: model fingerprint, vLLM layout id, vLLM block size."""
-    folder = Path(vllm_config.model_config.model)
-    if "model_id" in extra:
-        mid = str(extra["model_id"])
-    elif folder.is_dir():
-        mid = model_id(folder)
-    else:
-        raise ValueError(f"model {folder} is not a local folder: set model_id in "
-                         "kv_connector_extra_config")
-    layout = vllm_layout(vllm_config)
-    return KeySpace(mid, layout_id(layout), layout.block_size)
-
-
-@dataclass
-class BlockTransfer:
-    """Blocks of one request to move this step: vLLM block ids and their chain's keys,
-    as plain values (the metadata crosses from the scheduler's process to the workers')."""
-
-    req_id: str
-    salt: str
-    block_ids: list[int]
-    hashes: list[bytes]
-    parents: list[bytes | None]
-    token_ids: list[list[int]]
-
-    def keys(self, space: KeySpace) -> list:
-        """The ``BlockKey`` of each block."""
-        space = space.salted(self.salt)
-        return [space.key(h, p, tuple(t))
-                for h, p, t in zip(self.hashes, self.parents, self.token_ids, strict=True)]
-
 
 @dataclass
 class DualPathMeta(KVConnectorMetadata):
@@ -293,7 +211,7 @@ class DualPathConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keep vLLM's per-layer paged caches in layer order; check one block's size."""
         def index(name: str) -> int:
-            found = _LAYER_INDEX.search(name)
+            found = LAYER_INDEX.search(name)
             return int(found.group(1)) if found else 0
 
         self._layers = sorted(kv_caches.items(), key=lambda item: index(item[0]))
