@@ -256,6 +256,7 @@ class DualPathConnector(KVConnectorBase_V1):
             keys = [key for t in loads for key in t.keys(self.space)]
             staging = self._staging(len(keys))
             ok = self.client.read(keys, list(staging))
+            poisoned: set[str] = set()  # requests with a failed block: saved no more
             good: list[int] = []  # staging rows to copy in
             targets: list[int] = []  # their vLLM block ids
             bad: set[int] = set()
@@ -265,14 +266,15 @@ class DualPathConnector(KVConnectorBase_V1):
                 for block_id in transfer.block_ids:
                     failed = failed or not ok[row]  # a chain is as good as its first bad block
                     if failed:
-                        self._poisoned.add(transfer.req_id)
+                        poisoned.add(transfer.req_id)
                         bad.add(block_id)
                     else:
                         good.append(row)
                         targets.append(block_id)
                     row += 1
-            with self._errors_lock:
+            with self._errors_lock:  # the worker's main thread reads both
                 self._load_errors |= bad
+                self._poisoned |= poisoned
             rows = torch.tensor(good, dtype=torch.long)
             ids = torch.tensor(targets, dtype=torch.long)
             for layer, (name, cache) in enumerate(self._layers):
@@ -287,7 +289,7 @@ class DualPathConnector(KVConnectorBase_V1):
             log.exception("dualpath connector: load failed; every block is recomputed")
             with self._errors_lock:
                 self._load_errors |= {b for t in loads for b in t.block_ids}
-            self._poisoned |= {t.req_id for t in loads}
+                self._poisoned |= {t.req_id for t in loads}
         finally:
             for event in self._layer_events.values():
                 event.set()
@@ -331,7 +333,8 @@ class DualPathConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                 set[str] | None]:
         """Nothing is asynchronous; forget finished requests."""
-        self._poisoned -= finished_req_ids
+        with self._errors_lock:
+            self._poisoned -= finished_req_ids
         return None, None
 
     def shutdown(self) -> None:
