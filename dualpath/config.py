@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from dualpath.vocab import Mode, Policy, ReadPath, Role
+from dualpath.vocab import EngineKind, Mode, Policy, ReadPath, Role
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,28 @@ class TrafficConfig:
 
 
 @dataclass(frozen=True)
+class VllmConfig:
+    """vLLM instances behind the engine processes (``engine_kind = "vllm"``;
+    docs/vllm-connector.md): each engine process starts its own ``vllm serve`` with dualpath's
+    KV connector, or drives one the user started (``dualpath engine --vllm-url``)."""
+
+    # the peers' python that has vLLM ("": $DUALPATH_VLLM_PYTHON, else .venv-peers/bin/python
+    # in the project checkout)
+    python: str = ""
+    kv_cache_gb: float = 1.0  # each CPU instance's KV cache (VLLM_CPU_KVCACHE_SPACE)
+    max_model_len: int = 4096
+    start_timeout_s: float = 300.0  # a `vllm serve` not healthy by then fails the engine
+    request_timeout_s: float = 600.0  # one HTTP call to an instance
+    extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--enforce-eager",)
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_gb <= 0 or self.max_model_len < 1:
+            raise ValueError("vllm.kv_cache_gb and vllm.max_model_len must be positive")
+        if self.start_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("vllm timeouts must be positive")
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """A local PD cluster: engines, their storage and traffic, and how requests flow."""
 
@@ -209,9 +231,14 @@ class ClusterConfig:
     # A folder of control-plane keys (`dualpath keys`: router.json, engines/NAME.json); None:
     # the router makes keys for the engines its config names (control_keys.py)
     control_keys: str | None = None
+    # What computes behind each engine process: our engine, or a vLLM instance with the KV
+    # connector (`dualpath serve --engine vllm`)
+    engine_kind: EngineKind = EngineKind.DUALPATH
+    vllm: VllmConfig = VllmConfig()
 
     def __post_init__(self) -> None:
-        for name, vocab in (("mode", Mode), ("read_path", ReadPath), ("policy", Policy)):
+        for name, vocab in (("mode", Mode), ("read_path", ReadPath), ("policy", Policy),
+                            ("engine_kind", EngineKind)):
             value = getattr(self, name)
             if value not in tuple(vocab):
                 raise ValueError(f"{name} must be one of {', '.join(vocab)}, got {value!r}")
@@ -259,9 +286,11 @@ def cluster_config_from_json(text: str) -> ClusterConfig:
     data = json.loads(text)
     traffic = dict(data.pop("traffic"))
     traffic["lane_weights"] = tuple(tuple(w) for w in traffic["lane_weights"])
+    vllm = dict(data.pop("vllm"))
+    vllm["extra_args"] = tuple(vllm["extra_args"])
     return ClusterConfig(engine=EngineConfig(**data.pop("engine")),
                          storage=StorageConfig(**data.pop("storage")),
-                         traffic=TrafficConfig(**traffic), **data)
+                         traffic=TrafficConfig(**traffic), vllm=VllmConfig(**vllm), **data)
 
 
 def engine_roles(config: ClusterConfig) -> list[tuple[str, str, int]]:

@@ -54,6 +54,13 @@ class Role(StrEnum):
     DECODE = "decode"
 
 
+class EngineKind(StrEnum):
+    """What computes behind an engine process (``ClusterConfig.engine_kind``)."""
+
+    DUALPATH = "dualpath"  # our engine: the model runs in the engine process
+    VLLM = "vllm"  # a vLLM instance with dualpath's KV connector (docs/vllm-connector.md)
+
+
 class Launcher(StrEnum):
     """Who places a served cluster's engines (``serve.launcher``)."""
 

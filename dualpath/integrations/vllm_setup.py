@@ -18,6 +18,7 @@ import torch
 import vllm
 
 from dualpath.config import StorageConfig
+from dualpath.integrations.vllm_launch import transfer_config  # noqa: F401 (re-exported)
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
 from dualpath.model.spec import model_id
@@ -29,24 +30,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.dualpath")
 
 VLLM_PIN = "0.32."  # the connector API is experimental: what this was written and tested on
-CONNECTOR = "DualPathConnector"
-MODULE = "dualpath.integrations.vllm"  # the module vLLM loads the connector from
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 if not vllm.__version__.startswith(VLLM_PIN):
     log.warning("dualpath connector: written for vLLM %sx, running on %s", VLLM_PIN,
                 vllm.__version__)
-
-
-def transfer_config(store_root: str | Path, *, store: str = "fs",
-                    **extra: Any) -> dict[str, Any]:
-    """The ``kv_transfer_config`` that loads this connector on ``store`` at ``store_root``
-    (``extra``: other ``StorageConfig`` fields, or ``model_id`` when the model is not a local
-    folder). Load failures are recomputed (vLLM's default, ``fail``, would fail the request)."""
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE,
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": store, "root": str(store_root), **extra}}
 
 
 def vllm_layout(vllm_config: VllmConfig) -> KVLayout:
@@ -57,12 +46,6 @@ def vllm_layout(vllm_config: VllmConfig) -> KVLayout:
     return KVLayout(model.get_num_layers(vllm_config.parallel_config),
                     model.get_num_kv_heads(vllm_config.parallel_config), model.get_head_size(),
                     name, cache.block_size)
-
-
-def layout_id(layout: KVLayout) -> str:
-    """vLLM CPU's head-major layout (``LBHNC``); never equal to our engines' ``kv-...`` ids."""
-    return (f"vllm-LBHNC-{layout.dtype}-L{layout.num_layers}-kvh{layout.num_kv_heads}"
-            f"-hd{layout.head_dim}-bs{layout.block_size}")
 
 
 def storage_config(extra: dict[str, Any]) -> StorageConfig:
@@ -86,7 +69,7 @@ def key_space(vllm_config: VllmConfig, extra: dict[str, Any]) -> KeySpace:
         raise ValueError(f"model {folder} is not a local folder: set model_id in "
                          "kv_connector_extra_config")
     layout = vllm_layout(vllm_config)
-    return KeySpace(mid, layout_id(layout), layout.block_size)
+    return KeySpace(mid, layout.vllm_layout_id, layout.block_size)
 
 
 @dataclass

@@ -42,6 +42,14 @@ class KVLayout:
                 f"-bs{self.block_size}")
 
     @property
+    def vllm_layout_id(self) -> str:
+        """vLLM CPU's head-major layout (``LBHNC``: per block and KV head, the keys of every
+        token, then the values): what the vLLM connector stores. Same sizes as ours, never the
+        same id, so neither side reads the other's bytes."""
+        return (f"vllm-LBHNC-{self.dtype}-L{self.num_layers}-kvh{self.num_kv_heads}"
+                f"-hd{self.head_dim}-bs{self.block_size}")
+
+    @property
     def bytes_per_token_per_layer(self) -> int:
         """K and V of one token in one layer."""
         return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
