@@ -2,12 +2,16 @@
 
 Slots are 4 KiB aligned (O_DIRECT reads land in them directly) and the slab is pinned when
 CUDA is present. The slab is one contiguous region, so a transfer engine registers it once
-(``base_address`` and ``nbytes``).
+(``base_address`` and ``nbytes``). With ``shm_path`` the slab is a shared mapping of a file
+there (typically under /dev/shm), so another process (a vLLM decode instance's connector) can map
+the same bytes; ``close`` removes the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
 
 import torch
 
@@ -32,14 +36,27 @@ def _unpin(tensor: torch.Tensor) -> bool:
     return int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())) == 0
 
 
+def _shared_map(path: str, nbytes: int) -> mmap.mmap:
+    """A ``MAP_SHARED`` read-write mapping of ``nbytes`` of the file at ``path`` (created or
+    truncated, mode 0600)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping keeps the file's pages
+
+
 class HostPool:
     """``num_slots`` slots of ``payload_bytes`` each (slots padded to 4 KiB)."""
 
     def __init__(self, payload_bytes: int, num_slots: int, pin: bool | None = None,
-                 touch: bool = False) -> None:
+                 touch: bool = False, shm_path: str | None = None) -> None:
         """``touch`` writes every page once now: an engine's pool then holds its memory from
         the start instead of growing into it as load first reaches each slot (a memory
-        watch would take that for a leak)."""
+        watch would take that for a leak). ``shm_path``: back the slab by a file created (or
+        truncated) there and mapped shared, for other processes to map too."""
         if payload_bytes <= 0 or num_slots <= 0:
             raise ValueError("payload_bytes and num_slots must be positive")
         self.payload_bytes = payload_bytes
@@ -47,8 +64,10 @@ class HostPool:
         self.num_slots = num_slots
         pin = torch.cuda.is_available() if pin is None else pin
         # An anonymous mapping: page aligned, and measurably faster as an O_DIRECT target
-        # than torch's own allocation (2.4 vs 1.7 GB/s here).
-        self._map = mmap.mmap(-1, self.slot_bytes * num_slots)
+        # than torch's own allocation (2.4 vs 1.7 GB/s here). A shared file mapping when asked.
+        self.shm_path = shm_path
+        self._map = (_shared_map(shm_path, self.slot_bytes * num_slots) if shm_path
+                     else mmap.mmap(-1, self.slot_bytes * num_slots))
         self.slab = torch.frombuffer(self._map, dtype=torch.uint8)
         if touch:
             self.slab.fill_(0)
@@ -59,10 +78,14 @@ class HostPool:
     def close(self) -> None:
         """Unpin the slab (once registered with CUDA, until this is called); idempotent. The
         slab stays readable: a transfer still holding its address fails cleanly, not on freed
-        memory (the mapping lives as long as this pool)."""
+        memory (the mapping lives as long as this pool). A shared slab's file is removed (other
+        processes' mappings stay valid until they unmap)."""
         if self.pinned:
             self.pinned = False
             _unpin(self.slab)
+        if self.shm_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shm_path)
 
     @property
     def base_address(self) -> int:
