@@ -1,40 +1,37 @@
-"""A vLLM KV connector that gives one vLLM instance dualpath's storage tier (issue 36, PE path).
+"""dualpath's KV connector for vLLM: our store, both read paths and the layerwise PD transfer
+under vLLM instances (issue 36; design in docs/vllm-connector.md).
 
 Loaded by vLLM from ``kv_connector_module_path="dualpath.integrations.vllm"`` with
-``kv_connector="DualPathConnector"`` (see ``transfer_config``); the design is
-docs/vllm-connector.md. This first slice is the prefill instance's PE read path and the
-persistence of full blocks; the DE path, the layerwise push to a decode instance and
-``serve --engine vllm`` are not built.
+``kv_connector="DualPathConnector"`` (``vllm_launch.transfer_config`` writes that config). One
+class, three roles (``kv_connector_extra_config["role"]``):
 
-- **Keys** are our chained ``BlockKey``s (``dualpath.kv.hashing.KeySpace``) over the prompt's
-  token ids, seeded with the checkpoint's ``model_id`` (config and every weight byte), the
-  request's ``cache_salt`` and a layout id naming vLLM's CPU layout (``vllm-LBHNC-...``): our
-  own engines' token-major ``kv-...`` ids never match it, so neither side reads the other's
-  bytes. vLLM's ``request.block_hashes`` are not used.
-- **Block size rule**: our key block size *is* vLLM's ``cache_config.block_size``; one stored
-  block is one vLLM block.
-- **Stored bytes**: a block is its layers in layer order, each layer exactly vLLM's CPU cache
-  block ``(kv_heads, block_size, 2 × head_dim)`` (head-major; per head K then V), so a layer of
-  a stored block is one contiguous run that copies straight into ``kv_cache[layer][block_id]``.
-- **Loads** are synchronous in vLLM's sense (``get_num_new_matched_tokens`` returns ``False``)
-  so they run inside the step that consumes them: ``start_load_kv`` starts a thread that reads
-  the hit blocks through a ``StorageClient`` into a staging area and copies them into the paged
-  cache one layer at a time, setting an event per layer; ``wait_for_layer_load(name)`` waits
-  only for that layer's event, so layer i+1's copy runs while layer i computes.
-- **Saves** are whole blocks at the end of the step: ``wait_for_save`` gathers every block that
-  became full in this step (all layers, from the paged cache, into a staging copy) and writes
-  them in chain order, waiting for the store, so a process that exits after a request leaves
-  its blocks stored (turn 2 of a chat, in a new process, hits turn 1's KV).
-- **Failures**: a block that is missing, fails its checksum or misses the read deadline is
-  not copied; it and every later block of the request are reported by
-  ``get_block_ids_with_load_errors``, and with ``kv_load_failure_policy="recompute"`` (set by
-  ``transfer_config``) vLLM recomputes them: a miss, never a wrong token.
+- ``both``: a lone instance on the store: hits are the store's, loaded through a
+  ``StorageClient`` layer by layer; every block that becomes full is stored.
+- ``prefill``: the instance a dualpath prefill engine drives. The router's choice rides in the
+  request's ``kv_transfer_params`` (``vllm_plan.PrefillParams``): the hit is read from the store
+  (PE path) or pulled from the decode engine's buffer over Mooncake (DE path), layer by layer;
+  after each layer's attention its KV goes to the decode engine's buffer (``vllm_moves``);
+  the last step seals the buffer. Nothing is stored here: the decode side persists.
+- ``decode``: the instance a dualpath decode engine drives: the prompt's KV is copied out of
+  the (sealed) buffer the engine shares with it, asynchronously in vLLM's sense; the decode
+  then runs, and every block that becomes full (the prompt's new blocks, generated tokens) is
+  stored.
+
+**Keys** are our chained ``BlockKey``s over the token ids, seeded with the checkpoint's
+``model_id``, the request's ``cache_salt`` and vLLM's layout id (``KVLayout.vllm_layout_id``):
+our engines' ids never match it. One stored block is one vLLM block (our key block size *is*
+vLLM's ``block_size``), its layers in order, each exactly vLLM's CPU cache block.
+
+**Failures** never give a wrong token: a block missing, corrupt, late or not pulled is
+reported by ``get_block_ids_with_load_errors`` (vLLM, with ``kv_load_failure_policy=
+"recompute"``, recomputes from it) and the request is poisoned (no seal, nothing more saved);
+an unsealed buffer is a recompute of the prompt on the decode instance.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,17 +41,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from dualpath.integrations.vllm_launch import BOTH
+from dualpath.integrations.vllm_moves import Moves
+from dualpath.integrations.vllm_plan import (
+    DecodeParams,
+    PrefillParams,
+    PrefillPlan,
+    Remote,
+    StepPlan,
+)
 from dualpath.integrations.vllm_setup import (
     LAYER_INDEX,
     BlockTransfer,
     key_space,
     log,
+    prefill_traffic,
     storage_config,
     vllm_layout,
 )
 from dualpath.kv.hashing import extend_block_hashes
 from dualpath.storage import open_store
 from dualpath.storage.client import StorageClient
+from dualpath.vocab import PrefillMode, Role
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,12 +72,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+
 @dataclass
 class DualPathMeta(KVConnectorMetadata):
-    """One step's work: blocks to load before the forward and blocks to save after it."""
+    """One step's moves (``vllm_plan.StepPlan``), as vLLM's connector metadata."""
 
-    loads: list[BlockTransfer] = field(default_factory=list)
-    saves: list[BlockTransfer] = field(default_factory=list)
+    plan: StepPlan = field(default_factory=StepPlan)
 
 
 @dataclass
@@ -80,19 +88,25 @@ class _Tracked:
     hashes: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # leading blocks stored or loaded (never saved again)
-    load_from: int = 0  # the pending load: blocks [load_from, load_to)
+    load_from: int = 0  # the pending store load: blocks [load_from, load_to)
     load_to: int = 0
     local: int = 0  # tokens vLLM holds itself (its prefix cache), at the last lookup
+    prefill: PrefillPlan | None = None  # prefill role: what the router chose
+    sealed: bool = False
 
 
 class DualPathConnector(KVConnectorBase_V1):
-    """dualpath's storage tier under one vLLM instance: PE-path loads, layer by layer, and
-    full-block saves (module docstring)."""
+    """dualpath's storage tier and PD transfers under one vLLM instance (module docstring);
+    the role comes from ``kv_connector_extra_config["role"]``."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.kind = str(extra.get("role", BOTH))
+        if self.kind not in (BOTH, Role.PREFILL, Role.DECODE):
+            raise ValueError(f"kv_connector_extra_config role {self.kind!r}: prefill, decode "
+                             "or both")
         self.layout = vllm_layout(vllm_config)
         self.space = key_space(vllm_config, extra)
         if self.space.block_size != vllm_config.cache_config.block_size:
@@ -100,22 +114,17 @@ class DualPathConnector(KVConnectorBase_V1):
         self.block_size = self.space.block_size
         config = storage_config(extra)
         self.client = StorageClient(open_store(config, self.layout), self.block_size, config)
-        # scheduler side
-        self._tracked: dict[str, _Tracked] = {}
-        # worker side
-        self._layers: list[tuple[str, torch.Tensor]] = []
-        self._layer_events: dict[str, threading.Event] = {}
-        self._load_thread: threading.Thread | None = None
-        self._load_errors: set[int] = set()
-        # Requests a load failed for: the steps until vLLM has recomputed the bad blocks may
-        # compute on them, so nothing more of such a request is saved (a miss, never wrong KV).
-        self._poisoned: set[str] = set()
-        self._errors_lock = threading.Lock()
-        self.loaded_tokens = 0
+        self._tracked: dict[str, _Tracked] = {}  # scheduler side
+        self._pending_copies: list[Remote] = []  # decode role: allocated, copied next step
+        self._layer_of: dict[str, int] = {}  # worker side
+        traffic = None
+        if role == KVConnectorRole.WORKER and self.kind == Role.PREFILL:
+            traffic = prefill_traffic(extra)
+        self.moves = Moves(self.layout, self.space, self.client, traffic)
         self.saved_blocks = 0
-        log.info("dualpath connector (%s): key space %s/%s bs%d, store %s at %s",
-                 role.name, self.space.model_id, self.space.layout_id, self.block_size,
-                 config.backend, config.root)
+        log.info("dualpath connector (%s, %s): key space %s/%s bs%d, store %s at %s",
+                 role.name, self.kind, self.space.model_id, self.space.layout_id,
+                 self.block_size, config.backend, config.root)
 
     # --- scheduler side -------------------------------------------------------------------
 
@@ -123,6 +132,13 @@ class DualPathConnector(KVConnectorBase_V1):
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             tracked = self._tracked[request.request_id] = _Tracked(request)
+            if self.kind == Role.PREFILL:
+                params = PrefillParams.parse(request.kv_transfer_params)
+                if params is not None:
+                    tracked.prefill = PrefillPlan(params, len(request.prompt_token_ids or []))
+            elif self.kind == Role.DECODE:
+                params_d = DecodeParams.parse(request.kv_transfer_params)
+                tracked.saved = params_d.num_stored_blocks if params_d else 0
         return tracked
 
     def _extend(self, tracked: _Tracked, num_tokens: int) -> None:
@@ -134,33 +150,78 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Prompt tokens beyond ``num_computed_tokens`` whose blocks our store holds; at
-        least one prompt token is left to compute. Synchronous (``False``): layerwise."""
+        """Tokens beyond ``num_computed_tokens`` this connector can load. Prefill and lone
+        instances load synchronously (``False``, so layer by layer): the router's hit, or the
+        store's; at least one prompt token is left to compute. A decode instance loads the
+        prompt's KV from its buffer asynchronously (``True``)."""
         tracked = self._track(request)
         tracked.local = num_computed_tokens
         prompt = request.prompt_token_ids or []
-        self._extend(tracked, len(prompt) - 1)
-        usable = min(len(tracked.hashes), (len(prompt) - 1) // self.block_size)
+        if self.kind == Role.DECODE:
+            params = DecodeParams.parse(request.kv_transfer_params)
+            extra = params.num_tokens - num_computed_tokens if params else 0
+            return (extra, True) if extra > 0 else (0, False)
+        usable = (len(prompt) - 1) // self.block_size
+        if self.kind == Role.PREFILL:
+            hit = min(tracked.prefill.params.num_hit_blocks, usable) if tracked.prefill else 0
+        else:
+            hit = self._store_hit(tracked, usable)
+        return max(0, hit * self.block_size - num_computed_tokens), False
+
+    def _store_hit(self, tracked: _Tracked, usable: int) -> int:
+        request = tracked.request
+        self._extend(tracked, usable * self.block_size)
         space = self.space.salted(request.cache_salt or "")
         try:
-            hit = self.client.exists_prefix(space.keys_for_hashes(tracked.hashes[:usable]))
+            return self.client.exists_prefix(space.keys_for_hashes(tracked.hashes[:usable]))
         except Exception as exc:  # a store that cannot answer is a miss
             log.warning("dualpath connector: exists_prefix failed (%s): a miss", exc)
-            hit = 0
-        return max(0, hit * self.block_size - num_computed_tokens), False
+            return 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """Note the blocks to load (after vLLM's own prefix hit) for the next step."""
         tracked = self._track(request)
         computed = tracked.local if num_external_tokens else request.num_computed_tokens
-        tracked.load_from = computed // self.block_size
-        tracked.load_to = (computed + num_external_tokens) // self.block_size
-        tracked.saved = max(tracked.saved, tracked.load_to)
+        first = computed // self.block_size
+        if self.kind == Role.DECODE:
+            params = DecodeParams.parse(request.kv_transfer_params)
+            if params is not None and num_external_tokens > 0:
+                ids = blocks.get_block_ids()[0]
+                last = -(-(computed + num_external_tokens) // self.block_size)
+                self._pending_copies.append(Remote(
+                    params.req_id, params.shm_path, params.buffer_offset, params.num_blocks,
+                    [(j, ids[j]) for j in range(first, last)], request.request_id))
+            return
+        last = (computed + num_external_tokens) // self.block_size
+        if tracked.prefill is not None:
+            tracked.prefill.pending_load = (first, last)
+        else:
+            tracked.load_from, tracked.load_to = first, last
+        tracked.saved = max(tracked.saved, last)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """This step's loads (hit blocks) and saves (blocks that become full this step)."""
-        meta = DualPathMeta()
+        """This step's moves: loads, pulls, pushes, copies and saves (``StepPlan``)."""
+        plan = StepPlan(copies=self._pending_copies)
+        self._pending_copies = []
+        for req_id, computed in self._scheduled(scheduler_output):
+            tracked = self._tracked[req_id]
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if tracked.prefill is not None:
+                self._plan_prefill(tracked, done, plan)
+                continue
+            if tracked.load_to > tracked.load_from:
+                self._extend(tracked, tracked.load_to * self.block_size)
+                plan.store_loads.append(self._transfer(tracked, tracked.load_from,
+                                                       tracked.load_to))
+                tracked.load_from = tracked.load_to = 0
+            if self.kind != Role.PREFILL:
+                self._plan_saves(tracked, done, plan)
+        return DualPathMeta(plan)
+
+    def _scheduled(self, scheduler_output: SchedulerOutput) -> list[tuple[str, int]]:
+        """(request id, tokens computed before this step) of each tracked scheduled request,
+        its block ids brought up to date."""
         steps: list[tuple[str, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
@@ -178,19 +239,37 @@ class DualPathConnector(KVConnectorBase_V1):
             elif new_ids is not None:
                 tracked.block_ids.extend(new_ids[0])
             steps.append((req_id, cached.num_computed_tokens[i]))
-        for req_id, computed in steps:
-            tracked = self._tracked[req_id]
-            if tracked.load_to > tracked.load_from:
-                self._extend(tracked, tracked.load_to * self.block_size)
-                meta.loads.append(self._transfer(tracked, tracked.load_from, tracked.load_to))
-                tracked.load_from = tracked.load_to = 0
-            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._extend(tracked, done)
-            full = min(len(tracked.hashes), done // self.block_size, len(tracked.block_ids))
-            if full > tracked.saved:
-                meta.saves.append(self._transfer(tracked, tracked.saved, full))
-                tracked.saved = full
-        return meta
+        return steps
+
+    def _plan_prefill(self, tracked: _Tracked, done: int, plan: StepPlan) -> None:
+        """A prefill request's loads (store and pulls), pushes and, once its prompt is
+        complete, its seal."""
+        prefill = tracked.prefill
+        assert prefill is not None
+        params, ids = prefill.params, tracked.block_ids
+        (s0, s1), (p0, p1) = prefill.loads()
+        if s1 > s0:
+            self._extend(tracked, s1 * self.block_size)
+            plan.store_loads.append(self._transfer(tracked, s0, s1))
+        remote = partial(Remote, params.req_id, params.de_endpoint, params.de_buffer_addr,
+                         params.num_blocks, vllm_req_id=tracked.request.request_id)
+        if p1 > p0:
+            plan.pulls.append(remote([(j, ids[j]) for j in range(p0, p1)]))
+        prompt_done = min(done, prefill.num_prompt_tokens)
+        blocks = prefill.pushes(prompt_done, self.block_size)
+        seal = prompt_done >= prefill.num_prompt_tokens and not tracked.sealed
+        tracked.sealed |= seal
+        if blocks or seal:
+            plan.pushes.append(remote([(j, ids[j]) for j in blocks], seal=seal))
+        plan.basic |= params.mode == PrefillMode.BASIC
+
+    def _plan_saves(self, tracked: _Tracked, done: int, plan: StepPlan) -> None:
+        """The blocks that become full this step, to store."""
+        self._extend(tracked, done)
+        full = min(len(tracked.hashes), done // self.block_size, len(tracked.block_ids))
+        if full > tracked.saved:
+            plan.saves.append(self._transfer(tracked, tracked.saved, full))
+            tracked.saved = full
 
     def _transfer(self, tracked: _Tracked, start: int, stop: int) -> BlockTransfer:
         request, bs = tracked.request, self.block_size
@@ -202,7 +281,8 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; saves are synchronous, so vLLM may free its blocks now."""
+        """Forget the request; every move ends within its step, so vLLM may free its blocks
+        now."""
         self._tracked.pop(request.request_id, None)
         return False, None
 
@@ -214,111 +294,55 @@ class DualPathConnector(KVConnectorBase_V1):
             found = LAYER_INDEX.search(name)
             return int(found.group(1)) if found else 0
 
-        self._layers = sorted(kv_caches.items(), key=lambda item: index(item[0]))
-        if len(self._layers) != self.layout.num_layers:
-            raise ValueError(f"{len(self._layers)} KV caches for {self.layout.num_layers} layers")
-        for name, cache in self._layers:
+        layers = sorted(kv_caches.items(), key=lambda item: index(item[0]))
+        if len(layers) != self.layout.num_layers:
+            raise ValueError(f"{len(layers)} KV caches for {self.layout.num_layers} layers")
+        for name, cache in layers:
             block = cache[0]
             if block.numel() * block.element_size() != self.layout.layer_block_bytes or \
-                    not block.is_contiguous():
+                    not block.is_contiguous() or not cache.is_contiguous():
                 raise ValueError(f"layer {name}: block of shape {tuple(block.shape)} is not "
                                  f"{self.layout.layer_block_bytes} contiguous bytes")
-        self._layer_events = {name: threading.Event() for name, _ in self._layers}
-        for event in self._layer_events.values():
-            event.set()
+        self._layer_of = {name: i for i, (name, _) in enumerate(layers)}
+        self.moves.register([cache for _, cache in layers])
 
-    def _staging(self, count: int) -> torch.Tensor:
-        """Room for ``count`` full blocks as bytes (the store's buffers)."""
-        return torch.empty((count, self.layout.full_block_bytes), dtype=torch.uint8)
-
-    def _layer_view(self, staging: torch.Tensor, layer: int, like: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer`` of every staged block (a view), shaped and typed as ``like``'s
-        blocks."""
-        count = staging.shape[0]
-        part = staging.view(count, self.layout.num_layers, self.layout.layer_block_bytes)[:, layer]
-        return part.view(like.dtype).unflatten(1, like.shape[1:])
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Start this step's loads on a thread; layers become ready one at a time."""
+    def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
         assert isinstance(meta, DualPathMeta)
-        if not meta.loads or not self._layers:
-            return
-        for event in self._layer_events.values():
-            event.clear()
-        self._load_thread = threading.Thread(target=self._load, args=(meta.loads,),
-                                             name="dualpath-load", daemon=True)
-        self._load_thread.start()
+        return meta.plan
 
-    def _load(self, loads: list[BlockTransfer]) -> None:
-        """Read every hit block, then copy the good ones in, layer by layer."""
-        try:
-            keys = [key for t in loads for key in t.keys(self.space)]
-            staging = self._staging(len(keys))
-            ok = self.client.read(keys, list(staging))
-            poisoned: set[str] = set()  # requests with a failed block: saved no more
-            good: list[int] = []  # staging rows to copy in
-            targets: list[int] = []  # their vLLM block ids
-            bad: set[int] = set()
-            row = 0
-            for transfer in loads:
-                failed = False
-                for block_id in transfer.block_ids:
-                    failed = failed or not ok[row]  # a chain is as good as its first bad block
-                    if failed:
-                        poisoned.add(transfer.req_id)
-                        bad.add(block_id)
-                    else:
-                        good.append(row)
-                        targets.append(block_id)
-                    row += 1
-            with self._errors_lock:  # the worker's main thread reads both
-                self._load_errors |= bad
-                self._poisoned |= poisoned
-            rows = torch.tensor(good, dtype=torch.long)
-            ids = torch.tensor(targets, dtype=torch.long)
-            for layer, (name, cache) in enumerate(self._layers):
-                if good:
-                    cache.index_copy_(0, ids, self._layer_view(staging, layer, cache)[rows])
-                self._layer_events[name].set()
-            self.loaded_tokens += len(good) * self.block_size
-            log.info("dualpath connector: loaded %d blocks (%d tokens), %d failed; "
-                     "loaded_tokens_total=%d", len(good), len(good) * self.block_size, len(bad),
-                     self.loaded_tokens)
-        except Exception:
-            log.exception("dualpath connector: load failed; every block is recomputed")
-            with self._errors_lock:
-                self._load_errors |= {b for t in loads for b in t.block_ids}
-                self._poisoned |= {t.req_id for t in loads}
-        finally:
-            for event in self._layer_events.values():
-                event.set()
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's loads and pulls (layers become ready one at a time) and its
+        copies out of the buffer (decode role)."""
+        if self.moves.layers:
+            self.moves.start(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Wait for this layer's copy only."""
-        event = self._layer_events.get(layer_name)
-        if event is not None:
-            event.wait()
+        """Wait for this layer's loads only."""
+        layer = self._layer_of.get(layer_name)
+        if layer is not None:
+            self.moves.wait_layer(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Nothing per layer: whole blocks are saved at the end of the step."""
+        """Prefill role, layerwise: queue this layer's pushes to the decode engine's buffer."""
+        layer = self._layer_of.get(layer_name)
+        if layer is not None:
+            self.moves.push_layer(layer, self._plan())
 
     def wait_for_save(self) -> None:
-        """Store every block that became full this step (all layers), in chain order."""
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, DualPathMeta)
-        if self._load_thread is not None:  # a step's loads end before its saves read
-            self._load_thread.join()
-            self._load_thread = None
-        saves = [t for t in meta.saves if t.req_id not in self._poisoned]
-        if not saves or not self._layers:
+        """End the step's moves (pushes landed, seals written), then store every block that
+        became full this step, in chain order."""
+        plan = self._plan()
+        self.moves.finish(plan)
+        saves = [t for t in plan.saves if not self.moves.poisoned(t.req_id)]
+        if not saves or not self.moves.layers:
             return
         keys = [key for t in saves for key in t.keys(self.space)]
         ids = torch.tensor([b for t in saves for b in t.block_ids], dtype=torch.long)
-        staging = self._staging(len(keys))
-        for layer, (_, cache) in enumerate(self._layers):
-            self._layer_view(staging, layer, cache).copy_(cache.index_select(0, ids))
+        staging = torch.empty((len(keys), self.layout.full_block_bytes), dtype=torch.uint8)
+        for layer, cache in enumerate(self.moves.layers):
+            self.moves.staged_layer(staging, layer, cache).copy_(cache.index_select(0, ids))
         stored = self.client.write(keys, list(staging))
         self.saved_blocks += sum(stored)
         log.info("dualpath connector: saved %d of %d blocks; saved_blocks_total=%d",
@@ -326,17 +350,17 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
-        with self._errors_lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.moves.take_errors()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                 set[str] | None]:
-        """Nothing is asynchronous; forget finished requests."""
-        with self._errors_lock:
-            self._poisoned -= finished_req_ids
-        return None, None
+        """Decode role: the requests whose copy-in ended (failed ones' blocks are load
+        errors in the same step); forget finished requests."""
+        self.moves.forget(finished_req_ids)
+        received = self.moves.take_received()
+        return None, (received or None)
 
     def shutdown(self) -> None:
-        """Close the store client."""
+        """Close the store client and the transfer engine."""
+        self.moves.close()
         self.client.close()

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import vllm
 
-from dualpath.config import StorageConfig
+from dualpath.config import StorageConfig, TrafficConfig
 from dualpath.integrations.vllm_launch import transfer_config  # noqa: F401 (re-exported)
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
 from dualpath.model.spec import model_id
+from dualpath.traffic.manager import TrafficManager
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,3 +90,15 @@ class BlockTransfer:
         space = space.salted(self.salt)
         return [space.key(h, p, tuple(t))
                 for h, p, t in zip(self.hashes, self.parents, self.token_ids, strict=True)]
+
+
+def prefill_traffic(extra: dict[str, Any]) -> TrafficManager:
+    """A prefill worker's traffic manager over its own Mooncake transfer engine, advertised
+    at ``extra["host"]``, with ``extra["traffic"]``'s caps and lane weights."""
+    from dualpath.transfer.mooncake import MooncakeBackend
+
+    values = dict(extra.get("traffic") or {})
+    if "lane_weights" in values:
+        values["lane_weights"] = tuple(tuple(w) for w in values["lane_weights"])
+    host = str(extra.get("host", "127.0.0.1"))
+    return TrafficManager(MooncakeBackend(host, "tcp"), TrafficConfig(**values), nic_host=host)
