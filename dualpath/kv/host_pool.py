@@ -38,10 +38,17 @@ def _unpin(tensor: torch.Tensor) -> bool:
 
 def _shared_map(path: str, nbytes: int) -> mmap.mmap:
     """A ``MAP_SHARED`` read-write mapping of ``nbytes`` of the file at ``path`` (created or
-    truncated, mode 0600)."""
+    truncated, mode 0600). Its space is reserved now: a full tmpfs is an error here, not a
+    SIGBUS at the first write past its end."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, nbytes)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            os.unlink(path)
+            raise HostPoolExhaustedError(f"cannot reserve {nbytes} bytes for a shared host "
+                                         f"pool at {path}: {exc}") from exc
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
