@@ -1,0 +1,227 @@
+"""A ``vllm serve`` child of an engine process (``engine_kind = "vllm"``; imports no vLLM).
+
+``VllmInstance.start`` runs ``<peers' python> -m vllm.entrypoints.cli.main serve`` (what the
+``vllm serve`` script runs) with dualpath's KV connector in the engine's role, on a free local
+port, in a process group of its own, and waits until its ``/health`` answers. The child gets
+SIGTERM when the engine process dies (``PR_SET_PDEATHSIG``); ``close`` stops the whole group
+(SIGTERM, SIGKILL after ``STOP_GRACE_S``). Its output goes to a log beside the engine's own (the
+file the engine's stdout goes to, when it is one), else to a temporary file; a start that fails
+is a ``VllmInstanceError`` with the log's tail.
+
+``launch_plan`` builds the command line and environment without starting anything: the
+``--kv-transfer-config`` is ``vllm_launch.transfer_config`` for the role, the store, the traffic
+caps, the checkpoint's model id and the engine's advertised host; the python is
+``VllmConfig.python``, else ``$DUALPATH_VLLM_PYTHON``, else ``.venv-peers/bin/python`` in the
+project checkout (``make peers``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dualpath.config import ClusterConfig, VllmConfig
+from dualpath.errors import DualPathError
+from dualpath.integrations.vllm_http import VllmHttp
+from dualpath.integrations.vllm_launch import transfer_config
+from dualpath.model.spec import load_spec, model_id, resolve_dtype
+from dualpath.vocab import Role
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PEERS_PYTHON = Path(".venv-peers/bin/python")  # relative to the project checkout
+PYTHON_ENV = "DUALPATH_VLLM_PYTHON"
+ENTRY = ("-m", "vllm.entrypoints.cli.main", "serve")  # the `vllm serve` script's own entry
+STOP_GRACE_S = 5.0
+POLL_S = 0.5
+LOG_TAIL_BYTES = 4000
+_PR_SET_PDEATHSIG = 1
+
+
+class VllmInstanceError(DualPathError):
+    """A vLLM instance could not be started (no peers' python, it exited, or never became
+    healthy) or died."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What starting one instance runs: its command, environment, port and log file."""
+
+    command: tuple[str, ...]
+    env: dict[str, str]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        """Where the instance answers HTTP."""
+        return f"http://127.0.0.1:{self.port}"
+
+
+def vllm_python(vllm: VllmConfig, root: Path = PROJECT_ROOT,
+                environ: dict[str, str] | None = None) -> Path:
+    """The peers' interpreter that has vLLM; ``VllmInstanceError`` naming ``make peers`` when
+    it is missing."""
+    environ = dict(os.environ) if environ is None else environ
+    path = Path(vllm.python or environ.get(PYTHON_ENV) or root / PEERS_PYTHON)
+    if not os.access(path, os.X_OK):
+        raise VllmInstanceError(f"no python with vLLM at {path}: run `make peers` (the peers' "
+                                f"environment), or set vllm.python or ${PYTHON_ENV}")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def default_log_path(name: str) -> Path:
+    """``NAME.vllm.log`` beside the file this process's stdout goes to (a launcher's engine
+    log), else in the temporary folder."""
+    try:
+        target = Path(os.readlink("/proc/self/fd/1"))
+        if target.is_file():
+            return target.with_name(f"{name}.vllm.log")
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"dualpath-{name}-{os.getpid()}.vllm.log"
+
+
+def launch_plan(model_dir: str | Path, config: ClusterConfig, role: Role, host: str,
+                name: str = "engine", port: int | None = None, log_path: Path | None = None,
+                root: Path = PROJECT_ROOT, environ: dict[str, str] | None = None) -> LaunchPlan:
+    """The command line and environment of ``role``'s instance (nothing starts). ``host``: the
+    address the connector's transfer engine advertises (the engine's own)."""
+    environ = dict(os.environ) if environ is None else dict(environ)
+    vllm, engine = config.vllm, config.engine
+    python = vllm_python(vllm, root, environ)
+    port = port or free_port()
+    dtype = resolve_dtype(engine.dtype, load_spec(model_dir))
+    kv_config = transfer_config(storage=config.storage, role=Role(role).value,
+                                traffic=config.traffic, model_id=model_id(model_dir), host=host)
+    command = (str(python), *ENTRY, "--model", str(model_dir), "--port", str(port),
+               "--host", "127.0.0.1", "--block-size", str(engine.block_size), "--dtype", dtype,
+               "--max-model-len", str(vllm.max_model_len), "--enable-prompt-tokens-details",
+               "--kv-transfer-config", json.dumps(kv_config), *vllm.extra_args)
+    python_path = os.pathsep.join(filter(None, [str(root), environ.get("PYTHONPATH")]))
+    env = {**environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(vllm.kv_cache_gb))),
+           "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, engine.threads)))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # engines share the host's cores
+    return LaunchPlan(command, env, port, log_path or default_log_path(name))
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the engine process's thread that started it
+    ends (``PR_SET_PDEATHSIG``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class VllmInstance:
+    """One vLLM instance: a child this process started (``start``), or one given by URL
+    (``connect``, never stopped by us)."""
+
+    def __init__(self, http: VllmHttp, proc: subprocess.Popen[bytes] | None = None,
+                 log_path: Path | None = None) -> None:
+        """Use ``start`` or ``connect``."""
+        self.http = http
+        self.proc = proc
+        self.log_path = log_path
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """Where the instance answers HTTP."""
+        return self.http.url
+
+    @property
+    def owned(self) -> bool:
+        """True when this process started the instance (and stops it)."""
+        return self.proc is not None
+
+    @classmethod
+    def connect(cls, url: str, vllm: VllmConfig) -> VllmInstance:
+        """An instance the user started; ``VllmInstanceError`` unless it is healthy."""
+        instance = cls(VllmHttp(url, vllm.request_timeout_s))
+        if not instance.http.healthy():
+            raise VllmInstanceError(f"no healthy vLLM instance at {url} (GET /health)")
+        return instance
+
+    @classmethod
+    def start(cls, plan: LaunchPlan, vllm: VllmConfig) -> VllmInstance:
+        """Run ``plan`` and wait until the instance is healthy (``start_timeout_s``); on a
+        failure the child is stopped and the error carries its log's tail."""
+        plan.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(plan.log_path, "ab") as log:
+            proc = subprocess.Popen(plan.command, env=plan.env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+        instance = cls(VllmHttp(plan.url, vllm.request_timeout_s), proc, plan.log_path)
+        try:
+            instance.wait_healthy(vllm.start_timeout_s)
+        except BaseException:
+            instance.close()
+            raise
+        return instance
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Return once ``/health`` answers; ``VllmInstanceError`` if the child exits first or
+        ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                raise VllmInstanceError(f"vLLM at {self.url} exited with "
+                                        f"{self.returncode}; log {self.log_path}:\n"
+                                        f"{self.log_tail()}")
+            if self.http.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise VllmInstanceError(f"vLLM at {self.url} not healthy after {timeout_s:g} s; "
+                                        f"log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(POLL_S)
+
+    def alive(self) -> bool:
+        """True while an owned child runs (an instance given by URL: always)."""
+        return self.proc is None or self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The owned child's exit status (None while it runs, or when not owned)."""
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self, nbytes: int = LOG_TAIL_BYTES) -> str:
+        """The end of the child's log ("" when there is none)."""
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        with open(self.log_path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - nbytes))
+            return log.read().decode("utf-8", "replace")
+
+    def close(self) -> None:
+        """Stop an owned child's process group: SIGTERM, SIGKILL after ``STOP_GRACE_S``
+        (idempotent; an instance given by URL is left running)."""
+        proc = self.proc
+        if proc is None or self._closed:
+            return
+        self._closed = True
+        _signal_group(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(STOP_GRACE_S)
+        _signal_group(proc.pid, signal.SIGKILL)  # what is left of the group (engine core)
+        proc.wait()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

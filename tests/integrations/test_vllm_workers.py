@@ -1,0 +1,513 @@
+"""The vLLM adapter workers against a fake vLLM HTTP server (no vLLM): the PE's completion and
+its ``Prefilled``, the DE's buffer, DE-path read, streamed decode and their failures and aborts;
+and ``VllmInstance``'s command line, environment and missing-python error (nothing started)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, VllmConfig
+from dualpath.integrations.vllm_http import (
+    VllmHttp,
+    VllmResponseError,
+    VllmStatusError,
+    parse_kv_cache_stats,
+)
+from dualpath.integrations.vllm_instance import (
+    PYTHON_ENV,
+    VllmInstanceError,
+    launch_plan,
+    vllm_python,
+)
+from dualpath.integrations.vllm_workers import VllmDecodeWorker, VllmPrefillWorker
+from dualpath.kv.hashing import KeySpace
+from dualpath.kv.host_pool import HostPool
+from dualpath.kv.layout import KVLayout
+from dualpath.protocol import (
+    Abort,
+    Aborted,
+    AllocBuffer,
+    BufferReady,
+    Decode,
+    Failed,
+    Finished,
+    Message,
+    Prefill,
+    Prefilled,
+    Tokens,
+)
+from dualpath.request import SamplingParams
+from dualpath.storage import open_store
+from dualpath.storage.client import StorageClient
+
+BS = 4
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", block_size=BS)
+SPACE = KeySpace("m", LAYOUT.vllm_layout_id, BS)
+EOS = 99
+METRICS = """# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="fake"} 0.25
+vllm:num_requests_running{engine="0",model_name="fake"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="fake"} 1.0
+vllm:cache_config_info{block_size="4",engine="0",num_gpu_blocks="400",prefix="a{b}"} 1.0
+"""
+
+
+# -- the fake vLLM ------------------------------------------------------------------------------
+class FakeVllm:
+    """A vLLM OpenAI server stand-in: records completion bodies and answers as told.
+
+    ``answer``: the JSON of a non-streamed completion; ``status``: its HTTP status; ``chunks``:
+    a streamed completion's ``(token_ids, finish_reason)`` chunks; ``gate_after``: the stream
+    waits on ``gate`` after that many chunks; ``break_after``: the connection is cut after that
+    many chunks (no ``[DONE]``); ``hang``: a non-streamed call waits on ``gate``.
+    """
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.answer: dict[str, Any] = {}
+        self.status = 200
+        self.chunks: list[tuple[list[int], str | None]] = []
+        self.gate = threading.Event()
+        self.gate_after: int | None = None
+        self.break_after: int | None = None
+        self.hang = False
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                pages = {"/health": "", "/v1/models": json.dumps({"data": [{"id": "fake"}]}),
+                         "/metrics": METRICS}
+                self._send(200 if self.path in pages else 404, pages.get(self.path, ""))
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append(body)
+                if fake.status != 200:
+                    self._send(fake.status, '{"error": "boom"}')
+                elif body.get("stream"):
+                    self._stream()
+                else:
+                    if fake.hang:
+                        fake.gate.wait(10)
+                    self._send(200, json.dumps(fake.answer))
+
+            def _send(self, status: int, text: str) -> None:
+                data = text.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _stream(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for i, (tokens, reason) in enumerate(fake.chunks):
+                    if i == fake.break_after:
+                        return  # cut off: no [DONE]
+                    if i == fake.gate_after:
+                        fake.gate.wait(10)
+                    chunk = {"choices": [{"index": 0, "text": "", "token_ids": tokens,
+                                          "finish_reason": reason}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.gate.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake():
+    server = FakeVllm()
+    yield server
+    server.close()
+
+
+def pump(worker: Any, want: type[Message], timeout_s: float = 5.0) -> list[Message]:
+    """Run ``work`` until a message of type ``want`` comes; every message so far."""
+    out: list[Message] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out += worker.work()
+        if any(isinstance(m, want) for m in out):
+            return out
+        time.sleep(0.005)
+    raise AssertionError(f"no {want.__name__} in {timeout_s} s; got {out}")
+
+
+# -- prefill ------------------------------------------------------------------------------------
+def prefill(req_id: int = 7, **kw: Any) -> Prefill:
+    values: dict[str, Any] = dict(
+        prompt_ids=tuple(range(1, 11)), num_hit_blocks=2, read_path="pe",
+        de_endpoint="10.0.0.2:1234", de_buffer_addr=4096,
+        params=SamplingParams(max_tokens=8, temperature=0.5, top_p=0.9, seed=3, min_tokens=2),
+        cache_salt="tenant")
+    values.update(kw)
+    return Prefill(req_id, **values)
+
+
+def test_prefill_sends_the_contract_body_and_maps_cached_tokens(fake):
+    fake.answer = {"choices": [{"token_ids": [42], "text": "x"}],
+                   "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}}
+    worker = VllmPrefillWorker(VllmHttp(fake.url, 5), "fake", BS)
+    assert worker.handle(prefill()) == []
+    assert worker.held_requests() == (7,) and worker.read_queue_tokens == 2 * BS
+    out = pump(worker, Prefilled)
+    [done] = out
+    assert isinstance(done, Prefilled)
+    assert (done.req_id, done.first_token, done.num_hit_blocks) == (7, 42, 1)  # 4 // 4
+    assert done.num_computed_tokens == 6 and done.forward_s > 0
+    assert worker.held_requests() == () and worker.read_queue_tokens == 0
+    assert fake.bodies == [{
+        "model": "fake", "prompt": list(range(1, 11)), "max_tokens": 1, "temperature": 0.5,
+        "top_p": 0.9, "seed": 3, "min_tokens": 1, "return_token_ids": True, "stream": False,
+        "cache_salt": "tenant",
+        "kv_transfer_params": {"dualpath": {
+            "role": "prefill", "req_id": 7, "read_path": "pe", "num_hit_blocks": 2,
+            "num_pe_read_blocks": 0, "de_endpoint": "10.0.0.2:1234", "de_buffer_addr": 4096,
+            "num_blocks": 3, "mode": "layerwise", "cache_salt": "tenant"}}}]
+    assert worker.metrics()["vllm_requests"] == 1
+    worker.close()
+
+
+def test_prefill_without_salt_seed_or_cached_tokens(fake):
+    fake.answer = {"choices": [{"token_ids": [5]}], "usage": {"prompt_tokens": 10}}
+    worker = VllmPrefillWorker(VllmHttp(fake.url, 5), "fake", BS)
+    worker.handle(prefill(cache_salt="", params=SamplingParams(), read_path="de"))
+    [done] = pump(worker, Prefilled)
+    assert isinstance(done, Prefilled)
+    assert (done.first_token, done.num_hit_blocks, done.num_computed_tokens) == (5, 0, 10)
+    body = fake.bodies[0]
+    assert "cache_salt" not in body and "seed" not in body and body["min_tokens"] == 0
+    assert worker.read_queue_tokens == 0  # nothing read on the PE side on the DE path
+    worker.close()
+
+
+def test_prefill_http_error_fails_the_request_naming_the_instance(fake):
+    fake.status = 500
+    worker = VllmPrefillWorker(VllmHttp(fake.url, 5), "fake", BS)
+    worker.handle(prefill())
+    [failed] = pump(worker, Failed)
+    assert isinstance(failed, Failed) and failed.req_id == 7
+    assert failed.error.startswith(f"vllm prefill instance {fake.url}: ")
+    assert "HTTP 500" in failed.error
+    assert worker.held_requests() == () and worker.metrics()["vllm_failures"] == 1
+    worker.close()
+
+
+def test_prefill_connection_refused_fails_the_request():
+    url = "http://127.0.0.1:9"  # discard: nothing listens
+    worker = VllmPrefillWorker(VllmHttp(url, 5), "fake", BS)
+    worker.handle(prefill())
+    [failed] = pump(worker, Failed)
+    assert isinstance(failed, Failed) and url in failed.error
+    worker.close()
+
+
+def test_prefill_abort_mid_call_closes_it_and_answers_aborted(fake):
+    fake.hang = True
+    worker = VllmPrefillWorker(VllmHttp(fake.url, 30), "fake", BS)
+    worker.handle(prefill())
+    deadline = time.monotonic() + 5
+    while not fake.bodies and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.handle(Abort(7)) == [Aborted(7)]
+    assert worker.held_requests() == () and worker.read_queue_tokens == 0
+    deadline = time.monotonic() + 2  # the closed call's thread ends now, not at the gate
+    while not worker.has_work and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.has_work
+    assert worker.work() == []  # its late end is dropped
+    worker.close()
+
+
+def test_prefill_worker_reports_free_blocks_from_metrics(fake):
+    worker = VllmPrefillWorker(VllmHttp(fake.url, 5), "fake", BS)
+    worker.free_kv_blocks  # noqa: B018 (starts the refresh)
+    deadline = time.monotonic() + 5
+    while worker.free_kv_blocks == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.free_kv_blocks == 300  # 400 blocks, a quarter used
+    worker.close()
+
+
+# -- decode -------------------------------------------------------------------------------------
+@pytest.fixture
+def de(fake, tmp_path):
+    storage_config = StorageConfig(root=str(tmp_path / "store"), read_deadline_s=5.0)
+    store = open_store(storage_config, LAYOUT)
+    storage = StorageClient(store, BS, storage_config)
+    pool = HostPool(LAYOUT.full_block_bytes, 8, pin=False, shm_path=str(tmp_path / "pool.shm"))
+    worker = VllmDecodeWorker(VllmHttp(fake.url, 5), "fake", LAYOUT, SPACE, pool, storage,
+                              eos_token_ids=frozenset({EOS}))
+    worker.store = store  # for the tests
+    yield worker
+    worker.close()
+    storage.close()
+    pool.close()
+
+
+PROMPT = tuple(range(1, 11))  # two full blocks and two tokens
+
+
+def block_bytes(k: int) -> bytes:
+    """Stored block k: layer i filled with 16 * k + i."""
+    return b"".join(bytes([16 * k + i]) * LAYOUT.layer_block_bytes
+                    for i in range(LAYOUT.num_layers))
+
+
+def store_blocks(worker: VllmDecodeWorker, salt: str = "") -> None:
+    keys = SPACE.salted(salt).keys(PROMPT)
+    assert worker.storage.write(keys, [bytearray(block_bytes(k)) for k in range(len(keys))])
+
+
+def alloc(worker: VllmDecodeWorker, num_read: int = 2, salt: str = "") -> BufferReady:
+    out = worker.handle(AllocBuffer(3, PROMPT, 3, num_read, cache_salt=salt))
+    if not out:
+        out = pump(worker, BufferReady)
+    [ready] = out
+    assert isinstance(ready, BufferReady)
+    return ready
+
+
+def test_alloc_buffer_reads_the_de_path_hit_into_the_layer_major_buffer(de):
+    store_blocks(de, "s")
+    ready = alloc(de, salt="s")
+    assert (ready.req_id, ready.num_blocks, ready.num_loaded_blocks) == (3, 3, 2)
+    pool, lb = de.host_pool, LAYOUT.layer_block_bytes
+    start = ready.buffer_addr - pool.base_address
+    region = bytes(pool.slab[start : start + 3 * LAYOUT.full_block_bytes].numpy())
+    for i in range(LAYOUT.num_layers):
+        for b in range(2):
+            at = (i * 3 + b) * lb
+            assert region[at : at + lb] == bytes([16 * b + i]) * lb
+    assert de.held_requests() == (3,) and pool.num_free == 5
+
+
+def test_a_damaged_block_loads_fewer(de):
+    store_blocks(de)
+    path = de.store.path_for(SPACE.keys(PROMPT)[1])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # the payload's last byte: the checksum no longer matches
+    path.write_bytes(bytes(data))
+    assert alloc(de).num_loaded_blocks == 1
+
+
+def test_no_read_is_ready_at_once(de):
+    ready = de.handle(AllocBuffer(3, PROMPT, 3, 0))
+    assert isinstance(ready[0], BufferReady) and ready[0].num_loaded_blocks == 0
+
+
+def test_decode_streams_tokens_frees_the_buffer_after_the_first_chunk_and_finishes(de, fake):
+    store_blocks(de)
+    ready = alloc(de)
+    fake.chunks = [([11], None), ([12, 13], None), ([14], "stop")]
+    fake.gate_after = 1
+    params = SamplingParams(max_tokens=10, temperature=0.0, stop=("end",), min_tokens=3)
+    assert de.handle(Decode(3, first_token=50, num_stored_blocks=2, params=params)) == []
+    out = pump(de, Tokens)
+    assert out == [Tokens(((3, 1, (11,)),))]  # the first token (index 0) came from the PE
+    assert de.host_pool.num_free == 8  # copied in by the instance: the buffer is free
+    assert de.held_requests() == (3,)
+    fake.gate.set()
+    out = pump(de, Finished)
+    tokens = [item for m in out if isinstance(m, Tokens) for item in m.items]
+    assert tokens == [(3, 2, (12, 13)), (3, 4, (14,))] or tokens == [(3, 2, (12, 13, 14))] \
+        or [t for _, _, ts in tokens for t in ts] == [12, 13, 14]
+    assert out[-1] == Finished(3, (50, 11, 12, 13, 14), "stop")
+    assert de.held_requests() == ()
+    body = fake.bodies[0]
+    assert body == {
+        "model": "fake", "prompt": [*PROMPT, 50], "max_tokens": 9, "temperature": 0.0,
+        "top_p": 1.0, "stop": ["end"], "ignore_eos": False, "min_tokens": 2,
+        "return_token_ids": True, "stream": True,
+        "kv_transfer_params": {"dualpath": {
+            "role": "decode", "req_id": 3, "shm_path": de.host_pool.shm_path,
+            "buffer_offset": ready.buffer_addr - de.host_pool.base_address, "num_blocks": 3,
+            "num_tokens": 10, "num_stored_blocks": 2, "cache_salt": ""}}}
+
+
+def test_decode_of_a_moved_stream_streams_from_the_first_token(de, fake):
+    de.handle(AllocBuffer(3, PROMPT, 3, 0))  # the last 2 of PROMPT are prior outputs
+    fake.chunks = [([21], "length")]
+    params = SamplingParams(max_tokens=4)
+    de.handle(Decode(3, 60, 0, params, num_prior_outputs=2))
+    out = pump(de, Finished)
+    tokens = [item for m in out if isinstance(m, Tokens) for item in m.items]
+    assert tokens == [(3, 2, (60, 21))]
+    assert out[-1] == Finished(3, (9, 10, 60, 21), "length")
+    assert fake.bodies[0]["max_tokens"] == 1
+
+
+def test_max_tokens_one_finishes_without_a_call(de, fake):
+    de.handle(AllocBuffer(3, PROMPT, 3, 0))
+    out = de.handle(Decode(3, 50, 0, SamplingParams(max_tokens=1)))
+    assert out == [Finished(3, (50,), "length")]
+    assert fake.bodies == [] and de.host_pool.num_free == 8 and de.held_requests() == ()
+
+
+def test_eos_first_token_finishes_without_a_call_unless_ignored(de, fake):
+    de.handle(AllocBuffer(3, PROMPT, 3, 0))
+    assert de.handle(Decode(3, EOS, 0, SamplingParams())) == [Finished(3, (EOS,), "stop")]
+    de.handle(AllocBuffer(4, PROMPT, 3, 0))
+    fake.chunks = [([1], "length")]
+    assert de.handle(Decode(4, EOS, 0, SamplingParams(max_tokens=2, ignore_eos=True))) == []
+    assert pump(de, Finished)[-1] == Finished(4, (EOS, 1), "length")
+    assert fake.bodies[0]["ignore_eos"] is True
+
+
+def test_a_broken_stream_fails_the_request(de, fake):
+    de.handle(AllocBuffer(3, PROMPT, 3, 0))
+    fake.chunks = [([11], None), ([12], None), ([13], "stop")]
+    fake.break_after = 2
+    de.handle(Decode(3, 50, 0, SamplingParams()))
+    out = pump(de, Failed)
+    failed = out[-1]
+    assert isinstance(failed, Failed) and failed.req_id == 3
+    assert failed.error.startswith(f"vllm decode instance {fake.url}: ")
+    assert "[DONE]" in failed.error
+    assert de.host_pool.num_free == 8 and de.held_requests() == ()
+
+
+def test_an_http_error_frees_the_buffer_and_fails(de, fake):
+    de.handle(AllocBuffer(3, PROMPT, 3, 0))
+    fake.status = 503
+    de.handle(Decode(3, 50, 0, SamplingParams()))
+    failed = pump(de, Failed)[-1]
+    assert isinstance(failed, Failed) and "HTTP 503" in failed.error
+    assert de.host_pool.num_free == 8
+
+
+def test_abort_mid_stream_closes_it_and_quarantines_the_buffer(de, fake):
+    de.handle(AllocBuffer(3, PROMPT, 3, 0))
+    fake.chunks = [([11], None), ([12], "stop")]
+    fake.gate_after = 0  # nothing streams: the buffer is still held
+    de.handle(Decode(3, 50, 0, SamplingParams()))
+    deadline = time.monotonic() + 5
+    while not fake.bodies and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert de.handle(Abort(3, quarantine_s=0.2)) == [Aborted(3)]
+    assert de.held_requests() == () and de.host_pool.num_free == 5
+    time.sleep(0.3)
+    out = de.work()
+    assert not any(isinstance(m, Finished | Failed) for m in out)
+    assert de.host_pool.num_free == 8
+
+
+def test_decode_without_a_buffer_fails(de):
+    [failed] = de.handle(Decode(3, 50, 0, SamplingParams()))
+    assert isinstance(failed, Failed) and "no prompt buffer" in failed.error
+
+
+def test_allocs_wait_fifo_for_a_contiguous_run(de):
+    de.handle(AllocBuffer(1, PROMPT, 6, 0))
+    assert de.handle(AllocBuffer(2, PROMPT, 3, 0)) == []  # 2 free: waits
+    assert de.held_requests() == (1, 2)
+    out = de.handle(Abort(1))
+    assert out[0] == Aborted(1) and isinstance(out[1], BufferReady) and out[1].req_id == 2
+
+
+def test_the_decode_pool_must_be_shared(fake, tmp_path):
+    pool = HostPool(LAYOUT.full_block_bytes, 2, pin=False)
+    with pytest.raises(ValueError, match="shm_path"):
+        VllmDecodeWorker(VllmHttp(fake.url), "fake", LAYOUT, SPACE, pool, None)  # type: ignore[arg-type]
+
+
+# -- the HTTP client ----------------------------------------------------------------------------
+def test_http_client_probes(fake):
+    http = VllmHttp(fake.url, 5)
+    assert http.healthy() and http.model_name() == "fake"
+    stats = http.kv_cache_stats()
+    assert (stats.num_blocks, stats.usage_frac, stats.num_running, stats.num_waiting) == \
+        (400, 0.25, 2, 1)
+    assert not VllmHttp("http://127.0.0.1:9", 5).healthy()
+    fake.status = 400
+    with pytest.raises(VllmStatusError, match=fake.url) as info:
+        http.completions({"prompt": [1]})
+    assert info.value.status == 400
+
+
+def test_stream_without_done_is_an_error(fake):
+    fake.chunks, fake.break_after = [([1], None), ([2], None)], 1
+    with pytest.raises(VllmResponseError, match="DONE"):
+        list(VllmHttp(fake.url, 5).stream_completions({"prompt": [1]}))
+
+
+def test_metrics_parse_ignores_other_lines():
+    stats = parse_kv_cache_stats("# nothing\nvllm:other 3\n")
+    assert stats.num_blocks is None and stats.free_blocks == 0
+
+
+# -- the instance's launch ----------------------------------------------------------------------
+def fake_model(tmp_path: Path) -> Path:
+    folder = tmp_path / "SmolTest"
+    folder.mkdir()
+    folder.joinpath("config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "vocab_size": 100, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16", "eos_token_id": 2}))
+    folder.joinpath("model.safetensors").write_bytes(b"weights")
+    return folder
+
+
+def test_launch_plan_builds_the_serve_command_and_environment(tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    config = ClusterConfig(engine=EngineConfig(block_size=64),
+                           storage=StorageConfig(root="/kv"),
+                           vllm=VllmConfig(python=str(python), kv_cache_gb=2.5, max_model_len=1024,
+                                           extra_args=("--enforce-eager",)))
+    model = fake_model(tmp_path)
+    plan = launch_plan(model, config, "decode", "10.1.2.3", "de0", port=8123,
+                       log_path=tmp_path / "de0.vllm.log", root=Path("/proj"),
+                       environ={"PYTHONPATH": "/x", "OMP_NUM_THREADS": "3"})
+    cmd = list(plan.command)
+    assert cmd[:4] == [str(python), "-m", "vllm.entrypoints.cli.main", "serve"]
+    flags = dict(zip(cmd[4::2], cmd[5::2], strict=False))
+    assert flags["--model"] == str(model) and flags["--port"] == "8123"
+    assert flags["--host"] == "127.0.0.1" and flags["--block-size"] == "64"
+    assert flags["--dtype"] == "bfloat16" and flags["--max-model-len"] == "1024"
+    assert "--enable-prompt-tokens-details" in cmd and cmd[-1] == "--enforce-eager"
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "DualPathConnector" and kv["kv_role"] == "kv_consumer"
+    extra = kv["kv_connector_extra_config"]
+    assert extra["role"] == "decode" and extra["root"] == "/kv" and extra["host"] == "10.1.2.3"
+    assert extra["model_id"].startswith("SmolTest")
+    assert plan.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert plan.env["PYTHONPATH"].split(":") == ["/proj", "/x"]
+    assert plan.env["OMP_NUM_THREADS"] == "3"  # the caller's kept
+    assert plan.url == "http://127.0.0.1:8123"
+
+
+def test_missing_peers_python_names_make_peers(tmp_path):
+    with pytest.raises(VllmInstanceError, match="make peers"):
+        vllm_python(VllmConfig(), root=tmp_path, environ={})
+    with pytest.raises(VllmInstanceError, match="nowhere"):
+        vllm_python(VllmConfig(), root=tmp_path, environ={PYTHON_ENV: str(tmp_path / "nowhere")})
+    (tmp_path / ".venv-peers" / "bin").mkdir(parents=True)
+    python = tmp_path / ".venv-peers" / "bin" / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    assert vllm_python(VllmConfig(), root=tmp_path, environ={}) == python
