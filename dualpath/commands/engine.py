@@ -23,6 +23,7 @@ class EngineProcessOptions:
     rdma_devices: str = ""
     sets: tuple[str, ...] = ()
     join_timeout_s: float = 120.0
+    vllm_url: str | None = None
 
 
 def add_arguments(parser: ArgumentParser) -> None:
@@ -51,6 +52,10 @@ def add_arguments(parser: ArgumentParser) -> None:
                         "storage.root=/mnt/kv (repeatable)")
     parser.add_argument("--join-timeout-s", type=float, default=120.0,
                         help="give up when the router has not answered by then")
+    parser.add_argument("--vllm-url", default=None,
+                        help="with engine_kind=vllm: drive the vLLM instance at this URL "
+                        "(http://HOST:PORT, started by you with dualpath's KV connector) "
+                        "instead of starting one")
 
 
 def run(options: EngineProcessOptions) -> int:
@@ -84,4 +89,4 @@ def run(options: EngineProcessOptions) -> int:
     config = localized(config, advertised)
     identity = EngineIdentity(name, options.role, options.node_id)
     return EngineProcess(identity, model_dir, config, options.router, key, advertised,
-                         joined.cluster_id).serve()
+                         joined.cluster_id, vllm_url=options.vllm_url).serve()

@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -64,12 +65,16 @@ from dualpath.storage.client import StorageClient
 from dualpath.storage.node_nic import node_nic_account
 from dualpath.traffic.ep import EpPeer, EpTraffic, ep_metrics_off
 from dualpath.traffic.manager import TrafficManager
-from dualpath.vocab import Role
+from dualpath.vocab import EngineKind, Role
+
+if TYPE_CHECKING:
+    from dualpath.integrations.vllm_instance import VllmInstance
 
 log = logging.getLogger("dualpath.engine")
 IDLE_POLL_MS = 20
 FAULT_HANG_ENV = "DUALPATH_FAULT_HANG_DIR"  # tests only: see EngineProcess._fault_hang
 ROUTER_GONE_EXIT = 3  # exit status of an engine that stopped because its router fell silent
+VLLM_GONE_EXIT = 4  # ... because the vLLM instance it started died
 
 
 @dataclass(frozen=True)
@@ -87,40 +92,50 @@ class EngineIdentity:
 class EngineProcess:
     """Everything one engine owns, and its loop."""
 
+    vllm: VllmInstance | None = None  # the vLLM instance behind a vLLM engine
+
     def __init__(self, identity: EngineIdentity, model_dir: Path, config: ClusterConfig,
                  router_address: str, key: EngineKey, advertised: Advertised | None = None,
-                 cluster_id: str = "") -> None:
-        """``key``: this engine's control-plane key (``control_keys.py``)."""
+                 cluster_id: str = "", vllm_url: str | None = None) -> None:
+        """``key``: this engine's control-plane key (``control_keys.py``). With
+        ``config.engine_kind`` vllm the engine loads no model: it starts a vLLM instance (or
+        drives the one at ``vllm_url``) and its worker turns requests into calls on it."""
         from dualpath.transfer.mooncake import MooncakeBackend
 
         apply_process_settings(config.engine)
-        # auto resolved, Mooncake's build checked against the device, a shared GPU's share set
-        device = prepare_engine_device(engine_config_for(config, identity.role))
-        config = replace(config, engine=replace(config.engine, device=device))
         self.identity = identity
-        self.engine = LLMEngine(model_dir, engine_config_for(config, identity.role))
-        layout = self.engine.layout
-        node_nic = node_nic_account(cluster_id, identity.node_id) if cluster_id else None
-        self.storage = StorageClient(open_store(config.storage, layout), layout.block_size,
-                                     config.storage, node_nic=node_nic)
-        advertised = advertised or Advertised("127.0.0.1", config.transfer_protocol)
-        self.backend = MooncakeBackend(advertised.host, advertised.protocol,
-                                       advertised.rdma_devices)
-        self.traffic = TrafficManager(self.backend, config.traffic, nic_host=advertised.host)
-        self.host_pool = HostPool(layout.full_block_bytes, config.host_pool_blocks, touch=True)
-        cache = self.engine.runner.cache.data
-        self.traffic.register(self.host_pool.base_address, self.host_pool.nbytes)
-        self.traffic.register(cache.data_ptr(), cache.numel() * cache.element_size())
-        args = (self.engine, self.host_pool, self.traffic, self.storage)
-        self.worker: Worker
-        if identity.role == Role.PREFILL:
-            self.worker = PrefillWorker(*args, cost_model=_cost_model(config),
-                                        quota_ms=config.prefill_quota_ms)
+        self.engine: LLMEngine | None = None
+        if config.engine_kind == EngineKind.VLLM:
+            self._init_vllm(model_dir, config, advertised, cluster_id, vllm_url)
+            config = self.config
         else:
-            self.worker = DecodeWorker(*args, staging_blocks=config.save_staging_blocks)
-        self.ep = _ep_traffic(self.traffic, config, self.engine.config, identity.role)
-        if self.ep is not None:
-            self.worker.on_step = self.ep.exchange  # each step waits for its all-to-all
+            # auto resolved, Mooncake's build checked against the device, a GPU's share set
+            device = prepare_engine_device(engine_config_for(config, identity.role))
+            config = replace(config, engine=replace(config.engine, device=device))
+            self.engine = LLMEngine(model_dir, engine_config_for(config, identity.role))
+            layout = self.engine.layout
+            node_nic = node_nic_account(cluster_id, identity.node_id) if cluster_id else None
+            self.storage = StorageClient(open_store(config.storage, layout), layout.block_size,
+                                         config.storage, node_nic=node_nic)
+            advertised = advertised or Advertised("127.0.0.1", config.transfer_protocol)
+            self.backend = MooncakeBackend(advertised.host, advertised.protocol,
+                                           advertised.rdma_devices)
+            self.traffic = TrafficManager(self.backend, config.traffic, nic_host=advertised.host)
+            self.host_pool = HostPool(layout.full_block_bytes, config.host_pool_blocks,
+                                      touch=True)
+            cache = self.engine.runner.cache.data
+            self.traffic.register(self.host_pool.base_address, self.host_pool.nbytes)
+            self.traffic.register(cache.data_ptr(), cache.numel() * cache.element_size())
+            args = (self.engine, self.host_pool, self.traffic, self.storage)
+            self.worker: Worker
+            if identity.role == Role.PREFILL:
+                self.worker = PrefillWorker(*args, cost_model=_cost_model(config),
+                                            quota_ms=config.prefill_quota_ms)
+            else:
+                self.worker = DecodeWorker(*args, staging_blocks=config.save_staging_blocks)
+            self.ep = _ep_traffic(self.traffic, config, self.engine.config, identity.role)
+            if self.ep is not None:
+                self.worker.on_step = self.ep.exchange  # each step waits for its all-to-all
         self._peer_endpoints: set[str] = set()  # other engines' transfer endpoints, as known
         self.config = config
         self.socket = engine_socket(identity.name, router_address, key)
@@ -134,6 +149,39 @@ class EngineProcess:
                                                            router_address, key),),
                                        name="heartbeat", daemon=True)
 
+    def _init_vllm(self, model_dir: Path, config: ClusterConfig, advertised: Advertised | None,
+                   cluster_id: str, vllm_url: str | None) -> None:
+        """The vLLM engine: storage client, transfer backend, traffic manager and (decode) a
+        shared host pool as an engine of ours has, a vLLM instance instead of a model, and its
+        role's adapter worker (``integrations/vllm_workers.py``). No EP traffic: vLLM runs the
+        steps."""
+        from dualpath.integrations.vllm_workers import vllm_engine_parts
+        from dualpath.transfer.mooncake import MooncakeBackend
+
+        identity = self.identity
+        parts = vllm_engine_parts(model_dir, config, identity.role, identity.name)
+        self.config = config
+        node_nic = node_nic_account(cluster_id, identity.node_id) if cluster_id else None
+        self.storage = StorageClient(open_store(config.storage, parts.layout),
+                                     parts.layout.block_size, config.storage, node_nic=node_nic)
+        advertised = advertised or Advertised("127.0.0.1", config.transfer_protocol)
+        self.backend = MooncakeBackend(advertised.host, advertised.protocol,
+                                       advertised.rdma_devices)
+        self.traffic = TrafficManager(self.backend, config.traffic, nic_host=advertised.host)
+        self.host_pool = parts.host_pool
+        self.traffic.register(self.host_pool.base_address, self.host_pool.nbytes)
+        self.ep = None
+        try:
+            self.vllm = parts.instance(advertised.host, vllm_url)
+            self.worker = parts.worker(self.vllm, self.host_pool, self.storage)
+        except BaseException:  # no child, thread or shared file outlives a failed start
+            if self.vllm is not None:
+                self.vllm.close()
+            self.storage.close()
+            self.traffic.close()
+            self.host_pool.close()
+            raise
+
     def send(self, messages: list[Message]) -> None:
         """Send control messages to the router."""
         for message in messages:
@@ -145,6 +193,13 @@ class EngineProcess:
         self._hello()
         self._heart.start()
         while self._running:
+            if self.vllm is not None and not self.vllm.alive():
+                log.error("the vLLM instance at %s exited with %s: stopping; its log %s:\n%s",
+                          self.vllm.url, self.vllm.returncode, self.vllm.log_path,
+                          self.vllm.log_tail())
+                self._running = False
+                self.close()
+                return VLLM_GONE_EXIT
             timeout = 0 if self.worker.has_work else IDLE_POLL_MS
             while self.socket.poll(timeout):
                 self._handle(self.socket.recv())
@@ -222,15 +277,18 @@ class EngineProcess:
         socket.close(0)
 
     def _state(self) -> Heartbeat:
+        reads = getattr(self.worker, "read_queue_tokens", None)  # a vLLM PE's own ledger
         return Heartbeat(self.identity.name, self.worker.free_kv_blocks, self.host_pool.num_free,
-                         self.storage.read_queue_tokens, self._held,
+                         self.storage.read_queue_tokens if reads is None else reads, self._held,
                          round(self._progress_age_s(), 3))
 
     def _progress_age_s(self) -> float:
         """Seconds since the work loop last made progress: read its inbox, or finished a
         layer of a forward (a forward of many seconds still moves; a loop stuck in a
         transfer or a deadlock does not, and the router declares the engine stuck)."""
-        last = max(self._loop_at_s, self.engine.runner.layer_done_s)
+        done_s = (self.engine.runner.layer_done_s if self.engine is not None
+                  else getattr(self.worker, "progress_s", 0.0))
+        last = max(self._loop_at_s, done_s)
         return max(0.0, time.monotonic() - last)
 
     def _fault_hang(self) -> None:
@@ -282,7 +340,11 @@ class EngineProcess:
         return values
 
     def close(self) -> None:
-        """Stop helpers, unpin the host pool and release the socket."""
+        """Stop helpers (a vLLM instance this engine started included), unpin the host pool
+        and release the socket."""
+        if self.vllm is not None:
+            self.worker.close()  # type: ignore[attr-defined]
+            self.vllm.close()
         self.storage.close()
         self.traffic.close()
         self.host_pool.close()

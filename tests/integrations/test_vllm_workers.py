@@ -511,3 +511,109 @@ def test_missing_peers_python_names_make_peers(tmp_path):
     python.write_text("#!/bin/sh\n")
     python.chmod(0o755)
     assert vllm_python(VllmConfig(), root=tmp_path, environ={}) == python
+
+
+# -- the engine process's seam ------------------------------------------------------------------
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_an_engine_process_in_vllm_mode_loads_no_model_and_drives_the_instance(fake, tmp_path,
+                                                                              role):
+    from dualpath.control_keys import ClusterKeys
+    from dualpath.engine.loop import EngineIdentity, EngineProcess
+    from dualpath.vocab import EngineKind
+
+    config = ClusterConfig(engine=EngineConfig(block_size=BS),
+                           storage=StorageConfig(root=str(tmp_path / "store")),
+                           host_pool_blocks=8, save_staging_blocks=2,
+                           engine_kind=EngineKind.VLLM, vllm=VllmConfig(request_timeout_s=5))
+    key = ClusterKeys.generate(["e0"]).engine_key("e0")
+    proc = EngineProcess(EngineIdentity("e0", role, 0), fake_model(tmp_path), config,
+                         "tcp://127.0.0.1:1", key, vllm_url=fake.url)
+    try:
+        assert proc.engine is None and proc.vllm is not None and not proc.vllm.owned
+        worker = proc.worker
+        assert worker.model == "fake"
+        shm = proc.host_pool.shm_path
+        if role == "decode":
+            assert isinstance(worker, VllmDecodeWorker) and shm and Path(shm).exists()
+            assert proc.host_pool.num_slots == 8
+        else:
+            assert isinstance(worker, VllmPrefillWorker) and shm is None
+            worker.handle(prefill(params=SamplingParams()))
+            assert proc._state().read_queue_tokens == 2 * BS  # the worker's own ledger
+        assert proc._progress_age_s() < 60
+    finally:
+        proc.close()
+    assert not shm or not Path(shm).exists()
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+print("fake vllm up", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def fake_python(tmp_path: Path, body: str) -> Path:
+    """A stand-in for the peers' python: a shell script that sees the serve command line."""
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --port ] && PORT=$2; "
+                      f"shift; done\n{body}\n")
+    script.chmod(0o755)
+    return script
+
+
+def started(tmp_path: Path, body: str, timeout_s: float = 20) -> Any:
+    from dualpath.integrations.vllm_instance import VllmInstance
+
+    vllm = VllmConfig(python=str(fake_python(tmp_path, body)), start_timeout_s=timeout_s)
+    plan = launch_plan(fake_model(tmp_path), ClusterConfig(vllm=vllm), "prefill", "127.0.0.1",
+                       "pe0", log_path=tmp_path / "pe0.vllm.log")
+    return VllmInstance.start(plan, vllm)
+
+
+def test_an_instance_starts_waits_for_health_and_stops_its_group(tmp_path):
+    import sys
+
+    server = tmp_path / "server.py"
+    server.write_text(HEALTH_SERVER)
+    instance = started(tmp_path, f"exec {sys.executable} {server} $PORT")
+    assert instance.owned and instance.alive() and instance.http.healthy()
+    assert "fake vllm up" in instance.log_tail()
+    instance.close()
+    assert not instance.alive() and not instance.http.healthy()
+    instance.close()  # idempotent
+
+
+def test_an_instance_that_exits_fails_its_start_with_its_log(tmp_path):
+    with pytest.raises(VllmInstanceError, match=r"(?s)exited with 3.*no model here"):
+        started(tmp_path, "echo no model here; exit 3")
+
+
+def test_an_instance_never_healthy_is_stopped_at_the_timeout(tmp_path):
+    with pytest.raises(VllmInstanceError, match=r"(?s)not healthy after.*waiting"):
+        started(tmp_path, "echo waiting; exec sleep 60", timeout_s=1)
+
+
+def test_the_engine_exits_when_its_vllm_child_dies(fake, tmp_path, monkeypatch):
+    import subprocess
+
+    from dualpath.control_keys import ClusterKeys
+    from dualpath.engine import loop
+    from dualpath.integrations.vllm_instance import VllmInstance
+    from dualpath.vocab import EngineKind
+
+    config = ClusterConfig(engine=EngineConfig(block_size=BS),
+                           storage=StorageConfig(root=str(tmp_path / "store")),
+                           host_pool_blocks=8, save_staging_blocks=2,
+                           engine_kind=EngineKind.VLLM, vllm=VllmConfig(request_timeout_s=5))
+    key = ClusterKeys.generate(["pe0"]).engine_key("pe0")
+    proc = loop.EngineProcess(loop.EngineIdentity("pe0", "prefill", 0), fake_model(tmp_path),
+                              config, "tcp://127.0.0.1:1", key, vllm_url=fake.url)
+    child = subprocess.Popen(["true"], start_new_session=True)
+    child.wait()
+    proc.vllm = VllmInstance(proc.vllm.http, child, tmp_path / "none.log")
+    assert proc.serve() == loop.VLLM_GONE_EXIT
