@@ -22,6 +22,7 @@ An abort closes the call's connection: vLLM then aborts the request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -128,7 +129,8 @@ class _VllmWorker:
         busy = self._stats_future is not None and not self._stats_future.done()
         if now - self._stats_at_s >= STATS_EVERY_S and not busy:
             self._stats_at_s = now
-            self._stats_future = self._stats_pool.submit(self._refresh_stats)
+            with contextlib.suppress(RuntimeError):  # closed: the cached count stands
+                self._stats_future = self._stats_pool.submit(self._refresh_stats)
         return self._free_kv_blocks
 
     def _refresh_stats(self) -> None:
@@ -142,8 +144,14 @@ class _VllmWorker:
         return {"vllm_requests": self.num_requests, "vllm_failures": self.num_failures,
                 "vllm_aborted": self.num_aborted, "vllm_http_s_total": self.http_s_total}
 
+    def _open_calls(self) -> list[HttpCall]:
+        """The calls in flight (each role keeps its own)."""
+        return []
+
     def close(self) -> None:
-        """Stop the call threads (open calls are left to end with their connections)."""
+        """Close the calls in flight (vLLM aborts them) and stop the call threads."""
+        for call in self._open_calls():
+            call.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._stats_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -247,6 +255,9 @@ class VllmPrefillWorker(_VllmWorker):
     def work(self) -> list[Message]:
         """Pick up finished calls; returns the messages to send."""
         return self.drain()
+
+    def _open_calls(self) -> list[HttpCall]:
+        return [job.call for job in list(self._calls.values())]
 
     def held_requests(self) -> tuple[int, ...]:
         """Req ids with a call in flight."""
@@ -557,6 +568,9 @@ class VllmDecodeWorker(_VllmWorker):
             job.slots = []
             self.num_aborted += 1
         return [Aborted(req_id), *self._start_allocs()]
+
+    def _open_calls(self) -> list[HttpCall]:
+        return [job.call for job in list(self._streams.values())]
 
     def held_requests(self) -> tuple[int, ...]:
         """Req ids held in any phase."""

@@ -413,6 +413,16 @@ def test_abort_mid_stream_closes_it_and_quarantines_the_buffer(de, fake):
     assert de.host_pool.num_free == 8
 
 
+def test_close_closes_the_open_streams(de, fake):
+    de.handle(AllocBuffer(3, PROMPT, 3, 0))
+    fake.chunks, fake.gate_after = [([11], None), ([12], "stop")], 1
+    de.handle(Decode(3, 50, 0, SamplingParams()))
+    pump(de, Tokens)
+    [job] = de._streams.values()
+    de.close()
+    assert job.call.closed
+
+
 def test_decode_without_a_buffer_fails(de):
     [failed] = de.handle(Decode(3, 50, 0, SamplingParams()))
     assert isinstance(failed, Failed) and "no prompt buffer" in failed.error
@@ -519,6 +529,7 @@ def test_an_engine_process_in_vllm_mode_loads_no_model_and_drives_the_instance(f
                                                                               role):
     from dualpath.control_keys import ClusterKeys
     from dualpath.engine.loop import EngineIdentity, EngineProcess
+    from dualpath.engine.worker import Worker
     from dualpath.vocab import EngineKind
 
     config = ClusterConfig(engine=EngineConfig(block_size=BS),
@@ -531,7 +542,7 @@ def test_an_engine_process_in_vllm_mode_loads_no_model_and_drives_the_instance(f
     try:
         assert proc.engine is None and proc.vllm is not None and not proc.vllm.owned
         worker = proc.worker
-        assert worker.model == "fake"
+        assert isinstance(worker, Worker) and worker.model == "fake"
         shm = proc.host_pool.shm_path
         if role == "decode":
             assert isinstance(worker, VllmDecodeWorker) and shm and Path(shm).exists()
