@@ -155,7 +155,7 @@ class EngineProcess:
         shared host pool as an engine of ours has, a vLLM instance instead of a model, and its
         role's adapter worker (``integrations/vllm_workers.py``). No EP traffic: vLLM runs the
         steps."""
-        from dualpath.integrations.vllm_workers import vllm_engine_parts
+        from dualpath.integrations.vllm_instance import vllm_engine_parts
         from dualpath.transfer.mooncake import MooncakeBackend
 
         identity = self.identity

@@ -9,6 +9,10 @@ SIGTERM when the engine process dies (``PR_SET_PDEATHSIG``); ``close`` stops the
 file the engine's stdout goes to, when it is one), else to a temporary file; a start that fails
 is a ``VllmInstanceError`` with the log's tail.
 
+``vllm_engine_parts`` is what an engine process (``engine/loop.py``) builds for a vLLM engine
+besides what every engine has: the instance's KV layout and key space (no weights loaded), its
+host pool (the decode side's shared), the instance and its role's worker.
+
 ``launch_plan`` builds the command line and environment without starting anything: the
 ``--kv-transfer-config`` is ``vllm_launch.transfer_config`` for the role, the store, the traffic
 caps, the checkpoint's model id and the engine's advertised host; the python is
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -29,13 +34,24 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dualpath.config import ClusterConfig, VllmConfig
 from dualpath.errors import DualPathError
 from dualpath.integrations.vllm_http import VllmHttp
 from dualpath.integrations.vllm_launch import transfer_config
+from dualpath.kv.hashing import KeySpace
+from dualpath.kv.host_pool import HostPool
+from dualpath.kv.layout import KVLayout
 from dualpath.model.spec import load_spec, model_id, resolve_dtype
 from dualpath.vocab import Role
+
+if TYPE_CHECKING:
+    from dualpath.integrations.vllm_decode_worker import VllmDecodeWorker
+    from dualpath.integrations.vllm_workers import VllmPrefillWorker
+    from dualpath.storage.client import StorageClient
+
+log = logging.getLogger("dualpath.vllm")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PEERS_PYTHON = Path(".venv-peers/bin/python")  # relative to the project checkout
@@ -228,3 +244,78 @@ class VllmInstance:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+# -- an engine process's parts ------------------------------------------------------------------
+@dataclass
+class VllmEngineParts:
+    """What an engine process of ``engine_kind = "vllm"`` builds besides its sockets, storage
+    client and traffic manager (``engine/loop.py``): the KV layout and key space of its vLLM
+    instance (no weights loaded), its host pool (the decode side's is shared), the instance,
+    and its role's worker."""
+
+    model_dir: Path
+    config: ClusterConfig
+    role: Role
+    name: str
+    layout: KVLayout
+    key_space: KeySpace
+    host_pool: HostPool
+    eos_token_ids: frozenset[int]
+    max_position: int | None
+
+    def instance(self, host: str, url: str | None = None) -> VllmInstance:
+        """Start this role's instance (``host``: the address its transfer engine advertises),
+        or connect to the one at ``url``; returns once it is healthy."""
+        if url:
+            return VllmInstance.connect(url, self.config.vllm)
+        plan = launch_plan(self.model_dir, self.config, self.role, host, self.name)
+        log.info("starting vLLM (%s) at %s, log %s", self.role, plan.url, plan.log_path)
+        return VllmInstance.start(plan, self.config.vllm)
+
+    def worker(self, instance: VllmInstance, host_pool: HostPool,
+               storage: StorageClient) -> VllmPrefillWorker | VllmDecodeWorker:
+        """This role's worker on ``instance``."""
+        from dualpath.integrations.vllm_decode_worker import VllmDecodeWorker
+        from dualpath.integrations.vllm_workers import DE_STREAM_THREADS, VllmPrefillWorker
+
+        http, block_size = instance.http, self.layout.block_size
+        model = http.model_name()
+        if self.role == Role.PREFILL:
+            return VllmPrefillWorker(http, model, block_size)
+        threads = max(DE_STREAM_THREADS, self.config.engine.max_num_seqs + 4)
+        return VllmDecodeWorker(http, model, self.layout, self.key_space, host_pool, storage,
+                                self.eos_token_ids, self.max_position, threads=threads)
+
+
+def shm_path_for(name: str) -> str:
+    """Where an engine's shared host pool lives: /dev/shm/dualpath-NAME-PID (the temporary
+    folder where there is no /dev/shm)."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(folder, f"dualpath-{name}-{os.getpid()}")
+
+
+def vllm_engine_parts(model_dir: str | Path, config: ClusterConfig, role: Role,
+                      name: str) -> VllmEngineParts:
+    """The layout (the checkpoint's shape, vLLM's dtype, our block size), key space and host
+    pool of an engine that drives vLLM; the prefill side's pool is a token one slot (vLLM's
+    connector reads the PE-path hit into its own buffers)."""
+    from dualpath.model.tokenizer import Tokenizer
+
+    model_dir = Path(model_dir)
+    spec = load_spec(model_dir)
+    dtype = resolve_dtype(config.engine.dtype, spec)  # vLLM's KV cache follows its dtype
+    layout = KVLayout.from_spec(spec, dtype, config.engine.block_size)
+    space = KeySpace(model_id(model_dir), layout.vllm_layout_id, layout.block_size)
+    if Role(role) == Role.DECODE:
+        pool = HostPool(layout.full_block_bytes, config.host_pool_blocks, touch=True,
+                        shm_path=shm_path_for(name))
+    else:
+        pool = HostPool(layout.full_block_bytes, 1)
+    eos = set(spec.eos_token_ids)
+    if (model_dir / "tokenizer.json").is_file():
+        token = Tokenizer(model_dir).eos_token_id
+        if token is not None:
+            eos.add(token)
+    return VllmEngineParts(model_dir, config, Role(role), name, layout, space, pool,
+                           frozenset(eos), spec.max_position)

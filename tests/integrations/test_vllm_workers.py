@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, VllmConfig
+from dualpath.integrations.vllm_decode_worker import VllmDecodeWorker
 from dualpath.integrations.vllm_http import (
     VllmHttp,
     VllmResponseError,
@@ -26,7 +27,7 @@ from dualpath.integrations.vllm_instance import (
     launch_plan,
     vllm_python,
 )
-from dualpath.integrations.vllm_workers import VllmDecodeWorker, VllmPrefillWorker
+from dualpath.integrations.vllm_workers import VllmPrefillWorker
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout

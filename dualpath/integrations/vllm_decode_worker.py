@@ -1,0 +1,346 @@
+"""The decode side of an engine process that drives a vLLM instance (``engine_kind = "vllm"``;
+``vllm_workers.py`` has the prefill side and what both share).
+
+``VllmDecodeWorker`` is the decode node's buffer service: it owns the host buffer, a shared
+file mapping (``HostPool(shm_path=...)``) that the decode instance's connector maps read-only,
+allocates a request's buffer as a contiguous run of slots and reads its DE-path hit into it,
+layer-major (as ``engine/decode_storage.py`` does), answering ``BufferReady`` once the read's
+I/O is done. On ``Decode`` it streams a completion of the prompt plus the first token from the
+instance (``kv_transfer_params["dualpath"]`` tells the connector where the buffer is), turns
+each chunk's token ids into ``Tokens`` and the end into ``Finished``, indexed as
+``DecodeWorker`` does. The buffer is freed with the first chunk that carries tokens (the
+instance has copied it in by then) or when the call ends; an abort closes the stream (vLLM
+aborts the request) and frees it, after a quarantine when a PE may still write into it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dualpath.errors import HostPoolExhaustedError
+from dualpath.integrations.vllm_http import HttpCall, VllmHttp
+from dualpath.integrations.vllm_workers import (
+    DE_STREAM_THREADS,
+    VllmWorkerBase,
+    error_detail,
+    sampling_body,
+)
+from dualpath.kv.hashing import KeySpace
+from dualpath.kv.host_pool import HostPool
+from dualpath.kv.layout import KVLayout
+from dualpath.protocol import (
+    Abort,
+    Aborted,
+    AllocBuffer,
+    BufferReady,
+    Decode,
+    Failed,
+    Finished,
+    Message,
+    Tokens,
+)
+from dualpath.request import SamplingParams
+from dualpath.storage.client import StorageClient
+
+
+@dataclass(eq=False)
+class _DecodeCall:
+    req_id: int
+    slots: list[int]  # the prompt buffer, until the first chunk (then freed: [])
+    call: HttpCall
+    outputs: list[int]  # prior outputs, the first token, then what vLLM streamed
+    num_streamed: int  # outputs the router has
+    finish_reason: str = ""
+    started_s: float = field(default_factory=time.monotonic)
+
+
+class VllmDecodeWorker(VllmWorkerBase):
+    """The decode node's buffer service (``AllocBuffer``, DE-path reads) and, on ``Decode``, a
+    streamed completion on the decode instance, whose connector copies the buffer in."""
+
+    def __init__(self, http: VllmHttp, model: str, layout: KVLayout, key_space: KeySpace,
+                 host_pool: HostPool, storage: StorageClient,
+                 eos_token_ids: frozenset[int] = frozenset(), max_position: int | None = None,
+                 threads: int = DE_STREAM_THREADS) -> None:
+        """``host_pool`` must be a shared one (``shm_path``): the instance maps its file.
+        ``key_space``: vLLM's (its ``vllm_layout_id``); ``eos_token_ids`` and ``max_position``
+        end a request on its first token without a call, as ``DecodeWorker`` would."""
+        if not host_pool.shm_path:
+            raise ValueError("the vLLM decode worker's host pool must be shared (shm_path)")
+        super().__init__(http, model, layout.block_size, threads)
+        self.layout = layout
+        self.key_space = key_space
+        self.host_pool = host_pool
+        self.storage = storage
+        self.eos_token_ids = eos_token_ids
+        self.max_position = max_position
+        self._buffers: dict[int, list[int]] = {}  # req_id -> host slots
+        self._allocs: dict[int, AllocBuffer] = {}  # req_id -> its tokens and salt, for Decode
+        self._reading: set[int] = set()  # req_ids whose DE-path read is in flight
+        self._orphans: set[int] = set()  # aborted while reading: free the slots when it ends
+        self._pending_allocs: deque[AllocBuffer] = deque()  # waiting for a contiguous run
+        self._quarantine: list[tuple[float, list[int]]] = []  # (free at, slots) of dropped ones
+        self._streams: dict[int, _DecodeCall] = {}
+        self.num_waits = 0
+        self.num_decoded_tokens = 0
+        self.num_finished_without_call = 0
+
+    def handle(self, msg: Message) -> list[Message]:
+        """``AllocBuffer``, ``Decode`` or ``Abort``; returns the answers."""
+        if isinstance(msg, AllocBuffer):
+            return self.alloc_buffer(msg)
+        if isinstance(msg, Decode):
+            return self.start_decode(msg)
+        if isinstance(msg, Abort):
+            return self.abort(msg.req_id, msg.quarantine_s)
+        raise ValueError(f"a decode engine cannot handle {msg.type!r}")
+
+    def work(self) -> list[Message]:
+        """Ended quarantines, finished reads, stream chunks and ends; returns the messages to
+        send (one ``Tokens`` for every stream's new tokens)."""
+        out = self._end_quarantines() + self.drain()
+        tokens = [m for m in out if isinstance(m, Tokens)]
+        rest = [m for m in out if not isinstance(m, Tokens)]
+        items = tuple(item for m in tokens for item in m.items)
+        return ([Tokens(items)] if items else []) + rest
+
+    # -- buffer (as ``DecodeStorage``) ----------------------------------------------------------
+    def alloc_buffer(self, msg: AllocBuffer) -> list[Message]:
+        """Take a contiguous run of slots (or wait for one, FIFO) and read the DE-path hit into
+        it; ``BufferReady`` once the read's I/O is done."""
+        if msg.num_blocks > self.host_pool.num_slots:
+            return [Failed(msg.req_id, f"the prompt needs {msg.num_blocks} host slots, the "
+                                       f"pool has {self.host_pool.num_slots}")]
+        self._pending_allocs.append(msg)
+        out = self._start_allocs()
+        self.num_waits += msg in self._pending_allocs
+        return out
+
+    def _start_allocs(self) -> list[Message]:
+        out: list[Message] = []
+        while self._pending_allocs:
+            msg = self._pending_allocs[0]
+            try:
+                slots = self.host_pool.alloc_run(msg.num_blocks)
+            except HostPoolExhaustedError:
+                return out
+            self._pending_allocs.popleft()
+            self._buffers[msg.req_id] = slots
+            self._allocs[msg.req_id] = msg
+            out.extend(self._start_read(msg, slots))
+        return out
+
+    def _start_read(self, msg: AllocBuffer, slots: list[int]) -> list[Message]:
+        """Read hit blocks ``[read_from_block, num_read_blocks)`` into their places in the
+        layer-major buffer."""
+        first = msg.read_from_block
+        if msg.num_read_blocks <= first:
+            return [self._ready(msg.req_id, msg.num_read_blocks)]
+        keys = self.key_space.salted(msg.cache_salt).keys(msg.prompt_ids)
+        keys = keys[first : msg.num_read_blocks]
+        layers = self._layer_major(slots)
+        parts = [list(layers[:, b].unbind(0)) for b in range(first, first + len(keys))]
+        self._reading.add(msg.req_id)
+        future = self.storage.submit_read(keys, parts)
+        future.io_done.add_done_callback(
+            lambda _: self._post(lambda: self._read_done(msg.req_id, first, future)))
+        return []
+
+    def _read_done(self, req_id: int, first: int, future: Future[list[bool]]) -> list[Message]:
+        self._reading.discard(req_id)
+        if req_id in self._orphans:  # aborted while reading: the slots are free now
+            self._orphans.discard(req_id)
+            self.host_pool.free(self._buffers.pop(req_id))
+            return self._start_allocs()
+        ok = future.result() if future.exception() is None else []
+        loaded = next((i for i, good in enumerate(ok) if not good), len(ok))
+        return [self._ready(req_id, first + loaded)]
+
+    def _ready(self, req_id: int, num_loaded: int) -> BufferReady:
+        slots = self._buffers[req_id]
+        return BufferReady(req_id, self.host_pool.address(slots[0]), len(slots), num_loaded)
+
+    def _layer_major(self, slots: list[int]) -> torch.Tensor:
+        """A buffer as ``[layers, n, layer_block_bytes]`` bytes (no copy)."""
+        n, layout = len(slots), self.layout
+        region = self.host_pool.region(slots[0], n)[: n * layout.full_block_bytes]
+        return region.view(layout.num_layers, n, layout.layer_block_bytes)
+
+    def _release(self, slots: list[int], quarantine_s: float) -> None:
+        if not slots:
+            return
+        if quarantine_s > 0:
+            self._quarantine.append((time.monotonic() + quarantine_s, slots))
+        else:
+            self.host_pool.free(slots)
+
+    def _end_quarantines(self) -> list[Message]:
+        if not self._quarantine:
+            return []
+        now = time.monotonic()
+        for _, slots in (q for q in self._quarantine if q[0] <= now):
+            self.host_pool.free(slots)
+        self._quarantine = [q for q in self._quarantine if q[0] > now]
+        return self._start_allocs()
+
+    # -- decode ---------------------------------------------------------------------------------
+    def start_decode(self, msg: Decode) -> list[Message]:
+        """Stream the completion of the prompt plus the first token from the instance (or end
+        the request now when the first token already ends it)."""
+        alloc = self._allocs.get(msg.req_id)
+        if alloc is None:
+            return [Failed(msg.req_id, "no prompt buffer for this request")]
+        prompt = alloc.prompt_ids
+        if not 0 <= msg.num_prior_outputs < len(prompt):
+            return [Failed(msg.req_id, f"{msg.num_prior_outputs} prior outputs of "
+                                       f"{len(prompt)} tokens")]
+        del self._allocs[msg.req_id]
+        slots = self._buffers.pop(msg.req_id)
+        prior = list(prompt[len(prompt) - msg.num_prior_outputs:])
+        job = _DecodeCall(msg.req_id, slots, HttpCall(), prior, msg.num_prior_outputs or 1)
+        self.num_requests += 1
+        reason = self._ends(prior, msg.params, len(prompt) - msg.num_prior_outputs)
+        if reason is None:
+            job.outputs.append(msg.first_token)
+            reason = self._ends(job.outputs, msg.params, len(prompt) - msg.num_prior_outputs)
+        if reason is not None:
+            self.num_finished_without_call += 1
+            self.host_pool.free(slots)
+            return self._finish(job, reason)
+        body = self.decode_body(msg, alloc, slots, len(job.outputs))
+        self._streams[msg.req_id] = job
+        self._pool.submit(self._stream, job, body)
+        return []
+
+    def _ends(self, outputs: list[int], params: SamplingParams, num_prompt: int) -> str | None:
+        """Why a request whose outputs are ``outputs`` has ended (None: it has not), by
+        ``DecodeWorker``'s rules on its last token (EOS, ``max_tokens``, the model's context;
+        stop strings are vLLM's business)."""
+        if not outputs:
+            return None
+        may_stop = len(outputs) >= params.min_tokens
+        if may_stop and not params.ignore_eos and outputs[-1] in self.eos_token_ids:
+            return "stop"
+        if len(outputs) >= params.max_tokens:
+            return "length"
+        if self.max_position is not None and num_prompt + len(outputs) >= self.max_position:
+            return "length"
+        return None
+
+    def decode_body(self, msg: Decode, alloc: AllocBuffer, slots: list[int],
+                    num_outputs: int) -> dict[str, Any]:
+        """The streamed completion request of a ``Decode`` (the connector's contract);
+        ``num_outputs``: the outputs so far, the first token included."""
+        params, salt = msg.params, alloc.cache_salt
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": [*alloc.prompt_ids, msg.first_token],
+            "max_tokens": params.max_tokens - num_outputs, **sampling_body(params),
+            "stop": list(params.stop), "ignore_eos": params.ignore_eos,
+            "min_tokens": max(0, params.min_tokens - num_outputs),
+            "return_token_ids": True, "stream": True}
+        if salt:
+            body["cache_salt"] = salt
+        body["kv_transfer_params"] = {"dualpath": {
+            "role": "decode", "req_id": msg.req_id, "shm_path": self.host_pool.shm_path,
+            "buffer_offset": self.host_pool.address(slots[0]) - self.host_pool.base_address,
+            "num_blocks": len(slots), "num_tokens": len(alloc.prompt_ids),
+            "num_stored_blocks": msg.num_stored_blocks, "cache_salt": salt}}
+        return body
+
+    def _stream(self, job: _DecodeCall, body: dict[str, Any]) -> None:
+        """Run one stream (a call thread): post each chunk's tokens, then its end."""
+        error: Exception | None = None
+        try:
+            with self.http.stream_completions(body, job.call) as stream:
+                for chunk in stream:
+                    choice = (chunk.get("choices") or [{}])[0]
+                    tokens = [int(t) for t in choice.get("token_ids") or ()]
+                    reason = str(choice.get("finish_reason") or "")
+                    self._post(lambda t=tokens, r=reason: self._chunk(job, t, r))
+        except Exception as exc:  # reported to the router as this request's failure
+            error = exc
+        self._post(lambda: self._stream_end(job, error))
+
+    def _chunk(self, job: _DecodeCall, tokens: list[int], reason: str) -> list[Message]:
+        if self._streams.get(job.req_id) is not job:
+            return []  # aborted
+        if job.slots and (tokens or reason):  # the instance has copied the buffer in
+            self.host_pool.free(job.slots)
+            job.slots = []
+            out = self._start_allocs()
+        else:
+            out = []
+        job.outputs.extend(tokens)
+        self.num_decoded_tokens += len(tokens)
+        job.finish_reason = reason or job.finish_reason
+        return out + self._new_tokens(job)
+
+    def _new_tokens(self, job: _DecodeCall) -> list[Message]:
+        if len(job.outputs) <= job.num_streamed:
+            return []
+        item = (job.req_id, job.num_streamed, tuple(job.outputs[job.num_streamed:]))
+        job.num_streamed = len(job.outputs)
+        return [Tokens((item,))]
+
+    def _stream_end(self, job: _DecodeCall, error: Exception | None) -> list[Message]:
+        if self._streams.get(job.req_id) is not job:
+            return []  # aborted: answered then
+        del self._streams[job.req_id]
+        self.http_s_total += time.monotonic() - job.started_s
+        out: list[Message] = []
+        if job.slots:  # the call ended before any chunk
+            self.host_pool.free(job.slots)
+            job.slots = []
+            out = self._start_allocs()
+        if error is not None:
+            self.num_failures += 1
+            return [*out, Failed(job.req_id, f"vllm decode instance {self.http.url}: "
+                                             f"{error_detail(error)}")]
+        return out + self._finish(job, job.finish_reason)
+
+    def _finish(self, job: _DecodeCall, reason: str) -> list[Message]:
+        """Stream what the router lacks, then ``Finished`` with every output token."""
+        return [*self._new_tokens(job), Finished(job.req_id, tuple(job.outputs), reason)]
+
+    # -- abort and state ------------------------------------------------------------------------
+    def abort(self, req_id: int, quarantine_s: float = 0.0) -> list[Message]:
+        """Drop a request in any phase: close its stream (vLLM aborts it) and free its buffer
+        (after ``quarantine_s`` when a PE may still write into it); answers ``Aborted``."""
+        self._pending_allocs = deque(m for m in self._pending_allocs if m.req_id != req_id)
+        self._allocs.pop(req_id, None)
+        if req_id in self._reading:
+            self._orphans.add(req_id)  # the read still fills the slots
+        elif req_id in self._buffers:
+            self._release(self._buffers.pop(req_id), quarantine_s)
+        job = self._streams.pop(req_id, None)
+        if job is not None:
+            job.call.close()
+            self._release(job.slots, quarantine_s)
+            job.slots = []
+            self.num_aborted += 1
+        return [Aborted(req_id), *self._start_allocs()]
+
+    def _open_calls(self) -> list[HttpCall]:
+        return [job.call for job in list(self._streams.values())]
+
+    def held_requests(self) -> tuple[int, ...]:
+        """Req ids held in any phase."""
+        ids = {m.req_id for m in self._pending_allocs} | set(self._buffers) | set(self._streams)
+        return tuple(sorted(ids - self._orphans))
+
+    @property
+    def read_queue_tokens(self) -> int:
+        """The storage client's unfinished reads."""
+        return self.storage.read_queue_tokens
+
+    def metrics(self) -> dict[str, object]:
+        """This worker's counters."""
+        return {**self.base_metrics(), "num_waits": self.num_waits,
+                "num_decoded_tokens": self.num_decoded_tokens,
+                "num_finished_without_call": self.num_finished_without_call}
