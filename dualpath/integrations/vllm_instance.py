@@ -318,4 +318,4 @@ def vllm_engine_parts(model_dir: str | Path, config: ClusterConfig, role: Role,
         if token is not None:
             eos.add(token)
     return VllmEngineParts(model_dir, config, Role(role), name, layout, space, pool,
-                           frozenset(eos), spec.max_position)
+                           frozenset(eos), min(spec.max_position, config.vllm.max_model_len))

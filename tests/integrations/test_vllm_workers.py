@@ -547,7 +547,8 @@ def test_an_engine_process_in_vllm_mode_loads_no_model_and_drives_the_instance(f
         shm = proc.host_pool.shm_path
         if role == "decode":
             assert isinstance(worker, VllmDecodeWorker) and shm and Path(shm).exists()
-            assert proc.host_pool.num_slots == 8
+            assert proc.host_pool.num_slots == 8 and worker.max_position == 256
+            assert worker.key_space.layout_id.startswith("vllm-LBHNC-bfloat16-L2-")
         else:
             assert isinstance(worker, VllmPrefillWorker) and shm is None
             worker.handle(prefill(params=SamplingParams()))
