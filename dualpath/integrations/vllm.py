@@ -120,7 +120,8 @@ class DualPathConnector(KVConnectorBase_V1):
         traffic = None
         if role == KVConnectorRole.WORKER and self.kind == Role.PREFILL:
             traffic = prefill_traffic(extra)
-        self.moves = Moves(self.layout, self.space, self.client, traffic)
+        self.moves = Moves(self.layout, self.space, self.client, traffic,
+                           str(extra.get("trace_path", "")))
         self.saved_blocks = 0
         log.info("dualpath connector (%s, %s): key space %s/%s bs%d, store %s at %s",
                  role.name, self.kind, self.space.model_id, self.space.layout_id,

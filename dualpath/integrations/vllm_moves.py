@@ -23,9 +23,11 @@ poisons the request: it gets no seal and nothing more of it is saved.
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,9 @@ class Moves:
     """One vLLM worker's KV movement (module docstring)."""
 
     def __init__(self, layout: KVLayout, space: KeySpace, client: StorageClient,
-                 traffic: TrafficManager | None = None) -> None:
+                 traffic: TrafficManager | None = None, trace_path: str = "") -> None:
+        """``trace_path``: append each step's hook and transfer times there as JSON lines
+        (the hook-order test reads them; off when empty)."""
         self.layout = layout
         self.space = space
         self.client = client
@@ -71,6 +75,8 @@ class Moves:
         self._seal = torch.zeros(4096, dtype=torch.uint8)
         self.loaded_tokens = self.pulled_blocks = self.pushed_blocks = 0
         self.copied_blocks = self.num_sealed = self.num_unsealed = 0
+        self.trace_path = trace_path
+        self._trace: list[tuple[float, str, int]] = []
 
     # --- setup -------------------------------------------------------------------------
 
@@ -107,8 +113,9 @@ class Moves:
             self._need_traffic()
             for layer in range(len(self.layers)):
                 self._pulls[layer] = [
-                    (self.traffic.submit("read", r.endpoint, self._segments(layer, r),
-                                         Lane.KV_LOAD), r)  # type: ignore[union-attr]
+                    (self._traced(self.traffic.submit(  # type: ignore[union-attr]
+                        "read", r.endpoint, self._segments(layer, r), Lane.KV_LOAD),
+                        "pull", layer), r)
                     for r in plan.pulls]
         if plan.copies:  # a memcpy per layer: done here, reported by take_received
             self._copy_in(plan.copies)
@@ -120,6 +127,7 @@ class Moves:
         """Block until layer ``layer``'s loads are in the paged cache (or failed)."""
         self._store_ready[layer].wait()
         pulls, self._pulls[layer] = self._pulls[layer], []
+        self._mark("wait", layer)
         for future, remote in pulls:
             try:
                 future.result()
@@ -128,9 +136,11 @@ class Moves:
                 log.warning("dualpath connector: pull of layer %d for request %d failed: %s",
                             layer, remote.req_id, exc)
                 self._fail(remote.vllm_req_id, [b for _, b in remote.pairs])
+        self._mark("attention", layer)
 
     def push_layer(self, layer: int, plan: StepPlan) -> None:
         """Queue layer ``layer`` of every push (after its attention has written it)."""
+        self._mark("computed", layer)
         if not plan.pushes or plan.basic:
             return
         self._submit_pushes(plan.pushes, [layer])
@@ -155,6 +165,13 @@ class Moves:
             self.pushed_blocks += len(remote.pairs)
             if remote.seal:
                 self._write_seal(remote, ok=remote.vllm_req_id not in failed | self._poisoned)
+        if plan.pulls or plan.pushes:
+            log.info("dualpath connector: pulled %d, pushed %d blocks (%d layers each); "
+                     "pulled_blocks_total=%d pushed_blocks_total=%d sealed_total=%d",
+                     sum(len(r.pairs) for r in plan.pulls),
+                     sum(len(r.pairs) for r in plan.pushes), len(self.layers),
+                     self.pulled_blocks, self.pushed_blocks, self.num_sealed)
+        self._flush_trace()
 
     def _submit_pushes(self, pushes: list[Remote], layers: Any) -> None:
         self._need_traffic()
@@ -164,7 +181,7 @@ class Moves:
                     future = self.traffic.submit(  # type: ignore[union-attr]
                         "write", remote.endpoint, self._segments(layer, remote),
                         Lane.KV_FORWARD)
-                    self._pushes.append((future, remote))
+                    self._pushes.append((self._traced(future, "push", layer), remote))
 
     def _write_seal(self, remote: Remote, ok: bool) -> None:
         if not ok:
@@ -267,6 +284,25 @@ class Moves:
         for layer, cache in enumerate(self.layers):
             rows = data[layer].index_select(0, js)
             cache.index_copy_(0, ids, rows.view(cache.dtype).unflatten(1, cache.shape[1:]))
+
+    # --- the hook-order trace --------------------------------------------------------------
+
+    def _mark(self, event: str, layer: int) -> None:
+        if self.trace_path:
+            self._trace.append((time.monotonic(), event, layer))
+
+    def _traced(self, future: Future[None], what: str, layer: int) -> Future[None]:
+        """``future``, its submission and completion marked (``what``-queued/-landed)."""
+        if self.trace_path:
+            self._mark(f"{what}-queued", layer)
+            future.add_done_callback(lambda _: self._mark(f"{what}-landed", layer))
+        return future
+
+    def _flush_trace(self) -> None:
+        if self.trace_path and self._trace:
+            events, self._trace = self._trace, []
+            with Path(self.trace_path).open("a") as file:
+                file.write(json.dumps(sorted(events)) + "\n")
 
     # --- outcomes ------------------------------------------------------------------------
 

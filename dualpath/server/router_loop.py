@@ -64,7 +64,7 @@ from dualpath.server.router_types import (
     RequestState,
 )
 from dualpath.storage import open_store
-from dualpath.vocab import Mode, ReadPath, Role
+from dualpath.vocab import EngineKind, Mode, ReadPath, Role
 
 log = logging.getLogger("dualpath.router")
 HEARTBEAT_TICK_S = 0.1  # how often the loop checks engine silence
@@ -97,7 +97,10 @@ class RouterLoop:
                                     resolve_dtype(config.engine.dtype, spec))
         layout = KVLayout.from_spec(spec, kv_dtype, config.engine.block_size)
         self.block_size = layout.block_size
-        self.key_space = KeySpace(model_id(model_dir), layout.layout_id, layout.block_size)
+        # vLLM engines store vLLM's own layout under their own id (docs/vllm-connector.md)
+        layout_id = (layout.vllm_layout_id if config.engine_kind == EngineKind.VLLM
+                     else layout.layout_id)
+        self.key_space = KeySpace(model_id(model_dir), layout_id, layout.block_size)
         self.store = open_store(config.storage, layout)
         capacity = Capacity(self.block_size, kv_tokens(config, layout, Role.DECODE),
                             config.host_pool_blocks, config.save_staging_blocks,

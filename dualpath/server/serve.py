@@ -37,7 +37,7 @@ from dualpath.server.launch import ClusterBase, ExternalCluster, LocalCluster
 from dualpath.server.metrics import ServeMetrics
 from dualpath.server.router import Router
 from dualpath.storage.fs_capacity import pid_alive, stored_bytes
-from dualpath.vocab import Launcher
+from dualpath.vocab import EngineKind, Launcher
 
 RUN_NAME = re.compile(r"[0-9]{8}-[0-9]{6}(-[0-9]+)?")  # a run folder's name: its start time
 PID_FILE = "serve.pid"  # in a run folder: "PID START" of the serve process that uses it
@@ -266,6 +266,7 @@ class ServeOptions:
     ray_address: str | None = None
     router_host: str | None = None
     router_port: int | None = None
+    engine: str | None = None
 
 
 def add_arguments(parser: ArgumentParser) -> None:
@@ -295,6 +296,10 @@ def add_arguments(parser: ArgumentParser) -> None:
                         "for engines on other hosts)")
     parser.add_argument("--router-port", type=int, default=None,
                         help="engine endpoint port (default: any free one)")
+    parser.add_argument("--engine", default=None, choices=tuple(EngineKind),
+                        help="what computes behind each engine process: dualpath's engine "
+                        "(default) or a vLLM instance with dualpath's KV connector (needs "
+                        "`make peers`; docs/vllm-connector.md)")
 
 
 def serve_config(options: ServeOptions) -> AppConfig:
@@ -307,7 +312,8 @@ def serve_config(options: ServeOptions) -> AppConfig:
                        ("serve.api_key", options.api_key), ("serve.launcher", options.launcher),
                        ("serve.ray_address", options.ray_address),
                        ("engine.device", options.device), ("router_host", options.router_host),
-                       ("router_port", options.router_port)):
+                       ("router_port", options.router_port),
+                       ("engine_kind", options.engine)):
         if value is not None:
             base[key] = value
     return load_config(options.config, list(options.sets), base)
