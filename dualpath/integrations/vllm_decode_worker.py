@@ -25,6 +25,7 @@ import torch
 
 from dualpath.errors import HostPoolExhaustedError
 from dualpath.integrations.vllm_http import HttpCall, VllmHttp
+from dualpath.integrations.vllm_plan import SEAL_BYTES, seal_offset
 from dualpath.integrations.vllm_workers import (
     DE_STREAM_THREADS,
     VllmWorkerBase,
@@ -131,6 +132,7 @@ class VllmDecodeWorker(VllmWorkerBase):
             except HostPoolExhaustedError:
                 return out
             self._pending_allocs.popleft()
+            self._unseal(slots)
             self._buffers[msg.req_id] = slots
             self._allocs[msg.req_id] = msg
             out.extend(self._start_read(msg, slots))
@@ -165,6 +167,12 @@ class VllmDecodeWorker(VllmWorkerBase):
     def _ready(self, req_id: int, num_loaded: int) -> BufferReady:
         slots = self._buffers[req_id]
         return BufferReady(req_id, self.host_pool.address(slots[0]), len(slots), num_loaded)
+
+    def _unseal(self, slots: list[int]) -> None:
+        """Zero a new buffer's seal: the decode instance copies it in only once the prefill
+        has written this request's seal, after its last push (``vllm_plan.seal_of``)."""
+        where = seal_offset(len(slots), self.layout.full_block_bytes)
+        self.host_pool.region(slots[0], len(slots))[where : where + SEAL_BYTES] = 0
 
     def _layer_major(self, slots: list[int]) -> torch.Tensor:
         """A buffer as ``[layers, n, layer_block_bytes]`` bytes (no copy)."""

@@ -40,6 +40,7 @@ from dualpath.config import ClusterConfig, VllmConfig
 from dualpath.errors import DualPathError
 from dualpath.integrations.vllm_http import VllmHttp
 from dualpath.integrations.vllm_launch import transfer_config
+from dualpath.integrations.vllm_plan import SEAL_BYTES
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
@@ -308,8 +309,9 @@ def vllm_engine_parts(model_dir: str | Path, config: ClusterConfig, role: Role,
     layout = KVLayout.from_spec(spec, dtype, config.engine.block_size)
     space = KeySpace(model_id(model_dir), layout.vllm_layout_id, layout.block_size)
     if Role(role) == Role.DECODE:
-        pool = HostPool(layout.full_block_bytes, config.host_pool_blocks, touch=True,
-                        shm_path=shm_path_for(name))
+        # room after a buffer's data for its seal (vllm_plan: the prefill writes it last)
+        pool = HostPool(layout.full_block_bytes + SEAL_BYTES, config.host_pool_blocks,
+                        touch=True, shm_path=shm_path_for(name))
     else:
         pool = HostPool(layout.full_block_bytes, 1)
     eos = set(spec.eos_token_ids)
