@@ -187,6 +187,9 @@ class VllmConfig:
     start_timeout_s: float = 300.0  # a `vllm serve` not healthy by then fails the engine
     request_timeout_s: float = 600.0  # one HTTP call to an instance
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--enforce-eager",)
+    # vLLM's own prefix cache in each instance. Off: every hit comes through dualpath's store
+    # and read paths, as with our engines (whose device memory keeps no prefix across requests)
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_gb <= 0 or self.max_model_len < 1:

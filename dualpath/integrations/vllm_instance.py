@@ -132,7 +132,9 @@ def launch_plan(model_dir: str | Path, config: ClusterConfig, role: Role, host: 
     command = (str(python), *ENTRY, "--model", str(model_dir), "--port", str(port),
                "--host", "127.0.0.1", "--block-size", str(engine.block_size), "--dtype", dtype,
                "--max-model-len", str(vllm.max_model_len), "--enable-prompt-tokens-details",
-               "--kv-transfer-config", json.dumps(kv_config), *vllm.extra_args)
+               "--kv-transfer-config", json.dumps(kv_config),
+               "--enable-prefix-caching" if vllm.prefix_caching else "--no-enable-prefix-caching",
+               *vllm.extra_args)
     python_path = os.pathsep.join(filter(None, [str(root), environ.get("PYTHONPATH")]))
     env = {**environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(vllm.kv_cache_gb))),
            "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}

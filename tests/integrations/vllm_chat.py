@@ -37,7 +37,8 @@ def main() -> None:
 
         extra["kv_transfer_config"] = transfer_config(args.store)
     llm = LLM(model=args.model, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-              block_size=BLOCK_SIZE, enable_prefix_caching=False, seed=0, **extra)
+              block_size=BLOCK_SIZE, enable_prefix_caching=False, seed=0,
+              kv_cache_memory_bytes=1 << 30, **extra)  # not 92% of the memory: peers run beside
     tokenizer = llm.get_tokenizer()
     turns = json.loads(args.history.read_text())["turns"] if args.history else []
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

@@ -43,7 +43,7 @@ def main() -> None:
 
     common = dict(model=args.model, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
                   block_size=BLOCK_SIZE, enable_prefix_caching=False, seed=0,
-                  gpu_memory_utilization=0.08)
+                  kv_cache_memory_bytes=1 << 30)  # not 92% of the memory: two run at once
     if args.plain:
         llm = LLM(**common)
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],

@@ -1,0 +1,220 @@
+"""``dualpath serve --engine vllm``: our router and API in front of a prefill and a decode vLLM
+instance with dualpath's connector (issue 36), against plain vLLM on the same 2-turn chat.
+
+Three vLLM starts (plain vLLM offline for the reference tokens, then the cluster's two, about
+a minute together here); skipped where ``make peers`` has not run. The module's last test
+kills the decode instance, so it runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.integrations.test_vllm_connector import TURNS, chat
+from tests.integrations.test_vllm_env import ROOT, peers_python
+
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 32  # as vllm_chat.py's reference instance
+MAX_TOKENS = 24
+READY_S = 420.0
+VLLM_LOG = re.compile(r"starting vLLM \((\w+)\) at (\S+), log (\S+)")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, smollm2_dir):
+    peers_python()  # skip before starting anything
+    tmp = tmp_path_factory.mktemp("vllm-serve")
+    (tmp / "model.json").write_text(json.dumps(str(smollm2_dir)))
+    plain, _ = chat(tmp, "plain", TURNS)  # vllm_chat.py's max_tokens: MAX_TOKENS
+    port = free_port()
+    cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "dualpath.cli", "serve",
+           "--engine", "vllm", "--prefill", "1", "--decode", "1", "--model", str(smollm2_dir),
+           "--storage", str(tmp / "store"), "--port", str(port),
+           "--set", f"engine.block_size={BLOCK_SIZE}", "--set", "vllm.max_model_len=1024",
+           "--set", "vllm.extra_args=['--enforce-eager']"]
+    log = (tmp / "serve.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "DUALPATH_VLLM_PYTHON": str(peers_python())},
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, tmp / "serve.log")
+        yield {"url": url, "plain": plain, "tmp": tmp, "store": tmp / "store", "proc": proc,
+               "run": run_folder(tmp / "serve.log")}
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + READY_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise AssertionError("serve --engine vllm not ready: " + log.read_text()[-3000:])
+
+
+def run_folder(log: Path) -> Path:
+    found = re.search(r"logs and resolved config: (\S+)", log.read_text())
+    assert found
+    return Path(found.group(1))
+
+
+def vllm_instances(cluster: dict) -> dict[str, tuple[str, Path]]:
+    """Each engine's vLLM instance, by role: its URL and its log."""
+    found = {}
+    for engine_log in cluster["run"].glob("*.log"):
+        match = VLLM_LOG.search(engine_log.read_text())
+        if match:
+            found[match.group(1)] = (match.group(2), Path(match.group(3)))
+    return found
+
+
+def vllm_logs(cluster: dict) -> dict[str, str]:
+    """Each engine's vLLM instance log, by role."""
+    return {role: log.read_text() for role, (_, log) in vllm_instances(cluster).items()}
+
+
+def complete(cluster: dict, prompt: list[int], read_path: str | None) -> dict:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    if read_path:
+        body["dualpath"] = {"read_path": read_path}
+    reply = requests.post(f"{cluster['url']}/v1/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def expected_text(smollm2_dir: Path, output: list[int]) -> str:
+    from dualpath.model.tokenizer import Tokenizer
+
+    return Tokenizer(smollm2_dir).decode([t for t in output if t != 2])
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de", None])
+def test_greedy_tokens_equal_plain_vllm_on_each_read_path(cluster, smollm2_dir, read_path):
+    """Each turn through the router, the prefill instance, the PD push and the decode
+    instance gives plain vLLM's text and token count; turn 2 hits turn 1's persisted KV."""
+    for i, turn in enumerate(cluster["plain"]):
+        reply = complete(cluster, turn["prompt"], read_path)
+        assert reply["choices"][0]["text"] == expected_text(smollm2_dir, turn["output"])
+        assert reply["usage"]["completion_tokens"] == len(turn["output"])
+        cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if i == 1 or read_path != "pe":  # the first request of all misses
+            assert cached >= 2 * BLOCK_SIZE, reply["usage"]
+
+
+def test_each_path_moved_the_hit(cluster, smollm2_dir):
+    """The prefill instance read hit blocks from the store (PE path) and pulled them from the
+    decode engine's buffer (DE path); every buffer it pushed was sealed."""
+    logs = vllm_logs(cluster)
+    prefill = logs["prefill"]
+    loaded = [int(n) for n in re.findall(r"loaded (\d+) blocks", prefill)]
+    pulled = [int(n) for n in re.findall(r"pulled (\d+), pushed", prefill)]
+    assert sum(loaded) > 0 and sum(pulled) > 0
+    assert "not sealed" not in prefill
+    assert "saved" in logs["decode"]
+
+
+def test_random_kv_under_valid_checksums_changes_the_tokens(cluster, smollm2_dir):
+    """The loaded KV is used: random values stored under the same keys (valid checksums)
+    change turn 2's tokens, on the DE path."""
+    rewrite_store(cluster["store"], random_values=True)
+    turn = cluster["plain"][1]
+    reply = complete(cluster, turn["prompt"], "de")
+    assert reply["choices"][0]["text"] != expected_text(smollm2_dir, turn["output"])
+
+
+def test_corrupt_bytes_are_misses_and_tokens_stay_right(cluster, smollm2_dir):
+    """Random bytes over every stored payload: checksum misses, recomputed, right tokens."""
+    rewrite_store(cluster["store"], random_values=False)
+    turn = cluster["plain"][1]
+    for read_path in ("pe", "de"):
+        reply = complete(cluster, turn["prompt"], read_path)
+        assert reply["choices"][0]["text"] == expected_text(smollm2_dir, turn["output"])
+
+
+def rewrite_store(root: Path, random_values: bool) -> None:
+    """Random bf16 values near 1 under valid checksums, or random bytes (bad checksums), over
+    every stored block."""
+    import random
+
+    from dualpath.kv.layout import KVLayout
+    from dualpath.storage.block_file import HEADER_BYTES
+    from dualpath.storage.fs import FsStore
+
+    rng = random.Random(2)
+    if not random_values:
+        for path in sorted(root.rglob("*.kvb")):
+            with path.open("r+b") as f:
+                f.seek(HEADER_BYTES)
+                f.write(rng.randbytes(path.stat().st_size - HEADER_BYTES))
+        return
+    layout = KVLayout(30, 3, 64, "bfloat16", BLOCK_SIZE)
+    with FsStore(root, layout) as store:
+        keys = [k for k in store.stored_keys() if k.layout_id == layout.vllm_layout_id]
+        assert keys
+        depth = {k.block_hash: 0 for k in keys}
+        by_hash = {k.block_hash: k for k in keys}
+        for key in keys:
+            parent, d = key.parent, 0
+            while parent in by_hash:
+                d, parent = d + 1, by_hash[parent].parent
+            depth[key.block_hash] = d
+        keys.sort(key=lambda k: depth[k.block_hash])  # parents first
+        store.delete(keys)
+        payload = [bytearray(b for _ in range(layout.full_block_bytes // 2)
+                             for b in (rng.randrange(256), 0x3F | rng.choice((0, 0x80))))
+                   for _ in keys]
+        assert all(store.put_from(keys, payload))
+
+
+def test_decode_instance_killed_mid_stream_ends_the_request(cluster):
+    """The decode vLLM instance dies while it streams: the request ends (an error, never a
+    hang) and the decode engine leaves the cluster."""
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": cluster["plain"][0]["prompt"],
+            "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    url, _ = vllm_instances(cluster)["decode"]
+    port = url.rsplit(":", 1)[1]
+    started = time.monotonic()
+    chunks = 0
+    with requests.post(f"{cluster['url']}/v1/completions", json=body, timeout=120,
+                       stream=True) as reply:
+        for line in reply.iter_lines(decode_unicode=True):
+            chunks += line.startswith("data: {")
+            if chunks == 5:
+                pids = subprocess.run(["pgrep", "-f", f"api_server.*--port {port} "],
+                                      capture_output=True, text=True).stdout.split()
+                assert pids
+                for pid in pids:
+                    os.kill(int(pid), signal.SIGKILL)
+    elapsed_s = time.monotonic() - started
+    assert elapsed_s < 90
+    assert chunks < 400  # it did not run to the end
