@@ -93,6 +93,7 @@ class _Tracked:
     local: int = 0  # tokens vLLM holds itself (its prefix cache), at the last lookup
     prefill: PrefillPlan | None = None  # prefill role: what the router chose
     sealed: bool = False
+    copied: bool = False  # decode role: its buffer was copied in (or failed to be): once
 
 
 class DualPathConnector(KVConnectorBase_V1):
@@ -159,9 +160,11 @@ class DualPathConnector(KVConnectorBase_V1):
         tracked.local = num_computed_tokens
         prompt = request.prompt_token_ids or []
         if self.kind == Role.DECODE:
+            # once only: after a failed copy (vLLM then recomputes) or a preemption the buffer
+            # may be gone, and asking again would load it again, forever
             params = DecodeParams.parse(request.kv_transfer_params)
             extra = params.num_tokens - num_computed_tokens if params else 0
-            return (extra, True) if extra > 0 else (0, False)
+            return (extra, True) if extra > 0 and not tracked.copied else (0, False)
         usable = (len(prompt) - 1) // self.block_size
         if self.kind == Role.PREFILL:
             hit = min(tracked.prefill.params.num_hit_blocks, usable) if tracked.prefill else 0
@@ -188,6 +191,7 @@ class DualPathConnector(KVConnectorBase_V1):
         if self.kind == Role.DECODE:
             params = DecodeParams.parse(request.kv_transfer_params)
             if params is not None and num_external_tokens > 0:
+                tracked.copied = True
                 ids = blocks.get_block_ids()[0]
                 last = -(-(computed + num_external_tokens) // self.block_size)
                 self._pending_copies.append(Remote(
