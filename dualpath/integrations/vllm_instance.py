@@ -119,9 +119,11 @@ def default_log_path(name: str) -> Path:
 
 def launch_plan(model_dir: str | Path, config: ClusterConfig, role: Role, host: str,
                 name: str = "engine", port: int | None = None, log_path: Path | None = None,
-                root: Path = PROJECT_ROOT, environ: dict[str, str] | None = None) -> LaunchPlan:
+                root: Path = PROJECT_ROOT, environ: dict[str, str] | None = None,
+                plain: bool = False) -> LaunchPlan:
     """The command line and environment of ``role``'s instance (nothing starts). ``host``: the
-    address the connector's transfer engine advertises (the engine's own)."""
+    address the connector's transfer engine advertises (the engine's own). ``plain``: plain
+    vLLM, the benchmarks' peer: no connector, vLLM's own prefix cache on."""
     environ = dict(os.environ) if environ is None else dict(environ)
     vllm, engine = config.vllm, config.engine
     python = vllm_python(vllm, root, environ)
@@ -132,9 +134,9 @@ def launch_plan(model_dir: str | Path, config: ClusterConfig, role: Role, host: 
     command = (str(python), *ENTRY, "--model", str(model_dir), "--port", str(port),
                "--host", "127.0.0.1", "--block-size", str(engine.block_size), "--dtype", dtype,
                "--max-model-len", str(vllm.max_model_len), "--enable-prompt-tokens-details",
-               "--kv-transfer-config", json.dumps(kv_config),
-               "--enable-prefix-caching" if vllm.prefix_caching else "--no-enable-prefix-caching",
-               *vllm.extra_args)
+               *(() if plain else ("--kv-transfer-config", json.dumps(kv_config))),
+               "--enable-prefix-caching" if vllm.prefix_caching or plain
+               else "--no-enable-prefix-caching", *vllm.extra_args)
     python_path = os.pathsep.join(filter(None, [str(root), environ.get("PYTHONPATH")]))
     env = {**environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(vllm.kv_cache_gb))),
            "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
@@ -285,7 +287,8 @@ class VllmEngineParts:
         http, block_size = instance.http, self.layout.block_size
         model = http.model_name()
         if self.role == Role.PREFILL:
-            return VllmPrefillWorker(http, model, block_size)
+            return VllmPrefillWorker(http, model, block_size,
+                                     block_bytes=self.layout.full_block_bytes)
         threads = max(DE_STREAM_THREADS, self.config.engine.max_num_seqs + 4)
         return VllmDecodeWorker(http, model, self.layout, self.key_space, host_pool, storage,
                                 self.eos_token_ids, self.max_position, threads=threads)

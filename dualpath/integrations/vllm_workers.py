@@ -145,8 +145,12 @@ class VllmPrefillWorker(VllmWorkerBase):
     """``Prefill`` → one completion of ``max_tokens: 1`` on the prefill instance."""
 
     def __init__(self, http: VllmHttp, model: str, block_size: int,
-                 threads: int = PE_CALL_THREADS) -> None:
+                 threads: int = PE_CALL_THREADS, block_bytes: int = 0) -> None:
+        """``block_bytes``: one stored block (all layers), for the node's storage-read
+        figure."""
         super().__init__(http, model, block_size, threads)
+        self.block_bytes = block_bytes
+        self.num_store_read_blocks = 0  # hit blocks the instance read from the store
         self._calls: dict[int, _PrefillCall] = {}
         self.num_prefilled = 0
         self.num_hit_tokens = 0
@@ -217,6 +221,7 @@ class VllmPrefillWorker(VllmWorkerBase):
         self.num_prefilled += 1
         hit_blocks = min(msg.num_hit_blocks, cached // self.block_size)
         self.num_hit_tokens += cached
+        self.num_store_read_blocks += min(hit_blocks, job.hit_tokens // self.block_size)
         self.num_computed_tokens += len(msg.prompt_ids) - cached
         return [Prefilled(msg.req_id, first, hit_blocks, len(msg.prompt_ids) - cached,
                           forward_s=elapsed_s)]
@@ -247,9 +252,12 @@ class VllmPrefillWorker(VllmWorkerBase):
 
     def metrics(self) -> dict[str, object]:
         """This worker's counters."""
+        # The PE-path reads run inside the vLLM instance (its connector's StorageClient), not
+        # in this process: this node's storage-NIC bytes are those of the hit blocks it used
         return {**self.base_metrics(), "num_prefilled": self.num_prefilled,
                 "num_hit_tokens": self.num_hit_tokens,
-                "num_computed_tokens": self.num_computed_tokens}
+                "num_computed_tokens": self.num_computed_tokens,
+                "storage_snic_read_bytes": self.num_store_read_blocks * self.block_bytes}
 
 
 def error_detail(exc: Exception) -> str:

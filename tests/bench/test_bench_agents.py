@@ -181,3 +181,25 @@ def test_host_cpu_shares_count_busy_and_stolen_ticks(tmp_path):
     assert shares == pytest.approx({"busy_frac": 80 / 250, "steal_frac": 70 / 250})
     assert host_cpu_ticks(str(tmp_path / "missing")) == {}
     assert host_cpu_shares({}, before) is None  # no first reading: no figure
+
+
+def test_vllm_engines_run_their_rungs_offline_and_calibrate_on_plain_vllm(tmp_path):
+    """``--engine vllm``: basic, layerwise and dualpath on vLLM engines (the oracle and round
+    robin need ours), no online search, the cap calibrated on the plain vLLM row."""
+    from dualpath.bench.agents.command import AgentsCommandOptions, options_from
+    from dualpath.bench.agents.ladder import VLLM_RUNGS, AgentsOptions, cluster_config
+    from dualpath.vocab import EngineKind
+
+    options = options_from(AgentsCommandOptions(engine="vllm"))
+    assert options.modes == VLLM_RUNGS and options.online_modes == ()
+    assert options.read_cap_mb_s is None  # calibrated on plain vLLM: no oracle needed
+    config = cluster_config(options, "dualpath", tmp_path)
+    assert config.engine_kind == EngineKind.VLLM
+    assert config.vllm.max_model_len == options.max_context
+    assert cluster_config(AgentsOptions(), "dualpath", tmp_path).engine_kind == \
+        EngineKind.DUALPATH
+    for bad in ({"modes": ("oracle",)}, {"modes": ("round_robin",)},
+                {"online_modes": ("basic",)}):
+        with pytest.raises(ValueError, match="vLLM engines"):
+            AgentsOptions(engine="vllm", **{"modes": VLLM_RUNGS, "online_modes": (), **bad})
+    assert options_from(AgentsCommandOptions()).modes == AgentsOptions().modes

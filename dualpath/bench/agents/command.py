@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dualpath.commands.args import names
-from dualpath.vocab import Rung
+from dualpath.vocab import EngineKind, Rung
 
 if TYPE_CHECKING:
     from argparse import ArgumentParser
@@ -19,8 +19,8 @@ class AgentsCommandOptions:
     """The command line; None leaves :class:`AgentsOptions`' default."""
 
     workload: str = "weka-sample"
-    modes: tuple[str, ...] = tuple(Rung)
-    online_modes: tuple[str, ...] = (Rung.BASIC, Rung.DUALPATH)
+    modes: tuple[str, ...] | None = None  # None: the ladder (vLLM engines: theirs)
+    online_modes: tuple[str, ...] | None = None  # None: basic, dualpath (vLLM: none)
     offline_off: bool = False
     split_read: bool = False
     cold_start: bool = False
@@ -41,6 +41,7 @@ class AgentsCommandOptions:
     seed: int | None = None
     json: str = "results/agents.json"
     dir: str | None = None
+    engine: str = "dualpath"
 
 
 def add_arguments(p: ArgumentParser) -> None:
@@ -48,10 +49,15 @@ def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("--workload", default="weka-sample",
                    help="weka-sample (shipped), weka (the full traces: --trace-dir), 32k, 48k, "
                    "64k (the paper's Table 2, scaled), mooncake (--trace-dir)")
-    p.add_argument("--modes", type=names, default=",".join(Rung),
-                   help="offline modes, in order, each on a fresh cluster")
-    p.add_argument("--online-modes", type=names, default="basic,dualpath",
-                   help="modes whose online capacity is searched ('' for none)")
+    p.add_argument("--modes", type=names, default=None,
+                   help=f"offline modes, in order, each on a fresh cluster (default "
+                   f"{','.join(Rung)}; with --engine vllm basic,layerwise,dualpath)")
+    p.add_argument("--online-modes", type=names, default=None,
+                   help="modes whose online capacity is searched ('' for none; default "
+                   "basic,dualpath, none with --engine vllm)")
+    p.add_argument("--engine", default="dualpath", choices=tuple(EngineKind),
+                   help="the engines: dualpath's, or vLLM instances with dualpath's KV "
+                   "connector (`make peers`), plain vLLM reported beside them")
     p.add_argument("--offline-off", action="store_true", help="skip the offline runs")
     p.add_argument("--split-read", action="store_true",
                    help="dualpath and round_robin read one hit partly on each side "
@@ -97,11 +103,14 @@ def run(options: AgentsCommandOptions) -> int:
 
 def options_from(options: AgentsCommandOptions) -> AgentsOptions:
     """The :class:`AgentsOptions` the parsed command line asks for (defaults where unset)."""
-    from dualpath.bench.agents.ladder import AgentsOptions, with_overrides
+    from dualpath.bench.agents.ladder import VLLM_RUNGS, AgentsOptions, with_overrides
 
     o = options
+    vllm = o.engine == EngineKind.VLLM
+    modes = o.modes if o.modes is not None else (VLLM_RUNGS if vllm else None)
+    online = o.online_modes if o.online_modes is not None else (() if vllm else None)
     return with_overrides(
-        AgentsOptions(), workload=o.workload, modes=o.modes, online_modes=o.online_modes,
+        AgentsOptions(), workload=o.workload, modes=modes, online_modes=online, engine=o.engine,
         offline=not o.offline_off, via=o.via, agents=o.agents, turns=o.turns, scale=o.scale,
         trace_dir=o.trace_dir, read_cap_mb_s=o.read_cap_mb_s, compute_cap_mb_s=o.compute_cap_mb_s,
         online_trials=o.online_trials, prime_first_turns=not o.cold_start,

@@ -56,8 +56,8 @@ from dualpath.bench.agents.turns import prime, timed_sim_turns
 from dualpath.bench.cluster import testbed_config
 from dualpath.bench.demo import warmup_turns
 from dualpath.bench.report import host_cpu_shares, host_cpu_ticks, machine_profile
-from dualpath.config import ClusterConfig
-from dualpath.vocab import Mode, Rung
+from dualpath.config import ClusterConfig, VllmConfig
+from dualpath.vocab import EngineKind, Mode, Rung
 from dualpath.workloads.turns import AgentTurn
 
 # A calibrated storage cap lets the prefill node's NIC alone read the timed run's hits in this
@@ -68,6 +68,8 @@ STORAGE_BOUND = 2.0
 # The oracle moves no KV, so its caps do not matter; it runs under this one while calibrating.
 NOMINAL_CAP_MB_S = 1000.0
 VIAS = ("python", "http")
+# The rungs vLLM engines run (the oracle and round robin need our engines; docs/vllm-connector.md)
+VLLM_RUNGS = (Rung.BASIC, Rung.LAYERWISE, Rung.DUALPATH)
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ class AgentsOptions:
     json_path: str | None = "results/agents.json"
     work_dir: str | None = None
     profile: str | None = None  # a `dualpath profile` JSON: also predict with the simulator
+    # What computes behind the engine processes; with vLLM, plain vLLM (its own prefix cache,
+    # no storage tier) runs first as the ``vllm`` row and calibrates the storage cap
+    engine: EngineKind = EngineKind.DUALPATH
 
     @property
     def applied_read_cap_mb_s(self) -> float:
@@ -133,6 +138,14 @@ class AgentsOptions:
             raise ValueError(f"--via must be one of {VIAS}, got {self.via!r}")
         if self.read_cap_mb_s is not None and not self.read_cap_mb_s > 0:
             raise ValueError(f"--read-cap-mb-s must be > 0, got {self.read_cap_mb_s}")
+        object.__setattr__(self, "engine", EngineKind(self.engine))
+        if self.engine == EngineKind.VLLM:
+            unsupported = [m for m in self.modes + self.online_modes if m not in VLLM_RUNGS]
+            if unsupported or self.online_modes or not self.offline:
+                raise ValueError(f"with vLLM engines: offline {', '.join(VLLM_RUNGS)} only "
+                                 f"(got modes {list(self.modes)}, online "
+                                 f"{list(self.online_modes)})")
+            return
         if self.read_cap_mb_s is None and not (self.offline and Rung.ORACLE in self.modes):
             raise ValueError("the storage cap is calibrated on the oracle's offline run: add "
                              "oracle to --modes or give --read-cap-mb-s")
@@ -141,7 +154,7 @@ class AgentsOptions:
 def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterConfig:
     """The cluster of one rung of the ladder: its serving mode and scheduler policy."""
     rung = Rung(mode)
-    return testbed_config(
+    config = testbed_config(
         store, rung.mode, dtype=options.dtype,
         device=options.device, block_size=options.block_size,
         read_cap_mb_s=options.applied_read_cap_mb_s,
@@ -151,6 +164,10 @@ def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterCon
         split_read=options.split_read and rung.mode == Mode.DUALPATH,
         host_pool_blocks=options.host_pool_blocks,
         save_staging_blocks=options.save_staging_blocks)
+    if options.engine != EngineKind.VLLM:
+        return config
+    return replace(config, engine_kind=EngineKind.VLLM, vllm=VllmConfig(
+        max_model_len=options.max_context, extra_args=("--enforce-eager",)))
 
 
 def _open(options: AgentsOptions, model_dir: Path, mode: str, work: Path) -> Any:
@@ -257,6 +274,13 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
             calibrate = options.read_cap_mb_s is None
+            if options.engine == EngineKind.VLLM:
+                row = _plain_vllm(options, model_dir, workload.agents, warmup, work, bar)
+                offline.append(row)
+                if calibrate:
+                    options, calibration = _calibrate(options, workload, model_dir,
+                                                      row["jct_s"], console, "plain vLLM")
+                    calibrate = False
             modes = list(options.modes if options.offline else ())
             modes += [m for m in options.online_modes if m not in modes]
             if calibrate:  # the oracle first: its JCT sets the storage cap of the others
@@ -285,13 +309,24 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
     return result
 
 
+def _plain_vllm(options: AgentsOptions, model_dir: Path, agents: list[list[AgentTurn]],
+                warmup: list[list[AgentTurn]], work: Path, bar: Progress) -> dict[str, Any]:
+    """The plain vLLM row (``bench/agents/plain_vllm.py``)."""
+    from dualpath.bench.agents.plain_vllm import plain_row
+
+    config = cluster_config(options, Rung.BASIC, work / "plain" / "kv")
+    return plain_row(config, model_dir, agents, warmup, options.prime_first_turns,
+                     options.timeout_s, work / "plain", bar)
+
+
 def _calibrate(options: AgentsOptions, workload: Any, model_dir: Path, oracle_jct_s: float,
-               console: Console) -> tuple[AgentsOptions, dict[str, float]]:
+               console: Console, reference: str = "oracle") -> tuple[AgentsOptions,
+                                                                     dict[str, float]]:
     """``options`` with the storage cap the oracle's JCT calibrates, and what it came from."""
     hit_bytes = timed_hit_bytes(workload, options, model_dir)
     cap = calibrated_cap_mb_s(hit_bytes, oracle_jct_s)
     console.print(f"storage NICs calibrated: {cap:.1f} MB/s per node ({hit_bytes / 1e6:,.0f} MB "
-                  f"of hits read by one node in {STORAGE_BOUND:g} x the oracle's "
+                  f"of hits read by one node in {STORAGE_BOUND:g} x the {reference}'s "
                   f"{oracle_jct_s:.1f} s)")
     return replace(options, read_cap_mb_s=cap), {
         "storage_bound": STORAGE_BOUND, "oracle_jct_s": oracle_jct_s, "hit_mb": hit_bytes / 1e6}
