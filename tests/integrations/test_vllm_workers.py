@@ -169,7 +169,7 @@ def prefill(req_id: int = 7, **kw: Any) -> Prefill:
 def test_prefill_sends_the_contract_body_and_maps_cached_tokens(fake):
     fake.answer = {"choices": [{"token_ids": [42], "text": "x"}],
                    "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}}
-    worker = VllmPrefillWorker(VllmHttp(fake.url, 5), "fake", BS)
+    worker = VllmPrefillWorker(VllmHttp(fake.url, 5), "fake", BS, block_bytes=1000)
     assert worker.handle(prefill()) == []
     assert worker.held_requests() == (7,) and worker.read_queue_tokens == 2 * BS
     out = pump(worker, Prefilled)
@@ -187,6 +187,8 @@ def test_prefill_sends_the_contract_body_and_maps_cached_tokens(fake):
             "num_pe_read_blocks": 0, "de_endpoint": "10.0.0.2:1234", "de_buffer_addr": 4096,
             "num_blocks": 3, "mode": "layerwise", "cache_salt": "tenant"}}}]
     assert worker.metrics()["vllm_requests"] == 1
+    # the node's storage-NIC bytes: the PE-path hit blocks its instance used (1 of 2 asked)
+    assert worker.metrics()["storage_snic_read_bytes"] == 1000
     worker.close()
 
 
@@ -200,6 +202,7 @@ def test_prefill_without_salt_seed_or_cached_tokens(fake):
     body = fake.bodies[0]
     assert "cache_salt" not in body and "seed" not in body and body["min_tokens"] == 0
     assert worker.read_queue_tokens == 0  # nothing read on the PE side on the DE path
+    assert worker.metrics()["storage_snic_read_bytes"] == 0
     worker.close()
 
 
