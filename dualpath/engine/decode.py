@@ -76,6 +76,7 @@ class DecodeWorker(DecodeStorage):
         self.staging_blocks = staging_blocks  # most slots in flight to storage at once
         self.block_size = engine.config.block_size
         self.layout = engine.layout
+        self.key_space = engine.key_space  # the DE-path reads' keys (PromptBuffers)
         self._buffers: dict[int, list[int]] = {}  # req_id -> host slots
         self._allocs: dict[int, AllocBuffer] = {}  # req_id -> its tokens and salt, for Decode
         self._reading: set[int] = set()  # req_ids whose DE-path read is in flight

@@ -2,29 +2,23 @@
 persistence of every full block a sequence completes (``decode.py``'s ``DecodeWorker`` mixes
 it in; its state is set up in ``DecodeWorker.__init__``).
 
-A buffer is a contiguous run of host slots, read from storage on the DE read path; a full block
-is gathered into a staging slot on the KV-save lane and written to storage from there, the
-device block held until the gather has read it.
+A buffer is a contiguous run of host slots, read from storage on the DE read path
+(``prompt_buffers.py``); a full block is gathered into a staging slot on the KV-save lane and
+written to storage from there, the device block held until the gather has read it.
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import torch
-
 from dualpath.engine.llm_engine import LLMEngine
-from dualpath.errors import HostPoolExhaustedError
+from dualpath.engine.prompt_buffers import PromptBuffers
 from dualpath.kv.hashing import extend_block_hashes
-from dualpath.kv.host_pool import HostPool
-from dualpath.kv.layout import KVLayout
-from dualpath.protocol import AllocBuffer, BufferReady, Failed, Finished, Message
+from dualpath.protocol import Finished, Message
 from dualpath.request import Sequence
-from dualpath.storage.client import StorageClient
 from dualpath.traffic.lanes import Lane
 from dualpath.traffic.manager import TrafficManager
 
@@ -39,87 +33,24 @@ class ActiveRequest:
     num_saving: int = 0  # its blocks staged or being written
 
 
-class DecodeStorage:
-    """The DE's prompt buffers (allocation, DE-path reads) and KV persistence."""
+class DecodeStorage(PromptBuffers):
+    """The DE's prompt buffers (``PromptBuffers``: allocation, DE-path reads) and KV
+    persistence."""
 
     engine: LLMEngine
-    host_pool: HostPool
     traffic: TrafficManager
-    storage: StorageClient
     staging_blocks: int
     block_size: int
-    layout: KVLayout
-    _buffers: dict[int, list[int]]
-    _allocs: dict[int, AllocBuffer]
-    _reading: set[int]
-    _orphans: set[int]
-    _pending_allocs: deque[AllocBuffer]
     _events: queue.Queue[tuple[str, object]]
-    _quarantine: list[tuple[float, list[int]]]
     _staging_in_use: int
     _finishing: dict[int, tuple[ActiveRequest, Finished, float]]
     finish_wait_s: float
     num_finish_waits_cut: int
     num_saves_dropped: int
-    num_waits: int
 
-    # -- buffer ---------------------------------------------------------------------------------
-    def alloc_buffer(self, msg: AllocBuffer) -> list[Message]:
-        """Take a contiguous region (or wait for one); start the DE-path read if asked (reply
-        when done).
-
-        Storage holds full blocks, the buffer is layer-major: each block's file is scattered
-        straight into its 30-odd layer slices by one vectored read.
-        """
-        if msg.num_blocks > self.host_pool.num_slots:
-            return [Failed(msg.req_id, f"the prompt needs {msg.num_blocks} host slots, the "
-                                       f"pool has {self.host_pool.num_slots}")]
-        self._pending_allocs.append(msg)
-        out = self._start_allocs()
-        self.num_waits += msg in self._pending_allocs  # it waits for earlier buffers to go
-        return out
-
-    def _start_allocs(self) -> list[Message]:
-        out: list[Message] = []
-        while self._pending_allocs:
-            msg = self._pending_allocs[0]
-            try:
-                slots = self.host_pool.alloc_run(msg.num_blocks)
-            except HostPoolExhaustedError:
-                return out
-            self._pending_allocs.popleft()
-            self._buffers[msg.req_id] = slots
-            self._allocs[msg.req_id] = msg
-            out.extend(self._start_read(msg, slots))
-        return out
-
-    def _start_read(self, msg: AllocBuffer, slots: list[int]) -> list[Message]:
-        """Read hit blocks ``[read_from_block, num_read_blocks)`` (a split read leaves the
-        leading ones to the PE) into their places in the buffer."""
-        first = msg.read_from_block
-        if msg.num_read_blocks <= first:
-            return [self._ready(msg.req_id, msg.num_read_blocks)]
-        space = self.engine.key_space.salted(msg.cache_salt)
-        keys = space.keys(msg.prompt_ids)[first : msg.num_read_blocks]
-        layers = self._layer_major(slots)  # [layers, n, layer_block_bytes]
-        parts = [list(layers[:, b].unbind(0)) for b in range(first, msg.num_read_blocks)]
-        self._reading.add(msg.req_id)
-        future = self.storage.submit_read(keys, parts)
-        # BufferReady only once no read into the buffer can still run: the PE then fills the
-        # blocks the deadline gave up on, and no late block can overwrite them
-        future.io_done.add_done_callback(
-            lambda _, f=future, r=msg.req_id, b=first: self._events.put(("read", (r, b, f))))
-        return []
-
-    def _ready(self, req_id: int, num_loaded: int) -> BufferReady:
-        slots = self._buffers[req_id]
-        return BufferReady(req_id, self.host_pool.address(slots[0]), len(slots), num_loaded)
-
-    def _layer_major(self, slots: list[int]) -> torch.Tensor:
-        """A request's buffer region as ``[layers, n, layer_block_bytes]`` bytes (no copy)."""
-        n, layout = len(slots), self.layout
-        region = self.host_pool.region(slots[0], n)[: n * layout.full_block_bytes]
-        return region.view(layout.num_layers, n, layout.layer_block_bytes)
+    def _read_io_done(self, req_id: int, first: int, future: Future[list[bool]]) -> None:
+        """A DE-path read's I/O ended: ``DecodeWorker.drain_events`` runs ``_read_done``."""
+        self._events.put(("read", (req_id, first, future)))
 
     # -- persistence ----------------------------------------------------------------------------
     def _save_new_blocks(self, active: ActiveRequest) -> None:
@@ -194,22 +125,3 @@ class DecodeStorage:
         return [waiting[1]]
 
     # -- completions (``DecodeWorker.drain_events`` runs these) ---------------------------------
-    def _end_quarantines(self) -> list[Message]:
-        if not self._quarantine:
-            return []
-        now = time.monotonic()
-        for _, slots in (q for q in self._quarantine if q[0] <= now):
-            self.host_pool.free(slots)
-        self._quarantine = [q for q in self._quarantine if q[0] > now]
-        return self._start_allocs()
-
-    def _read_done(self, req_id: int, first: int,
-                   future: Future[list[bool]]) -> list[Message]:
-        self._reading.discard(req_id)
-        if req_id in self._orphans:  # aborted while reading: the slots are free now
-            self._orphans.discard(req_id)
-            self.host_pool.free(self._buffers.pop(req_id))
-            return self._start_allocs()
-        ok = future.result() if future.exception() is None else []
-        loaded = next((i for i, good in enumerate(ok) if not good), len(ok))
-        return [self._ready(req_id, first + loaded)]

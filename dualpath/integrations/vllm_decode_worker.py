@@ -21,9 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from dualpath.errors import HostPoolExhaustedError
+from dualpath.engine.prompt_buffers import PromptBuffers
 from dualpath.integrations.vllm_http import HttpCall, VllmHttp
 from dualpath.integrations.vllm_plan import SEAL_BYTES, seal_offset
 from dualpath.integrations.vllm_workers import (
@@ -39,7 +37,6 @@ from dualpath.protocol import (
     Abort,
     Aborted,
     AllocBuffer,
-    BufferReady,
     Decode,
     Failed,
     Finished,
@@ -61,7 +58,7 @@ class _DecodeCall:
     started_s: float = field(default_factory=time.monotonic)
 
 
-class VllmDecodeWorker(VllmWorkerBase):
+class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
     """The decode node's buffer service (``AllocBuffer``, DE-path reads) and, on ``Decode``, a
     streamed completion on the decode instance, whose connector copies the buffer in."""
 
@@ -74,6 +71,9 @@ class VllmDecodeWorker(VllmWorkerBase):
         end a request on its first token without a call, as ``DecodeWorker`` would."""
         if not host_pool.shm_path:
             raise ValueError("the vLLM decode worker's host pool must be shared (shm_path)")
+        if host_pool.payload_bytes < layout.full_block_bytes + SEAL_BYTES:
+            raise ValueError("the host pool's slots need room for a block and a seal "
+                             f"({layout.full_block_bytes} + {SEAL_BYTES} bytes)")
         super().__init__(http, model, layout.block_size, threads)
         self.layout = layout
         self.key_space = key_space
@@ -111,74 +111,16 @@ class VllmDecodeWorker(VllmWorkerBase):
         items = tuple(item for m in tokens for item in m.items)
         return ([Tokens(items)] if items else []) + rest
 
-    # -- buffer (as ``DecodeStorage``) ----------------------------------------------------------
-    def alloc_buffer(self, msg: AllocBuffer) -> list[Message]:
-        """Take a contiguous run of slots (or wait for one, FIFO) and read the DE-path hit into
-        it; ``BufferReady`` once the read's I/O is done."""
-        if msg.num_blocks > self.host_pool.num_slots:
-            return [Failed(msg.req_id, f"the prompt needs {msg.num_blocks} host slots, the "
-                                       f"pool has {self.host_pool.num_slots}")]
-        self._pending_allocs.append(msg)
-        out = self._start_allocs()
-        self.num_waits += msg in self._pending_allocs
-        return out
+    # -- buffer (``PromptBuffers``, as our decode engine's) -------------------------------------
+    def _read_io_done(self, req_id: int, first: int, future: Future[list[bool]]) -> None:
+        """A DE-path read's I/O ended: the loop runs ``_read_done`` (``drain``)."""
+        self._post(lambda: self._read_done(req_id, first, future))
 
-    def _start_allocs(self) -> list[Message]:
-        out: list[Message] = []
-        while self._pending_allocs:
-            msg = self._pending_allocs[0]
-            try:
-                slots = self.host_pool.alloc_run(msg.num_blocks)
-            except HostPoolExhaustedError:
-                return out
-            self._pending_allocs.popleft()
-            self._unseal(slots)
-            self._buffers[msg.req_id] = slots
-            self._allocs[msg.req_id] = msg
-            out.extend(self._start_read(msg, slots))
-        return out
-
-    def _start_read(self, msg: AllocBuffer, slots: list[int]) -> list[Message]:
-        """Read hit blocks ``[read_from_block, num_read_blocks)`` into their places in the
-        layer-major buffer."""
-        first = msg.read_from_block
-        if msg.num_read_blocks <= first:
-            return [self._ready(msg.req_id, msg.num_read_blocks)]
-        keys = self.key_space.salted(msg.cache_salt).keys(msg.prompt_ids)
-        keys = keys[first : msg.num_read_blocks]
-        layers = self._layer_major(slots)
-        parts = [list(layers[:, b].unbind(0)) for b in range(first, first + len(keys))]
-        self._reading.add(msg.req_id)
-        future = self.storage.submit_read(keys, parts)
-        future.io_done.add_done_callback(
-            lambda _: self._post(lambda: self._read_done(msg.req_id, first, future)))
-        return []
-
-    def _read_done(self, req_id: int, first: int, future: Future[list[bool]]) -> list[Message]:
-        self._reading.discard(req_id)
-        if req_id in self._orphans:  # aborted while reading: the slots are free now
-            self._orphans.discard(req_id)
-            self.host_pool.free(self._buffers.pop(req_id))
-            return self._start_allocs()
-        ok = future.result() if future.exception() is None else []
-        loaded = next((i for i, good in enumerate(ok) if not good), len(ok))
-        return [self._ready(req_id, first + loaded)]
-
-    def _ready(self, req_id: int, num_loaded: int) -> BufferReady:
-        slots = self._buffers[req_id]
-        return BufferReady(req_id, self.host_pool.address(slots[0]), len(slots), num_loaded)
-
-    def _unseal(self, slots: list[int]) -> None:
+    def _new_buffer(self, slots: list[int]) -> None:
         """Zero a new buffer's seal: the decode instance copies it in only once the prefill
         has written this request's seal, after its last push (``vllm_plan.seal_of``)."""
         where = seal_offset(len(slots), self.layout.full_block_bytes)
         self.host_pool.region(slots[0], len(slots))[where : where + SEAL_BYTES] = 0
-
-    def _layer_major(self, slots: list[int]) -> torch.Tensor:
-        """A buffer as ``[layers, n, layer_block_bytes]`` bytes (no copy)."""
-        n, layout = len(slots), self.layout
-        region = self.host_pool.region(slots[0], n)[: n * layout.full_block_bytes]
-        return region.view(layout.num_layers, n, layout.layer_block_bytes)
 
     def _release(self, slots: list[int], quarantine_s: float) -> None:
         if not slots:
@@ -187,15 +129,6 @@ class VllmDecodeWorker(VllmWorkerBase):
             self._quarantine.append((time.monotonic() + quarantine_s, slots))
         else:
             self.host_pool.free(slots)
-
-    def _end_quarantines(self) -> list[Message]:
-        if not self._quarantine:
-            return []
-        now = time.monotonic()
-        for _, slots in (q for q in self._quarantine if q[0] <= now):
-            self.host_pool.free(slots)
-        self._quarantine = [q for q in self._quarantine if q[0] > now]
-        return self._start_allocs()
 
     # -- decode ---------------------------------------------------------------------------------
     def start_decode(self, msg: Decode) -> list[Message]:

@@ -27,6 +27,7 @@ from dualpath.integrations.vllm_instance import (
     launch_plan,
     vllm_python,
 )
+from dualpath.integrations.vllm_plan import SEAL_BYTES, seal_offset
 from dualpath.integrations.vllm_workers import VllmPrefillWorker
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
@@ -260,7 +261,8 @@ def de(fake, tmp_path):
     storage_config = StorageConfig(root=str(tmp_path / "store"), read_deadline_s=5.0)
     store = open_store(storage_config, LAYOUT)
     storage = StorageClient(store, BS, storage_config)
-    pool = HostPool(LAYOUT.full_block_bytes, 8, pin=False, shm_path=str(tmp_path / "pool.shm"))
+    pool = HostPool(LAYOUT.full_block_bytes + SEAL_BYTES, 8, pin=False,
+                    shm_path=str(tmp_path / "pool.shm"))
     worker = VllmDecodeWorker(VllmHttp(fake.url, 5), "fake", LAYOUT, SPACE, pool, storage,
                               eos_token_ids=frozenset({EOS}))
     worker.store = store  # for the tests
@@ -305,6 +307,24 @@ def test_alloc_buffer_reads_the_de_path_hit_into_the_layer_major_buffer(de):
             at = (i * 3 + b) * lb
             assert region[at : at + lb] == bytes([16 * b + i]) * lb
     assert de.held_requests() == (3,) and pool.num_free == 5
+
+
+def test_a_new_buffer_is_unsealed_whatever_its_slots_held(de):
+    """The decode instance copies a buffer in only under this request's seal, which the
+    prefill writes last: a reused buffer's old seal must not pass for it."""
+    de.host_pool.slab.fill_(0xFF)
+    ready = alloc(de, num_read=0)
+    start = ready.buffer_addr - de.host_pool.base_address
+    at = start + seal_offset(ready.num_blocks, LAYOUT.full_block_bytes)
+    assert bytes(de.host_pool.slab[at : at + SEAL_BYTES].numpy()) == bytes(SEAL_BYTES)
+    assert de.host_pool.slab[at + SEAL_BYTES] == 0xFF  # nothing past it
+
+
+def test_a_pool_without_room_for_the_seal_is_refused(tmp_path, fake):
+    pool = HostPool(LAYOUT.full_block_bytes, 2, pin=False, shm_path=str(tmp_path / "p.shm"))
+    with pytest.raises(ValueError, match="seal"):
+        VllmDecodeWorker(VllmHttp(fake.url, 5), "fake", LAYOUT, SPACE, pool, None)  # type: ignore[arg-type]
+    pool.close()
 
 
 def test_a_damaged_block_loads_fewer(de):
