@@ -19,7 +19,7 @@ import pytest
 
 from tests.integrations.test_vllm_env import ROOT, peers_python
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # several vLLM starts in one fixture
 
 SCRIPT = Path(__file__).with_name("vllm_chat.py")
 TURNS = ("How do we verify a stored block?", "And what if the checksum fails?")

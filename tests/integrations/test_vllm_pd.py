@@ -17,7 +17,7 @@ import pytest
 
 from tests.integrations.test_vllm_env import ROOT, peers_python
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # several vLLM starts in one fixture
 
 SCRIPT = Path(__file__).with_name("vllm_pd.py")
 MAX_TOKENS = 24

@@ -22,7 +22,7 @@ import requests
 from tests.integrations.test_vllm_connector import TURNS, chat
 from tests.integrations.test_vllm_env import ROOT, peers_python
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # several vLLM starts in one fixture
 
 BLOCK_SIZE = 32  # as vllm_chat.py's reference instance
 MAX_TOKENS = 24
