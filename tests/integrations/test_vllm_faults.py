@@ -19,13 +19,8 @@ import time
 import pytest
 import requests
 
-from tests.integrations.test_vllm_env import ROOT, peers_python
-from tests.integrations.test_vllm_serve import (
-    free_port,
-    run_folder,
-    vllm_instances,
-    wait_ready,
-)
+from tests.integrations.test_vllm_env import peers_python
+from tests.integrations.test_vllm_serve import serve_vllm, vllm_instances
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -37,29 +32,11 @@ PROMPT = [(7 * i) % 40_000 + 100 for i in range(1_100)]  # 17 blocks of 64 token
 def cluster(tmp_path_factory, smollm2_dir):
     peers_python()  # skip before starting anything
     tmp = tmp_path_factory.mktemp("vllm-faults")
-    port = free_port()
-    cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "dualpath.cli", "serve",
-           "--engine", "vllm", "--prefill", "2", "--decode", "1", "--model", str(smollm2_dir),
-           "--storage", str(tmp / "store"), "--port", str(port),
-           "--set", "vllm.max_model_len=2048", "--set", "vllm.extra_args=['--enforce-eager']",
-           # the 17-block hit's pulls (25 MB over 30 layers) take seconds
-           "--set", "traffic.compute_recv_cap_mb_s=0.5", "--set", "traffic.chunk_bytes=65536",
-           "--set", "traffic.burst_chunks=1"]
-    log = (tmp / "serve.log").open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "DUALPATH_VLLM_PYTHON": str(peers_python())},
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, tmp / "serve.log")
-        yield {"url": url, "run": run_folder(tmp / "serve.log"), "log": tmp / "serve.log"}
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    # the 17-block hit's pulls (25 MB over 30 layers) take seconds
+    with serve_vllm(tmp, smollm2_dir, 2, 1, "vllm.max_model_len=2048",
+                    "traffic.compute_recv_cap_mb_s=0.5", "traffic.chunk_bytes=65536",
+                    "traffic.burst_chunks=1") as served:
+        yield served
 
 
 def complete(cluster: dict, read_path: str) -> dict:

@@ -8,12 +8,14 @@ kills a decode instance, so it runs last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,18 +40,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, smollm2_dir):
-    peers_python()  # skip before starting anything
-    tmp = tmp_path_factory.mktemp("vllm-serve")
-    (tmp / "model.json").write_text(json.dumps(str(smollm2_dir)))
-    plain, _ = chat(tmp, "plain", TURNS)  # vllm_chat.py's max_tokens: MAX_TOKENS
+@contextlib.contextmanager
+def serve_vllm(tmp: Path, model_dir: Path, prefill: int, decode: int,
+               *sets: str) -> Iterator[dict]:
+    """``dualpath serve --engine vllm`` on ``tmp/store`` until the block ends: its URL, run
+    folder and store."""
     port = free_port()
     cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "dualpath.cli", "serve",
-           "--engine", "vllm", "--prefill", "1", "--decode", "2", "--model", str(smollm2_dir),
-           "--storage", str(tmp / "store"), "--port", str(port),
-           "--set", f"engine.block_size={BLOCK_SIZE}", "--set", "vllm.max_model_len=1024",
+           "--engine", "vllm", "--prefill", str(prefill), "--decode", str(decode),
+           "--model", str(model_dir), "--storage", str(tmp / "store"), "--port", str(port),
            "--set", "vllm.extra_args=['--enforce-eager']"]
+    for item in sets:
+        cmd += ["--set", item]
     log = (tmp / "serve.log").open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "DUALPATH_VLLM_PYTHON": str(peers_python())},
@@ -57,8 +59,7 @@ def cluster(tmp_path_factory, smollm2_dir):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, tmp / "serve.log")
-        yield {"url": url, "plain": plain, "tmp": tmp, "store": tmp / "store", "proc": proc,
-               "run": run_folder(tmp / "serve.log")}
+        yield {"url": url, "store": tmp / "store", "run": run_folder(tmp / "serve.log")}
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -66,6 +67,17 @@ def cluster(tmp_path_factory, smollm2_dir):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, smollm2_dir):
+    peers_python()  # skip before starting anything
+    tmp = tmp_path_factory.mktemp("vllm-serve")
+    (tmp / "model.json").write_text(json.dumps(str(smollm2_dir)))
+    plain, _ = chat(tmp, "plain", TURNS)  # vllm_chat.py's max_tokens: MAX_TOKENS
+    with serve_vllm(tmp, smollm2_dir, 1, 2, f"engine.block_size={BLOCK_SIZE}",
+                    "vllm.max_model_len=1024") as served:
+        yield {**served, "plain": plain}
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:

@@ -7,17 +7,14 @@ given (as the oracle does for our engines).
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
 
-from dualpath.bench.agents.run import http_record
+from dualpath.bench.agents.run import replay_http
 from dualpath.bench.report import host_cpu_shares, host_cpu_ticks
 from dualpath.config import ClusterConfig
-from dualpath.errors import DualPathError
 from dualpath.workloads.turns import AgentTurn
 
 PLAIN_ROW = "vllm"
@@ -49,19 +46,7 @@ class PlainVllmRun:
     def run(self, agents: list[list[AgentTurn]], progress: Any,
             timeout_s: float) -> tuple[list[dict[str, Any]], float]:
         """Every agent to its last turn through the API; the records and the JCT."""
-        from dualpath.bench.agents.http import run_agents_http
-
-        began = time.monotonic()
-        per_agent = asyncio.run(run_agents_http(
-            self.instance.url, agents, model=self.model, progress=lambda _: progress(),
-            timeout_s=timeout_s))
-        jct = time.monotonic() - began
-        records = [http_record(r, began) for recs in per_agent for r in recs]
-        failed = [r for r in records if r["error"]]
-        if failed:
-            raise DualPathError(f"plain vLLM: {len(failed)} turns failed, first: "
-                                f"{failed[0]['status']} {failed[0]['error']}")
-        return records, jct
+        return replay_http(self.instance.url, self.model, agents, None, progress, timeout_s)
 
 
 def plain_row(config: ClusterConfig, model_dir: Path, agents: list[list[AgentTurn]],

@@ -161,6 +161,26 @@ def serve_overrides(config: ClusterConfig) -> list[str]:
     return out
 
 
+def replay_http(base_url: str, model: str, agents: list[list[AgentTurn]],
+                offsets_s: list[float] | None, progress: Any, timeout_s: float,
+                cut_after_s: float | None = None) -> tuple[list[dict[str, Any]], float]:
+    """The agents through an OpenAI-compatible server (:func:`run_agents_http`): the records
+    and the JCT; ``DualPathError`` naming the first failed turn."""
+    from dualpath.bench.agents.http import run_agents_http
+
+    began = time.monotonic()
+    per_agent = asyncio.run(run_agents_http(
+        base_url, agents, model=model, start_offsets_s=offsets_s,
+        progress=lambda _: progress(), timeout_s=timeout_s, cut_after_s=cut_after_s))
+    jct = time.monotonic() - began
+    records = [http_record(r, began) for recs in per_agent for r in recs]
+    failed = [r for r in records if r["error"]]
+    if failed:
+        raise DualPathError(f"bench agents: {len(failed)} turns failed through {base_url}, "
+                            f"first: {failed[0]['status']} {failed[0]['error']}")
+    return records, jct
+
+
 class HttpRun:
     """A ``dualpath serve`` process (its own router and engines) driven over HTTP."""
 
@@ -233,19 +253,8 @@ class HttpRun:
             cut_after_s: float | None = None) -> tuple[list[dict[str, Any]], float]:
         """Every agent to its last turn through the API (or until every turn sent by
         ``cut_after_s`` returned: :func:`run_agents_http`); the records and the JCT."""
-        from dualpath.bench.agents.http import run_agents_http
-
-        began = time.monotonic()
-        per_agent = asyncio.run(run_agents_http(
-            self.base_url, agents, model=self.model, start_offsets_s=offsets_s,
-            progress=lambda _: progress(), timeout_s=timeout_s, cut_after_s=cut_after_s))
-        jct = time.monotonic() - began
-        records = [http_record(r, began) for recs in per_agent for r in recs]
-        failed = [r for r in records if r["error"]]
-        if failed:
-            raise DualPathError(f"bench agents: {len(failed)} turns failed through the API, "
-                                f"first: {failed[0]['status']} {failed[0]['error']}")
-        return records, jct
+        return replay_http(self.base_url, self.model, agents, offsets_s, progress, timeout_s,
+                           cut_after_s)
 
     def sampler(self) -> NicSampler:
         """A NIC sampler over the server's ``/metrics`` page."""
