@@ -49,6 +49,7 @@ from dualpath.integrations.vllm_plan import (
     PrefillPlan,
     Remote,
     StepPlan,
+    parsed,
 )
 from dualpath.integrations.vllm_setup import (
     LAYER_INDEX,
@@ -92,6 +93,7 @@ class _Tracked:
     load_to: int = 0
     local: int = 0  # tokens vLLM holds itself (its prefix cache), at the last lookup
     prefill: PrefillPlan | None = None  # prefill role: what the router chose
+    decode: DecodeParams | None = None  # decode role: where its prompt's KV waits
     sealed: bool = False
     copied: bool = False  # decode role: its buffer was copied in (or failed to be): once
 
@@ -135,12 +137,12 @@ class DualPathConnector(KVConnectorBase_V1):
         if tracked is None:
             tracked = self._tracked[request.request_id] = _Tracked(request)
             if self.kind == Role.PREFILL:
-                params = PrefillParams.parse(request.kv_transfer_params)
+                params = parsed(PrefillParams, request.kv_transfer_params)
                 if params is not None:
                     tracked.prefill = PrefillPlan(params, len(request.prompt_token_ids or []))
             elif self.kind == Role.DECODE:
-                params_d = DecodeParams.parse(request.kv_transfer_params)
-                tracked.saved = params_d.num_stored_blocks if params_d else 0
+                tracked.decode = parsed(DecodeParams, request.kv_transfer_params)
+                tracked.saved = tracked.decode.num_stored_blocks if tracked.decode else 0
         return tracked
 
     def _extend(self, tracked: _Tracked, num_tokens: int) -> None:
@@ -162,7 +164,7 @@ class DualPathConnector(KVConnectorBase_V1):
         if self.kind == Role.DECODE:
             # once only: after a failed copy (vLLM then recomputes) or a preemption the buffer
             # may be gone, and asking again would load it again, forever
-            params = DecodeParams.parse(request.kv_transfer_params)
+            params = tracked.decode
             extra = params.num_tokens - num_computed_tokens if params else 0
             return (extra, True) if extra > 0 and not tracked.copied else (0, False)
         usable = (len(prompt) - 1) // self.block_size
@@ -189,7 +191,7 @@ class DualPathConnector(KVConnectorBase_V1):
         computed = tracked.local if num_external_tokens else request.num_computed_tokens
         first = computed // self.block_size
         if self.kind == Role.DECODE:
-            params = DecodeParams.parse(request.kv_transfer_params)
+            params = tracked.decode
             if params is not None and num_external_tokens > 0:
                 tracked.copied = True
                 ids = blocks.get_block_ids()[0]

@@ -41,6 +41,7 @@ from dualpath.integrations.vllm_plan import (
     buffer_offset,
     seal_of,
     seal_offset,
+    shared_pool_path,
 )
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
@@ -150,6 +151,9 @@ class Moves:
         for thread in self._threads:
             thread.join()
         self._threads = []
+        for layer in range(len(self.layers)):  # a layer vLLM never waited for: its pulls
+            if self._pulls[layer]:             # write into blocks vLLM may reuse next step
+                self.wait_layer(layer)
         if plan.pushes and plan.basic:
             self._submit_pushes(plan.pushes, range(len(self.layers)))
         failed: set[str] = set()
@@ -267,7 +271,7 @@ class Moves:
         """The request's buffer (data and seal) in the decode engine's shared file."""
         mapped = self._maps.get(remote.endpoint)
         if mapped is None:
-            with Path(remote.endpoint).open("rb") as file:
+            with Path(shared_pool_path(remote.endpoint)).open("rb") as file:
                 mapped = self._maps[remote.endpoint] = mmap.mmap(file.fileno(), 0,
                                                                  prot=mmap.PROT_READ)
         size = seal_offset(remote.num_blocks, self.layout.full_block_bytes) + SEAL_BYTES

@@ -22,20 +22,25 @@ push that failed is a recompute there, never a wrong token.
 
 from __future__ import annotations
 
+import logging
 import struct
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dualpath.vocab import PrefillMode, ReadPath
 
 SEAL_BYTES = 8
 PARAMS_KEY = "dualpath"
+SHARED_POOL_PREFIX = "dualpath-"  # a decode engine's pool file (vllm_instance.shm_path_for)
+log = logging.getLogger("vllm.dualpath")
 
 
 def seal_of(req_id: int) -> bytes:
     """The seal that marks request ``req_id``'s buffer complete (never all zero bytes: a
     buffer's seal is zeroed when it is allocated)."""
-    return struct.pack("<Q", (req_id + 1) & 0xFFFF_FFFF_FFFF_FFFF)
+    return struct.pack("<Q", (req_id & (2**63 - 1)) | 2**63)  # the top bit: never zero
 
 
 def seal_offset(num_blocks: int, full_block_bytes: int) -> int:
@@ -46,6 +51,30 @@ def seal_offset(num_blocks: int, full_block_bytes: int) -> int:
 def buffer_offset(layer: int, block: int, num_blocks: int, layer_block_bytes: int) -> int:
     """Layer ``layer`` of block ``block`` in a layer-major buffer of ``num_blocks`` blocks."""
     return (layer * num_blocks + block) * layer_block_bytes
+
+
+def shared_pool_path(path: str) -> str:
+    """``path`` when it names a decode engine's shared pool (``dualpath-*`` in /dev/shm, or in
+    the temporary folder where there is none); ``ValueError`` otherwise: a request's
+    parameters never make the connector map another file."""
+    where = Path(path)
+    folders = {Path("/dev/shm"), Path(tempfile.gettempdir())}
+    if where.parent not in folders or not where.name.startswith(SHARED_POOL_PREFIX):
+        raise ValueError(f"{path!r} is not a dualpath decode engine's shared pool")
+    return path
+
+
+def parsed(kind: type[PrefillParams] | type[DecodeParams],
+           params: dict[str, Any] | None) -> Any:
+    """``kind.parse(params)``, or None (logged) when they are malformed: whoever can post to
+    the instance can send ``kv_transfer_params``, and a bad one costs that request its
+    transfer (it is computed), never the instance."""
+    try:
+        return kind.parse(params)
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("dualpath connector: ignoring malformed kv_transfer_params (%r): %s",
+                    params, exc)
+        return None
 
 
 @dataclass

@@ -10,8 +10,6 @@ receive side is capped (NIC emulation), so every layer's pull takes a while. Ski
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import threading
 import time
@@ -20,7 +18,7 @@ import pytest
 import requests
 
 from tests.integrations.test_vllm_env import peers_python
-from tests.integrations.test_vllm_serve import serve_vllm, vllm_instances
+from tests.integrations.test_vllm_serve import kill_instance, serve_vllm, vllm_instances
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -54,15 +52,6 @@ def calls_in_flight(url: str) -> bool:
     out = subprocess.run(["ss", "-Htn", "state", "established", f"( dport = :{port} )"],
                          capture_output=True, text=True).stdout
     return bool(out.strip())
-
-
-def kill_instance(url: str) -> None:
-    port = url.rsplit(":", 1)[1]
-    pids = subprocess.run(["pgrep", "-f", f"api_server.*--port {port} "],
-                          capture_output=True, text=True).stdout.split()
-    assert pids
-    for pid in pids:
-        os.kill(int(pid), signal.SIGKILL)
 
 
 def test_prefill_instance_killed_mid_prefill_is_re_placed(cluster):

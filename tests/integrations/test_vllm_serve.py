@@ -211,6 +211,16 @@ def rewrite_store(root: Path, random_values: bool) -> None:
         assert all(store.put_from(keys, payload))
 
 
+def kill_instance(url: str) -> None:
+    """SIGKILL the vLLM instance serving ``url`` (its API server and engine core)."""
+    port = url.rsplit(":", 1)[1]
+    pids = subprocess.run(["pgrep", "-f", f"api_server.*--port {port} "],
+                          capture_output=True, text=True).stdout.split()
+    assert pids
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+
+
 def running_requests(url: str) -> float:
     """``vllm:num_requests_running`` of an instance."""
     text = requests.get(f"{url}/metrics", timeout=10).text
@@ -237,12 +247,7 @@ def test_decode_instance_killed_mid_stream_moves_the_stream(cluster):
             finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
             if chunks == 5:
                 killed = next(url for url in decodes if running_requests(url) > 0)
-                port = killed.rsplit(":", 1)[1]
-                pids = subprocess.run(["pgrep", "-f", f"api_server.*--port {port} "],
-                                      capture_output=True, text=True).stdout.split()
-                assert pids
-                for pid in pids:
-                    os.kill(int(pid), signal.SIGKILL)
+                kill_instance(killed)
     assert killed is not None
     assert time.monotonic() - started < 180
     assert finish == "length"  # it streamed on to max_tokens
