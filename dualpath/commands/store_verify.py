@@ -51,8 +51,10 @@ def add_arguments(parser: ArgumentParser) -> None:
 
 
 def run(options: StoreVerifyOptions) -> int:
-    """Print the report (and write it to ``--json``); 1 when a block does not match."""
+    """Print the report (and write it to ``--json``); 1 when a block does not match or blocks
+    of the model could not be checked (each reason on stderr, with its count)."""
     import json
+    import sys
 
     import torch
 
@@ -79,4 +81,6 @@ def run(options: StoreVerifyOptions) -> int:
         with open(options.json, "w") as f:
             f.write(text + "\n")
     print(text)
+    for line in report.failures():
+        print(f"store verify: {line}", file=sys.stderr)
     return 0 if report.ok else 1

@@ -3,8 +3,9 @@
 Block k's hash covers the parent hash and the block's token ids, so equal hashes mean equal
 prefixes. Hashes are blake2b digests seeded with the model identity and KV layout, never
 Python's salted ``hash()``. A ``BlockKey`` carries model id, layout id, block size and hash,
-and may carry its parent's hash and its own token ids: stores keep both with the block, so a
-stored chain can be walked back to its root and recomputed (``dualpath store verify``).
+and may carry its parent's hash, its own token ids and its chain's seed hash: stores keep them
+with the block, so a stored chain can be walked back to its root, its root's key checked
+(salted or not) and the chain recomputed (``dualpath store verify``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from dualpath.errors import InvalidKeyError
 
@@ -77,6 +79,7 @@ class BlockKey:
     block_hash: bytes
     parent: bytes | None = field(default=None, compare=False)
     token_ids: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    seed_hash: bytes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_id(self.model_id, "model id")
@@ -84,6 +87,9 @@ class BlockKey:
         _check_block_size(self.block_size)
         if not isinstance(self.block_hash, bytes) or len(self.block_hash) != DIGEST_BYTES:
             raise InvalidKeyError(f"block hash must be {DIGEST_BYTES} bytes")
+        if self.seed_hash is not None and (not isinstance(self.seed_hash, bytes)
+                                           or len(self.seed_hash) != DIGEST_BYTES):
+            raise InvalidKeyError(f"seed hash must be {DIGEST_BYTES} bytes")
         if self.token_ids is not None and (not isinstance(self.token_ids, tuple)
                                            or len(self.token_ids) != self.block_size):
             raise InvalidKeyError(f"token ids must be a tuple of {self.block_size} ids")
@@ -138,6 +144,12 @@ class KeySpace:
         """The seed of every chain in this key space."""
         return salted_seed(f"{self.model_id}|{self.layout_id}|{self.block_size}", self.salt)
 
+    @cached_property
+    def seed_hash(self) -> bytes:
+        """``root_hash(seed)``: the parent hash of every chain's first block, which each key
+        of this space carries (a salted space's differs from its unsalted space's)."""
+        return root_hash(self.seed)
+
     def salted(self, cache_salt: str) -> KeySpace:
         """This key space for one tenant's ``cache_salt`` ("": this one)."""
         return self if cache_salt == self.salt else replace(self, salt=cache_salt)
@@ -145,9 +157,10 @@ class KeySpace:
     def key(self, block_hash: bytes, parent: bytes | None,
             token_ids: tuple[int, ...] | None = None) -> BlockKey:
         """The key of one block given its hash, its parent's hash and (optionally) its own
-        ``block_size`` token ids, which a store keeps with the block for audits."""
+        ``block_size`` token ids; it carries this space's ``seed_hash``. A store keeps all
+        three with the block for audits."""
         return BlockKey(self.model_id, self.layout_id, self.block_size, block_hash, parent,
-                        token_ids)
+                        token_ids, self.seed_hash)
 
     def keys_for_hashes(self, hashes: Sequence[bytes],
                         token_ids: Sequence[int] | None = None) -> list[BlockKey]:

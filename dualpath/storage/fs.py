@@ -42,7 +42,8 @@ from dualpath.storage.block_file import (
     BlockHeader,
     check_header,
     checksum,
-    pack_header,
+    key_header,
+    stored_key,
     unpack_header,
 )
 from dualpath.storage.fs_capacity import SUFFIX, SharedCapacity, pid_alive
@@ -164,8 +165,7 @@ class FsStore(StorageBackend):
                 header = self._read_verified(path, key, self._check_batch([key], [buffer])[0])
         except (OSError, BadBlockFile):
             return None
-        return BlockKey(key.model_id, key.layout_id, key.block_size, key.block_hash,
-                        header.parent, header.token_ids)
+        return stored_key(key, header)
 
     # -- reads -------------------------------------------------------------------------------
     def _read_one(self, key: BlockKey, parts: Parts) -> bool:
@@ -234,8 +234,7 @@ class FsStore(StorageBackend):
         tmp = path.with_name(f".{path.name}.{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            header = pack_header(key.name, key.parent, self.layout,
-                                 parts[0] if len(parts) == 1 else parts, key.token_ids)
+            header = key_header(key, self.layout, parts[0] if len(parts) == 1 else parts)
             self._write_file(tmp, header, parts)
             os.replace(tmp, path)
             if self.fsync:

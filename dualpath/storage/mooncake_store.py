@@ -49,7 +49,8 @@ from dualpath.storage.block_file import (
     BlockHeader,
     check_header,
     checksum,
-    pack_header,
+    key_header,
+    stored_key,
     unpack_header,
 )
 
@@ -170,8 +171,7 @@ class MooncakeStore(StorageBackend):
             return [False] * len(names)
         stored = [True] * len(names)
         if todo:
-            sources = [[memoryview(pack_header(keys[i].name, keys[i].parent, self.layout,
-                                               _payload(views[i]), keys[i].token_ids)),
+            sources = [[memoryview(key_header(keys[i], self.layout, _payload(views[i]))),
                         *views[i]] for i in todo]
             with self._registered(sources):
                 codes = self._call("batch_put_from_multi_buffers", [names[i] for i in todo],
@@ -214,8 +214,7 @@ class MooncakeStore(StorageBackend):
             found = self._checked(key, header, parts, code)
         except BadBlockFile:
             return None
-        return BlockKey(key.model_id, key.layout_id, key.block_size, key.block_hash,
-                        found.parent, found.token_ids)
+        return stored_key(key, found)
 
     # -- helpers -----------------------------------------------------------------------------
     def _get(self, names: list[str], views: list[Parts]) -> tuple[list[memoryview], list[int]]:

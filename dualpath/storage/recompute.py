@@ -94,3 +94,26 @@ def relative_error(stored: torch.Tensor, recomputed: torch.Tensor) -> tuple[floa
                            nan=float("inf"))
     layer = int(err.argmax())
     return float(err[layer]), layer
+
+
+def token_error(stored: torch.Tensor, recomputed: torch.Tensor,
+                parts: int = 2) -> tuple[float, int, int]:
+    """The largest error of one token's K or V in the block, with its layer and token: per
+    layer, token and part (``parts`` equal runs of a token's bytes: K, then V), the norm of the
+    difference over ``max(||recomputed||, the part's RMS norm over the block's tokens)``.
+
+    The per-layer norm of ``relative_error`` dilutes one token among the block's (a token's K
+    overwritten is 1/sqrt(2 x tokens) of its layer's norm); this does not. The floor keeps a row
+    of small norm from turning rounding into a large relative error, and still counts a small
+    row overwritten by a typical one (or the reverse) as a whole token's error.
+    """
+    layers, tokens = recomputed.shape[0], recomputed.shape[1]
+    a = stored.float().reshape(layers, tokens, parts, -1)
+    b = recomputed.float().reshape(layers, tokens, parts, -1)
+    norms = b.norm(dim=3)
+    floor = norms.pow(2).mean(dim=1, keepdim=True).sqrt()
+    err = torch.nan_to_num((a - b).norm(dim=3) / torch.maximum(norms, floor).clamp_min(1e-12),
+                           nan=float("inf"))
+    flat = int(err.argmax())
+    layer, token = divmod(flat // parts, tokens)
+    return float(err.flatten()[flat]), layer, token

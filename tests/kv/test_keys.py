@@ -11,6 +11,7 @@ from dualpath.kv.hashing import (
     KeySpace,
     check_id,
     extend_block_hashes,
+    root_hash,
 )
 from dualpath.kv.layout import KVLayout
 
@@ -100,6 +101,30 @@ def test_token_ids_take_no_part_in_equality():
     key = SPACE.keys(TOKENS)[0]
     bare = BlockKey(MODEL, LAYOUT.layout_id, 16, key.block_hash)
     assert bare == key and hash(bare) == hash(key)
+
+
+def test_keys_carry_their_key_spaces_seed_hash_salted_or_not():
+    salted = SPACE.salted("tenant-a")
+    assert SPACE.seed_hash == root_hash(SPACE.seed)
+    assert salted.seed_hash == root_hash(salted.seed) != SPACE.seed_hash
+    for space in (SPACE, salted):
+        keys = space.keys(TOKENS)
+        assert {k.seed_hash for k in keys} == {space.seed_hash}
+        assert {k.seed_hash for k in space.keys_for_hashes([k.block_hash for k in keys])} == {
+            space.seed_hash}
+        assert space.key(HASH, None).seed_hash == space.seed_hash
+
+
+def test_a_seed_hash_takes_no_part_in_equality():
+    key = SPACE.salted("tenant-a").key(HASH, None)
+    bare = BlockKey(MODEL, LAYOUT.layout_id, 16, HASH)
+    assert bare.seed_hash is None and bare == key and hash(bare) == hash(key)
+
+
+@pytest.mark.parametrize("seed_hash", [b"", bytes(15), bytes(17), "0" * 16])
+def test_block_key_rejects_a_seed_hash_that_is_not_a_digest(seed_hash):
+    with pytest.raises(InvalidKeyError, match="seed hash"):
+        BlockKey(MODEL, LAYOUT.layout_id, 16, HASH, None, None, seed_hash)
 
 
 @pytest.mark.parametrize("ids", [tuple(range(15)), tuple(range(17)), list(range(16)), ()])

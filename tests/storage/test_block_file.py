@@ -14,8 +14,10 @@ from dualpath.storage.block_file import (
     BlockHeader,
     check_header,
     checksum,
+    key_header,
     max_header_tokens,
     pack_header,
+    stored_key,
     unpack_header,
 )
 
@@ -25,7 +27,7 @@ PAYLOAD = memoryview(os.urandom(LAYOUT.full_block_bytes))
 
 
 def _header(key=KEYS[1], layout=LAYOUT, payload=PAYLOAD) -> bytes:
-    return pack_header(key.name, key.parent, layout, payload, key.token_ids)
+    return pack_header(key.name, key.parent, layout, payload, key.token_ids, key.seed_hash)
 
 
 def test_header_is_exactly_4k():
@@ -41,7 +43,7 @@ def test_round_trip():
         key_name=KEYS[1].name, parent=KEYS[0].block_hash, num_layers=4, tokens=16,
         bytes_per_token_per_layer=LAYOUT.bytes_per_token_per_layer, dtype="float16",
         payload_bytes=LAYOUT.full_block_bytes, checksum=checksum(PAYLOAD),
-        token_ids=tuple(range(16, 32)))
+        token_ids=tuple(range(16, 32)), seed_hash=KEYS[1].seed_hash)
     check_header(header, KEYS[1].name, LAYOUT)  # no exception
 
 
@@ -68,6 +70,46 @@ def test_a_flipped_parent_or_token_id_fails_the_header_checksum(where):
     name_end = 70 + 12 + len(KEYS[1].name)  # fixed fields, token count and checksum, name
     raw[52 + 3 if where == "parent" else name_end + 5] ^= 0x01  # parent: bytes 52-67
     with pytest.raises(BadBlockFile, match="checksum"):
+        unpack_header(raw)
+
+
+SALTED = KeySpace("model-a", LAYOUT.layout_id, 16).salted("tenant-a").keys(list(range(16 * 2)))
+
+
+@pytest.mark.parametrize("key", [KEYS[0], KEYS[1], SALTED[0]], ids=["root", "block", "salted"])
+def test_a_keys_parent_token_ids_and_seed_hash_round_trip(key):
+    header = unpack_header(key_header(key, LAYOUT, PAYLOAD))
+    assert header.seed_hash == key.seed_hash is not None
+    back = stored_key(KeySpace("model-a", LAYOUT.layout_id, 16).key(key.block_hash, None), header)
+    assert (back, back.parent, back.token_ids, back.seed_hash) == (
+        key, key.parent, key.token_ids, key.seed_hash)
+    assert SALTED[0].seed_hash != KEYS[0].seed_hash
+
+
+def _seed_trailer_at(key=KEYS[1]) -> int:
+    return 70 + 12 + len(key.name) + 4 * len(key.token_ids)  # after the name and the ids
+
+
+def test_the_seed_hash_lies_where_older_code_wrote_zeros():
+    """Older writers left the bytes after the ids zero, and older readers never look there:
+    a header with a seed hash differs from one without only in its 28-byte trailer, and one
+    without it (an older writer's) reads with seed hash None."""
+    with_seed, without = _header(), pack_header(
+        KEYS[1].name, KEYS[1].parent, LAYOUT, PAYLOAD, KEYS[1].token_ids)
+    at = _seed_trailer_at()
+    assert with_seed == key_header(KEYS[1], LAYOUT, PAYLOAD)
+    assert with_seed[:at] == without[:at]
+    assert with_seed[at + 28 :] == without[at + 28 :] == bytes(HEADER_BYTES - at - 28)
+    assert without[at : at + 28] == bytes(28) and with_seed[at : at + 4] == b"SEED"
+    assert unpack_header(without).seed_hash is None
+
+
+@pytest.mark.parametrize("offset", [0, 4, 19, 20, 27], ids=["marker", "hash", "hash end",
+                                                              "checksum", "checksum end"])
+def test_a_damaged_seed_trailer_is_a_bad_block(offset):
+    raw = bytearray(_header())
+    raw[_seed_trailer_at() + offset] ^= 0x01
+    with pytest.raises(BadBlockFile, match="seed"):
         unpack_header(raw)
 
 
