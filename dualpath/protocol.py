@@ -103,9 +103,15 @@ class Hello(Message):
     nic_address: str = ""  # where peers ask this engine's compute NIC for a grant ("": none)
     ep_buffer_addr: int = 0  # the EP traffic generator's receive buffer (0: EP traffic off)
     ep_buffer_bytes: int = 0  # its size (a peer never writes past it)
+    # this engine process's random id, the same for all its hellos: a hello after the router
+    # declared it lost comes only once every transfer it had started has ended (it dropped
+    # its requests first), so the same incarnation saying hello again lifts its write fences
+    incarnation: str = ""
 
     def __post_init__(self) -> None:
         check_engine(self.name, self.role, self.node_id)
+        if len(self.incarnation) > 64:
+            raise ValueError("an incarnation is at most 64 characters")
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,8 @@ class Finished(Message):
 
 @dataclass(frozen=True)
 class Failed(Message):
-    """Any engine: a request could not be served."""
+    """Any engine: a request could not be served. From a prefill engine (as its ``Prefilled``
+    and ``Aborted``): no write of this request into the DE buffer can still land."""
 
     type: ClassVar[str] = "failed"
     req_id: int
@@ -180,7 +187,8 @@ class Failed(Message):
 
 @dataclass(frozen=True)
 class Aborted(Message):
-    """Any engine: it dropped a request it was told to abort and freed what it held."""
+    """Any engine: it dropped a request it was told to abort and freed what it held; from a
+    prefill engine, once no write of the request into the DE buffer can still land."""
 
     type: ClassVar[str] = "aborted"
     req_id: int
@@ -196,10 +204,16 @@ class Heartbeat(Message):
     free_kv_blocks: int  # device KV blocks not in use
     free_host_slots: int  # host-pool slots not in use
     read_queue_tokens: int  # the storage client's unfinished reads
-    running: tuple[int, ...] = ()  # req ids this engine holds in any phase
-    # seconds since the engine's work loop last made progress (read its inbox or finished a
-    # layer of a forward): an engine holding work whose loop does not move is stuck
-    loop_age_s: float = 0.0
+    # req ids this engine held when its loop last read its inbox (``inbox_age_s`` ago): a
+    # request the router sent before that read and that is not listed was lost on the way
+    running: tuple[int, ...] = ()
+    inbox_age_s: float = 0.0  # seconds since the work loop last read its inbox
+    # seconds since its work last made progress (an inbox read, a finished layer, a vLLM call
+    # that received bytes), and how long the step under way is expected to take: work that
+    # does not move for ``engine_timeout_s`` beyond a few of these is stuck
+    progress_age_s: float = 0.0
+    step_budget_s: float = 0.0
+    fenced: tuple[int, ...] = ()  # DE: req ids whose buffer it keeps for a writer (``Unfence``)
 
 
 @dataclass(frozen=True)
@@ -278,7 +292,17 @@ class Abort(Message):
 
     type: ClassVar[str] = "abort"
     req_id: int
-    quarantine_s: float = 0.0  # DE: keep the prompt buffer this long (a PE may still write it)
+    # DE: a prefill engine the router gave up on may still write the prompt buffer: keep it
+    # (out of the pool) until ``Unfence`` names the request
+    fenced: bool = False
+
+
+@dataclass(frozen=True)
+class Unfence(Message):
+    """DE: no writer can reach these requests' fenced prompt buffers any more: free them."""
+
+    type: ClassVar[str] = "unfence"
+    req_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -300,6 +324,7 @@ class PeerInfo(NamedTuple):
     nic_address: str  # compute-NIC grant address ("": none)
     ep_buffer_addr: int  # EP receive buffer (0: none)
     ep_buffer_bytes: int  # its size
+    public_key: str = ""  # its CURVE public key (Z85): the others' grant servers admit it
 
 
 @dataclass(frozen=True)

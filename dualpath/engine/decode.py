@@ -15,7 +15,8 @@ Nothing here fails for lack of room: an ``AllocBuffer`` that finds no contiguous
 ``Decode`` that finds no free KV blocks, waits (FIFO) until earlier requests free theirs; a block
 that finds no free staging slot is saved at a later step, or dropped and counted if its sequence
 ended. ``abort`` drops a request in any phase; slots a storage read still fills are freed only
-when that read ends, and a buffer a PE may still write into only after a quarantine.
+when that read ends, and a buffer a PE may still write into (``fenced``) only when the router
+says its writer stopped (``Unfence``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dualpath.protocol import (
     Finished,
     Message,
     Tokens,
+    Unfence,
 )
 from dualpath.request import Sequence
 from dualpath.storage.client import StorageClient
@@ -86,7 +88,7 @@ class DecodeWorker(DecodeStorage):
         self._copying: list[_CopyIn] = []  # prompt KV moving buffer -> cache (async, paced)
         self._active: dict[int, ActiveRequest] = {}  # seq_id -> request
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._quarantine: list[tuple[float, list[int]]] = []  # (free at, slots) of dropped buffers
+        self._fenced: dict[int, list[int]] = {}  # req_id -> slots a dropped PE may still write
         self._staging_in_use = 0
         # finished requests whose last blocks are still being written: their Finished waits,
         # so that an agent's next turn, sent the moment this one returns, finds its context;
@@ -103,17 +105,31 @@ class DecodeWorker(DecodeStorage):
         # Called inside each step with its token count, e.g. the EP traffic generator's
         # exchange (the step waits for it, as MoE dispatch/combine would).
         self.on_step: Callable[[int], None] = lambda num_tokens: None
+        self.abandon: Callable[[], bool] = lambda: False  # a decode step is short: not polled
+        self.name = ""
 
     def handle(self, msg: Message) -> list[Message]:
-        """A request message from the router: ``AllocBuffer``, ``Decode`` or ``Abort``; returns
-        the answers."""
+        """A request message from the router: ``AllocBuffer``, ``Decode``, ``Abort`` or
+        ``Unfence``; returns the answers."""
         if isinstance(msg, AllocBuffer):
             return self.alloc_buffer(msg)
         if isinstance(msg, Decode):
             return self.start_decode(msg)
         if isinstance(msg, Abort):
-            return self.abort(msg.req_id, msg.quarantine_s)
+            return self.abort(msg.req_id, msg.fenced)
+        if isinstance(msg, Unfence):
+            return self.unfence(msg)
         raise ValueError(f"a decode engine cannot handle {msg.type!r}")
+
+    def liveness(self) -> tuple[float, float]:
+        """When a layer of a step last finished, and how long the one under way should take."""
+        clock = self.engine.runner.clock
+        return clock.progress_s, clock.budget_s()
+
+    def settled(self) -> bool:
+        """A decode engine writes into no other engine's memory (its EP traffic lands in the
+        peers' own EP buffers only)."""
+        return True
 
     def work(self) -> list[Message]:
         """Handle finished storage reads and writes, then run one decode step if sequences
@@ -130,18 +146,17 @@ class DecodeWorker(DecodeStorage):
                 "num_finish_waits_cut": self.num_finish_waits_cut, "num_waits": self.num_waits,
                 "num_steps": self.num_steps, "step_s_total": self.step_s_total}
 
-    def abort(self, req_id: int, quarantine_s: float = 0.0) -> list[Message]:
-        """Drop a request in any phase and free what it holds — its prompt buffer only after
-        ``quarantine_s`` when a PE may still be writing into it; answers ``Aborted``."""
+    def abort(self, req_id: int, fenced: bool = False) -> list[Message]:
+        """Drop a request in any phase and free what it holds — its prompt buffer only once
+        the router unfences it when a PE may still be writing into it (``fenced``); answers
+        ``Aborted``."""
         self._pending_allocs = deque(m for m in self._pending_allocs if m.req_id != req_id)
         self._pending_decodes = deque(m for m in self._pending_decodes if m.req_id != req_id)
         self._allocs.pop(req_id, None)
         if req_id in self._reading:
-            self._orphans.add(req_id)  # the read still fills the slots
-        elif req_id in self._buffers and quarantine_s > 0:
-            self._quarantine.append((time.monotonic() + quarantine_s, self._buffers.pop(req_id)))
+            self._orphans.add(req_id)  # the read still fills the slots (nothing announced)
         elif req_id in self._buffers:
-            self.host_pool.free(self._buffers.pop(req_id))
+            self._release_buffer(req_id, self._buffers.pop(req_id), fenced)
         for seq_id, active in list(self._active.items()):
             if active.req_id == req_id:
                 self.engine.abort(active.seq)
@@ -290,10 +305,8 @@ class DecodeWorker(DecodeStorage):
 
     # -- completions from storage threads --------------------------------------------------------
     def drain_events(self) -> list[Message]:
-        """Handle finished storage reads and writes and ended quarantines; returns messages
-        to send."""
-        out: list[Message] = (self._end_quarantines() + self._end_copies()
-                              + self._overdue_finishes())
+        """Handle finished storage reads and writes; returns messages to send."""
+        out: list[Message] = self._end_copies() + self._overdue_finishes()
         while True:
             try:
                 kind, payload = self._events.get_nowait()

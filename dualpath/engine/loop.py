@@ -8,9 +8,14 @@ writes and runs one decode step of its running batch. The loop itself answers wh
 engine answers alike: ``Peers``, ``GetMetrics``, ``Shutdown``.
 
 A heartbeat thread, on a socket of its own (so a long forward does not silence it), reports the
-engine's real state every ``heartbeat_s``. If the router declares the engine lost (it answers
-``known=False``, say after a SIGSTOP) the loop drops every request and says hello again; if the
-router falls silent for ``router_timeout_s`` the engine stops its work and exits.
+engine's real state every ``heartbeat_s``, with the liveness clocks the router judges it by: how
+long ago the loop read its inbox (and what it held then), and how long ago its work made
+progress beside how long the step under way should take. If the router declares the engine lost
+(it answers ``known=False``, say after a SIGSTOP) a forward under way stops at its next layer
+(``engine/faults.py``), the loop drops every request (a DE fences the buffers it announced:
+``Abort(fenced=True)``), waits until no transfer it started can still land (``settled``) and
+says hello again as the same incarnation, which lifts the router's fences on it; if the router
+falls silent for ``router_timeout_s`` the engine stops its work and exits.
 
 The router's ``Peers`` (sent whenever an engine joins or leaves) tells the traffic manager
 where each peer's compute NIC grants its bytes, and gives the EP traffic generator
@@ -23,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -38,6 +44,7 @@ from dualpath.control_keys import EngineKey
 from dualpath.control_socket import engine_socket
 from dualpath.engine.decode import DecodeWorker
 from dualpath.engine.device_setup import prepare_engine_device
+from dualpath.engine.faults import FAULT_HANG_ENV, fault_flag, hang_while
 from dualpath.engine.join import Advertised
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillWorker
@@ -63,6 +70,7 @@ from dualpath.scheduler.batch import AttentionCostModel
 from dualpath.storage import open_store
 from dualpath.storage.client import StorageClient
 from dualpath.storage.node_nic import node_nic_account
+from dualpath.traffic.engine_plane import admit_peers, data_plane
 from dualpath.traffic.ep import EpPeer, EpTraffic, ep_metrics_off
 from dualpath.traffic.manager import TrafficManager
 from dualpath.vocab import EngineKind, Role
@@ -72,7 +80,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dualpath.engine")
 IDLE_POLL_MS = 20
-FAULT_HANG_ENV = "DUALPATH_FAULT_HANG_DIR"  # tests only: see EngineProcess._fault_hang
+__all__ = ["FAULT_HANG_ENV", "EngineIdentity", "EngineProcess"]  # FAULT_HANG_ENV: tests use it
 ROUTER_GONE_EXIT = 3  # exit status of an engine that stopped because its router fell silent
 VLLM_GONE_EXIT = 4  # ... because the vLLM instance it started died
 
@@ -100,13 +108,11 @@ class EngineProcess:
         """``key``: this engine's control-plane key (``control_keys.py``). With
         ``config.engine_kind`` vllm the engine loads no model: it starts a vLLM instance (or
         drives the one at ``vllm_url``) and its worker turns requests into calls on it."""
-        from dualpath.transfer.mooncake import MooncakeBackend
-
         apply_process_settings(config.engine)
         self.identity = identity
         self.engine: LLMEngine | None = None
         if config.engine_kind == EngineKind.VLLM:
-            self._init_vllm(model_dir, config, advertised, cluster_id, vllm_url)
+            self._init_vllm(model_dir, config, advertised, cluster_id, vllm_url, key)
             config = self.config
         else:
             # auto resolved, Mooncake's build checked against the device, a GPU's share set
@@ -118,9 +124,7 @@ class EngineProcess:
             self.storage = StorageClient(open_store(config.storage, layout), layout.block_size,
                                          config.storage, node_nic=node_nic)
             advertised = advertised or Advertised("127.0.0.1", config.transfer_protocol)
-            self.backend = MooncakeBackend(advertised.host, advertised.protocol,
-                                           advertised.rdma_devices)
-            self.traffic = TrafficManager(self.backend, config.traffic, nic_host=advertised.host)
+            self.backend, self.traffic = data_plane(advertised, config, key)  # fenced, keyed
             self.host_pool = HostPool(layout.full_block_bytes, config.host_pool_blocks,
                                       touch=True)
             cache = self.engine.runner.cache.data
@@ -138,25 +142,29 @@ class EngineProcess:
                 self.worker.on_step = self.ep.exchange  # each step waits for its all-to-all
         self._peer_endpoints: set[str] = set()  # other engines' transfer endpoints, as known
         self.config = config
+        self.incarnation = secrets.token_hex(8)  # this process, in each of its hellos
         self.socket = engine_socket(identity.name, router_address, key)
         self._running = True
         self._router_gone = False
-        self._loop_at_s = time.monotonic()  # when the work loop last read its inbox
-        self._held: tuple[int, ...] = ()  # req ids held, as the loop last saw them
+        # when the work loop last read its inbox, and the req ids it held then (one tuple: the
+        # heartbeat thread reads both at once)
+        self._inbox_read: tuple[float, tuple[int, ...]] = (time.monotonic(), ())
         self._rejoin = threading.Event()  # the router forgot us: drop everything, say hello
+        self._rejoining = False  # dropped everything; hello once the worker has settled
+        self.worker.abandon = self._rejoin.is_set  # a forward stops once we are dropped
+        self.worker.name = identity.name
         self._heart = threading.Thread(target=self._heartbeat,
                                        args=(engine_socket(identity.name + HEARTBEAT_SUFFIX,
                                                            router_address, key),),
                                        name="heartbeat", daemon=True)
 
     def _init_vllm(self, model_dir: Path, config: ClusterConfig, advertised: Advertised | None,
-                   cluster_id: str, vllm_url: str | None) -> None:
+                   cluster_id: str, vllm_url: str | None, key: EngineKey | None = None) -> None:
         """The vLLM engine: storage client, transfer backend, traffic manager and (decode) a
         shared host pool as an engine of ours has, a vLLM instance instead of a model, and its
         role's adapter worker (``integrations/vllm_workers.py``). No EP traffic: vLLM runs the
         steps."""
         from dualpath.integrations.vllm_instance import vllm_engine_parts
-        from dualpath.transfer.mooncake import MooncakeBackend
 
         identity = self.identity
         parts = vllm_engine_parts(model_dir, config, identity.role, identity.name)
@@ -165,9 +173,7 @@ class EngineProcess:
         self.storage = StorageClient(open_store(config.storage, parts.layout),
                                      parts.layout.block_size, config.storage, node_nic=node_nic)
         advertised = advertised or Advertised("127.0.0.1", config.transfer_protocol)
-        self.backend = MooncakeBackend(advertised.host, advertised.protocol,
-                                       advertised.rdma_devices)
-        self.traffic = TrafficManager(self.backend, config.traffic, nic_host=advertised.host)
+        self.backend, self.traffic = data_plane(advertised, config, key)  # fenced, keyed
         self.host_pool = parts.host_pool
         self.traffic.register(self.host_pool.base_address, self.host_pool.nbytes)
         self.ep = None
@@ -204,16 +210,16 @@ class EngineProcess:
             while self.socket.poll(timeout):
                 self._handle(self.socket.recv())
                 timeout = 0
-            self._fault_hang()
+            hang_while(fault_flag(self.identity.name), lambda: self._running)
             if self._rejoin.is_set():
                 self._drop_everything()
+            self._hello_once_settled()
             # what the heartbeat reports: the inbox was read just now, and what it gave us
-            self._held, self._loop_at_s = self.worker.held_requests(), time.monotonic()
+            self._inbox_read = (time.monotonic(), self.worker.held_requests())
             try:  # may take seconds (a long prefill): the beats say how old this is
                 self.send(self.worker.work())
             except Exception:  # the workers fail their own requests; this is a bug to log
                 log.exception("engine work failed")
-            self._held = self.worker.held_requests()
         self.close()
         return ROUTER_GONE_EXIT if self._router_gone else 0
 
@@ -221,12 +227,14 @@ class EngineProcess:
         ident, ep = self.identity, self.ep
         nic = getattr(self.traffic, "nic_address", None) or ""
         self.send([Hello(ident.name, ident.role, ident.node_id, self.backend.endpoint, nic,
-                         ep.buffer_addr if ep else 0, ep.buffer_bytes if ep else 0)])
+                         ep.buffer_addr if ep else 0, ep.buffer_bytes if ep else 0,
+                         self.incarnation)])
 
     def _peers(self, msg: Peers) -> None:
         """The registered engines changed: tell the traffic manager where the others' NICs
         grant, forget those that left, and hand the EP generator this role's engines."""
         others = {p.endpoint: p for p in msg.peers if p.name != self.identity.name}
+        admit_peers(self.backend, self.traffic, others.values())  # their hosts and keys only
         forget = getattr(self.traffic, "forget_peer", None)
         for endpoint in self._peer_endpoints - others.keys():
             if forget is not None:
@@ -241,13 +249,22 @@ class EngineProcess:
                               for p in others.values() if p.role == self.identity.role)
 
     def _drop_everything(self) -> None:
-        """The router declared this engine lost: drop its requests and join afresh."""
+        """The router declared this engine lost: drop its requests (a DE keeps the buffers it
+        announced fenced: a PE may still write them) and join afresh once settled. The answers
+        go out: a PE's lift the router's fences on those requests."""
         log.warning("the router lost track of this engine: dropping %d requests, rejoining",
                     len(self.worker.held_requests()))
-        for req_id in self.worker.held_requests():  # the router forgot them all: no answers
-            self.worker.handle(Abort(req_id, self.config.engine_timeout_s))
+        for req_id in self.worker.held_requests():
+            self.send(self.worker.handle(Abort(req_id, fenced=True)))
         self._rejoin.clear()
-        self._hello()
+        self._rejoining = True
+
+    def _hello_once_settled(self) -> None:
+        """Rejoining: say hello once no transfer this engine started can still land (the
+        router lifts its fences on this incarnation then)."""
+        if self._rejoining and self.worker.settled():
+            self._rejoining = False
+            self._hello()
 
     def _heartbeat(self, socket: zmq.Socket) -> None:
         """Report state every ``heartbeat_s``; stop the engine when the router is gone.
@@ -277,29 +294,20 @@ class EngineProcess:
         socket.close(0)
 
     def _state(self) -> Heartbeat:
+        """This engine's heartbeat: its resources, and its two liveness clocks — the inbox
+        read's age with what it held then, and the progress age beside the step's budget (a
+        forward of many seconds still moves; a loop stuck in a transfer or a deadlock does not,
+        and the router declares the engine stuck)."""
         reads = getattr(self.worker, "read_queue_tokens", None)  # a vLLM PE's own ledger
+        now = time.monotonic()
+        read_s, held = self._inbox_read
+        progress_s, budget_s = self.worker.liveness()
         return Heartbeat(self.identity.name, self.worker.free_kv_blocks, self.host_pool.num_free,
-                         self.storage.read_queue_tokens if reads is None else reads, self._held,
-                         round(self._progress_age_s(), 3))
-
-    def _progress_age_s(self) -> float:
-        """Seconds since the work loop last made progress: read its inbox, or finished a
-        layer of a forward (a forward of many seconds still moves; a loop stuck in a
-        transfer or a deadlock does not, and the router declares the engine stuck)."""
-        done_s = (self.engine.runner.layer_done_s if self.engine is not None
-                  else getattr(self.worker, "progress_s", 0.0))
-        last = max(self._loop_at_s, done_s)
-        return max(0.0, time.monotonic() - last)
-
-    def _fault_hang(self) -> None:
-        """Test-only fault: the loop hangs while ``$DUALPATH_FAULT_HANG_DIR/NAME`` exists
-        (the heartbeat thread goes on beating, as it would for a deadlocked loop)."""
-        folder = os.environ.get(FAULT_HANG_ENV)
-        if not folder:
-            return
-        flag = Path(folder) / self.identity.name
-        while flag.exists() and self._running:
-            time.sleep(0.05)
+                         self.storage.read_queue_tokens if reads is None else reads, held,
+                         inbox_age_s=round(max(0.0, now - read_s), 3),
+                         progress_age_s=round(max(0.0, now - max(read_s, progress_s)), 3),
+                         step_budget_s=round(budget_s, 3),
+                         fenced=self.worker.fenced_requests())
 
     def _handle(self, raw: bytes) -> None:
         try:

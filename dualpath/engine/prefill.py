@@ -5,8 +5,10 @@ storage into this engine's host buffer as soon as the request arrives (the node'
 so reads overlap the compute of earlier requests. Requests whose reads are done are batched
 in arrival order under the compute quota (``scheduler/batch.py``, docs/paper.md §5.5): whole
 requests while the predicted time fits, then the largest chunk of the next one; the rest of a
-chunked request goes into later batches. Without a cost model (no profile) each forward takes one
-whole request. The queue is in placement order (the router's wire ids: a DE-path request, which
+chunked request goes into later batches. Without a cost model (no profile) each forward takes
+the first request's next ``max_num_batched_tokens`` (whole blocks), so no forward is longer than
+a step's budget of tokens and the heartbeat's progress moves at the pace of a chunk's layers.
+The queue is in placement order (the router's wire ids: a DE-path request, which
 arrives once its DE buffer is filled, takes the place it was given), and a request still
 reading is passed over, not waited for, so a long read on this node's storage NIC does not
 idle the PE while other requests' KV is ready (docs/paper.md §5.5 is silent on both; the simulator
@@ -26,6 +28,11 @@ A read that finds the host pool full waits (FIFO) for earlier requests to free t
 A job is ready once no read into its slots can still run (``io_done``): blocks the storage read
 deadline gave up on are computed, and a late block can never land in a reused slot. ``abort``
 drops a request between forwards, keeping its slots until its read's I/O has ended.
+
+Write fences: ``Prefilled``, ``Failed`` and ``Aborted`` go out only once no write of the request
+into its DE buffer can still land (a forward's sends are waited for, or settled when it fails),
+and a forward checks before and after every layer whether the router has dropped this engine
+(``abandon``): then it stops, settles what it had sent, and pushes nothing further.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from dualpath.engine.faults import ForwardFaults, fault_flag
 from dualpath.engine.layerwise import LayerPlan, PrefillHooks
 from dualpath.engine.llm_engine import Forwarded, LLMEngine
 from dualpath.engine.prefill_jobs import BlockRuns, PrefillJob
@@ -75,6 +83,10 @@ class PrefillWorker:
         # Called inside each forward with its computed token count, e.g. the EP traffic
         # generator's exchange (the forward waits for it, as MoE dispatch/combine would).
         self.on_step: Callable[[int], None] = lambda num_tokens: None
+        # polled before and after every layer: True once the router dropped this engine (the
+        # forward stops sending into buffers that may belong to other requests by now)
+        self.abandon: Callable[[], bool] = lambda: False
+        self.name = ""  # this engine's name (the test-only mid-forward hang's flag)
 
     def handle(self, msg: Message) -> list[Message]:
         """A request message from the router: ``Prefill`` or ``Abort``; returns the answers."""
@@ -82,7 +94,7 @@ class PrefillWorker:
             self.accept(msg)
             return []
         if isinstance(msg, Abort):
-            return self.abort(msg.req_id, msg.quarantine_s)
+            return self.abort(msg.req_id)
         raise ValueError(f"a prefill engine cannot handle {msg.type!r}")
 
     def work(self) -> list[Message]:
@@ -155,9 +167,9 @@ class PrefillWorker:
             job.read.add_done_callback(lambda _, j=job: setattr(j, "read_done_s",
                                                                 time.monotonic()))
 
-    def abort(self, req_id: int, quarantine_s: float = 0.0) -> list[Message]:
-        """Drop a request between forwards and free what it holds; answers ``Aborted``
-        (``quarantine_s`` is the DE's business: nothing writes into a PE's slots but its own
+    def abort(self, req_id: int) -> list[Message]:
+        """Drop a request between forwards and free what it holds; answers ``Aborted`` (no send
+        of it is in flight between forwards; nothing writes into a PE's slots but its own
         reads, which are waited for)."""
         for job in [j for j in self._jobs if j.msg.req_id == req_id]:
             self._jobs.remove(job)
@@ -168,6 +180,21 @@ class PrefillWorker:
     def held_requests(self) -> tuple[int, ...]:
         """Req ids this engine holds."""
         return tuple(job.msg.req_id for job in self._jobs)
+
+    def liveness(self) -> tuple[float, float]:
+        """When a layer of a forward last finished, and how long the one under way should
+        take."""
+        clock = self.engine.runner.clock
+        return clock.progress_s, clock.budget_s()
+
+    def fenced_requests(self) -> tuple[int, ...]:
+        """A prefill engine keeps no buffer for another engine's writes."""
+        return ()
+
+    def settled(self) -> bool:
+        """Between forwards no send is in flight (a forward waits for its sends, or settles
+        them when it fails or is abandoned)."""
+        return True
 
     def _let_go(self, job: PrefillJob) -> None:
         """Free a job's cache blocks and host slots (the slots once its read has ended)."""
@@ -247,9 +274,10 @@ class PrefillWorker:
         return [ReadDone(job.msg.req_id, job.num_hit_blocks)]
 
     def _pick(self, ready: list[PrefillJob]) -> list[tuple[PrefillJob, int]]:
-        """(job, tokens to compute now) under the compute quota, FIFO."""
+        """(job, tokens to compute now) under the compute quota, FIFO; without a cost model the
+        first job's next chunk of at most ``max_num_batched_tokens``."""
         if self.cost_model is None:
-            return [(ready[0], self._remaining(ready[0]))]
+            return [(ready[0], self._chunk(ready[0]))]
         fifo = [(i, self._cached(job), self._remaining(job)) for i, job in enumerate(ready)]
         chosen = build_prefill_batch(fifo, self.quota_ms, self.cost_model)
         batch = []
@@ -258,6 +286,12 @@ class PrefillWorker:
                 break  # no contiguous cache room: wait for earlier requests to finish
             batch.append((ready[i], bsz))
         return batch or [(ready[0], self._remaining(ready[0]))]
+
+    def _chunk(self, job: PrefillJob) -> int:
+        """The job's next chunk: what remains, cut to ``max_num_batched_tokens`` rounded down
+        to whole blocks (at least one), so every chunk but the last ends on a block boundary."""
+        limit = self.engine.config.max_num_batched_tokens // self.block_size * self.block_size
+        return min(self._remaining(job), max(limit, self.block_size))
 
     def _cached(self, job: PrefillJob) -> int:
         return job.seq.num_computed_tokens if job.seq else job.num_hit_blocks * self.block_size
@@ -290,9 +324,10 @@ class PrefillWorker:
                 raise RequestError("no contiguous PE cache room for the request")
             items.append((seq, bsz))
         parts = [self._hooks(job, bsz) for job, bsz in batch]
+        faults = ForwardFaults(self.abandon, fault_flag(f"{self.name}.forward"))
         started_s = time.monotonic()
         try:
-            done = self.engine.forward(items, ComposedHooks(parts))
+            done = self.engine.forward(items, ComposedHooks([faults, *parts]))
         except Exception:
             for part in parts:  # no load or send of this forward may outlive it
                 part.settle()

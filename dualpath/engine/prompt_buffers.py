@@ -6,12 +6,13 @@ its layer slices by one vectored read). Both decode workers mix it in: ours
 ``__init__`` and says how a finished read reaches its loop (``_read_io_done``).
 
 Nothing waits for room: an ``AllocBuffer`` that finds no contiguous run waits (FIFO) until
-earlier buffers are freed; a buffer a PE may still write into is freed after a quarantine.
+earlier buffers are freed. A buffer a PE may still write into (``Abort(fenced=True)``) is
+fenced: kept out of the pool until the router's ``Unfence`` says its writer stopped — never
+freed on a timer (``server/router_endings.py``).
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -21,12 +22,12 @@ from dualpath.errors import HostPoolExhaustedError
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
-from dualpath.protocol import AllocBuffer, BufferReady, Failed, Message
+from dualpath.protocol import AllocBuffer, BufferReady, Failed, Message, Unfence
 from dualpath.storage.client import StorageClient
 
 
 class PromptBuffers:
-    """Buffer allocation, DE-path reads and quarantines (module docstring)."""
+    """Buffer allocation, DE-path reads and fences (module docstring)."""
 
     host_pool: HostPool
     storage: StorageClient
@@ -38,7 +39,7 @@ class PromptBuffers:
     _reading: set[int]  # req_ids whose DE-path read is in flight
     _orphans: set[int]  # aborted while reading: free the slots when it ends
     _pending_allocs: deque[AllocBuffer]  # waiting for a contiguous run
-    _quarantine: list[tuple[float, list[int]]]  # (free at, slots) of dropped buffers
+    _fenced: dict[int, list[int]]  # req_id -> slots of a dropped buffer a PE may still write
 
     def _read_io_done(self, req_id: int, first: int, future: Future[list[bool]]) -> None:
         """A read's I/O ended (on a storage thread): have the loop run ``_read_done``."""
@@ -114,12 +115,25 @@ class PromptBuffers:
         loaded = next((i for i, good in enumerate(ok) if not good), len(ok))
         return [self._ready(req_id, first + loaded)]
 
-    def _end_quarantines(self) -> list[Message]:
-        """Free the buffers whose quarantine is over; start the allocations that waited."""
-        if not self._quarantine:
-            return []
-        now = time.monotonic()
-        for _, slots in (q for q in self._quarantine if q[0] <= now):
+    def _release_buffer(self, req_id: int, slots: list[int], fenced: bool) -> None:
+        """A dropped request's buffer: back to the pool, or fenced when a PE may still write
+        it."""
+        if not slots:
+            return
+        if fenced:
+            self._fenced[req_id] = slots
+        else:
             self.host_pool.free(slots)
-        self._quarantine = [q for q in self._quarantine if q[0] > now]
+
+    def unfence(self, msg: Unfence) -> list[Message]:
+        """The writers of these fenced buffers stopped: free them, start the allocations that
+        waited (a request this engine does not hold fenced is ignored)."""
+        for req_id in msg.req_ids:
+            slots = self._fenced.pop(req_id, None)
+            if slots is not None:
+                self.host_pool.free(slots)
         return self._start_allocs()
+
+    def fenced_requests(self) -> tuple[int, ...]:
+        """Req ids whose buffer is fenced (the heartbeat lists them)."""
+        return tuple(sorted(self._fenced))

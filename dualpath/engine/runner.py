@@ -16,12 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
+from dualpath.engine.progress import NO_WORK, LayerWork, StepClock
 from dualpath.kv.cache import PagedKVCache
 from dualpath.model import attention_graphs
 from dualpath.model.attention import AttentionBatch, DecodeSlice, PrefillSlice, upload
 from dualpath.model.attention_graphs import CudaCapture, DecodeGraphs, GraphCapture
 from dualpath.model.hooks import NO_HOOKS, LayerHooks
 from dualpath.model.llama import LlamaForCausalLM
+from dualpath.model.spec import ModelSpec
 from dualpath.request import Sequence
 
 
@@ -34,6 +36,7 @@ class StepInputs:
     batch: AttentionBatch
     last_rows: list[int]  # row of each item's last token in the flat batch
     decode_only: bool = False  # every item decodes one token: rows 0..B-1 are the decode rows
+    work: LayerWork = NO_WORK  # one layer's work (the heartbeat's step budget)
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -52,9 +55,10 @@ class ModelRunner:
         self._kv_layers = cache.layers()
         self.device = cache.data.device
         self.graphs = self.decode_graphs(capture)
-        # monotonic seconds when a layer of a forward last finished: a long forward still
-        # shows progress (the engine's heartbeat reports its age; see engine/loop.py)
-        self.layer_done_s = time.monotonic()
+        # when a layer of a forward last finished and how long the one under way should take:
+        # a long forward still shows progress (the engine's heartbeat reports both)
+        self.clock = StepClock(layer_params(model.spec), model.spec.num_heads
+                               * model.spec.head_dim, time.monotonic())
 
     def prepare(self, items: list[tuple[Sequence, int]]) -> StepInputs:
         """Build the flat inputs and attention metadata for ``items``."""
@@ -64,9 +68,11 @@ class ModelRunner:
         prefills, last_rows = [], []
         decode_rows, decode_tables, decode_ctx = [], [], []
         bs = self.block_size
+        num_pairs = 0.0
         for seq, num_new in items:
             start = seq.num_computed_tokens
             ctx = start + num_new
+            num_pairs += num_new * (start + (num_new + 1) / 2)
             row = len(ids)
             ids.extend(seq.token_ids[start:ctx])
             last_rows.append(row + num_new - 1)
@@ -88,7 +94,7 @@ class ModelRunner:
         batch = AttentionBatch(torch.tensor(slots, dtype=torch.long), prefills, decode)
         inputs = StepInputs(torch.tensor(ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), batch, last_rows,
-                            decode_only=not prefills)
+                            decode_only=not prefills, work=LayerWork(len(ids), num_pairs))
         return inputs if self.device.type == "cpu" else to_device(inputs, self.device)
 
     def decode_graphs(self, capture: GraphCapture | None = None) -> DecodeGraphs | None:
@@ -112,14 +118,16 @@ class ModelRunner:
     def run(self, inputs: StepInputs, hooks: LayerHooks = NO_HOOKS) -> torch.Tensor:
         """Forward the step; return final hidden states of every row ``[T, hidden]``. A
         decode-only step without hooks replays a CUDA graph where one fits."""
-        graphs = self.graphs
-        if (hooks is NO_HOOKS and inputs.decode_only and graphs is not None
-                and graphs.fits(inputs.batch)):
-            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.batch)
-            self.layer_done_s = time.monotonic()
-            return hidden
-        return self.model(inputs.input_ids, inputs.positions, inputs.batch, self._kv_layers,
-                          _Progress(self, hooks))
+        graphs, clock = self.graphs, self.clock
+        clock.begin(inputs.work, time.monotonic())
+        try:
+            if (hooks is NO_HOOKS and inputs.decode_only and graphs is not None
+                    and graphs.fits(inputs.batch)):
+                return graphs.run(inputs.input_ids, inputs.positions, inputs.batch)
+            return self.model(inputs.input_ids, inputs.positions, inputs.batch,
+                              self._kv_layers, _Progress(clock, hooks))
+        finally:
+            clock.end(time.monotonic())
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
@@ -146,14 +154,21 @@ def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
         decode = DecodeSlice(rows, table.view(d.block_table.shape).to(torch.int32),
                              ctx.to(torch.int32), d.block_size, d.window, d.max_ctx)
     return StepInputs(ids, positions, AttentionBatch(slots, prefills, decode), inputs.last_rows,
-                      inputs.decode_only)
+                      inputs.decode_only, inputs.work)
+
+
+def layer_params(spec: ModelSpec) -> int:
+    """Weights of one decoder layer (attention projections and MLP; norms are negligible)."""
+    q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return spec.hidden_size * (2 * q_width + 2 * kv_width) + 3 * spec.hidden_size \
+        * spec.intermediate_size
 
 
 class _Progress(LayerHooks):
-    """``hooks``, and the runner's ``layer_done_s`` stamped after every layer."""
+    """``hooks``, and the runner's step clock told after every layer."""
 
-    def __init__(self, runner: ModelRunner, hooks: LayerHooks) -> None:
-        self.runner = runner
+    def __init__(self, clock: StepClock, hooks: LayerHooks) -> None:
+        self.clock = clock
         self.hooks = hooks
 
     def before_layer(self, layer_idx: int) -> None:
@@ -161,7 +176,7 @@ class _Progress(LayerHooks):
 
     def after_layer(self, layer_idx: int) -> None:
         self.hooks.after_layer(layer_idx)
-        self.runner.layer_done_s = time.monotonic()
+        self.clock.layer_done(time.monotonic())
 
     def finish(self) -> None:
         self.hooks.finish()

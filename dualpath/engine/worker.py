@@ -23,6 +23,10 @@ class Worker(Protocol):
     # called inside each forward or step with its token count (the EP traffic generator's
     # exchange: the step waits for it, as MoE dispatch/combine would)
     on_step: Callable[[int], None]
+    # polled during long work: True once the router dropped this engine (a prefill forward
+    # then stops and sends nothing more)
+    abandon: Callable[[], bool]
+    name: str  # the engine's name (logs, test-only fault flags)
 
     def handle(self, msg: Message) -> list[Message]:
         """Take a request message of this role (``Abort`` included); returns the answers.
@@ -50,4 +54,18 @@ class Worker(Protocol):
 
     def metrics(self) -> dict[str, object]:
         """This worker's counters, by name."""
+        ...
+
+    def liveness(self) -> tuple[float, float]:
+        """(monotonic seconds when its work last made progress, seconds the step under way
+        should take: 0 when none is) — the heartbeat's progress clock."""
+        ...
+
+    def fenced_requests(self) -> tuple[int, ...]:
+        """Req ids whose prompt buffer this worker keeps for a writer until ``Unfence``."""
+        ...
+
+    def settled(self) -> bool:
+        """True when no transfer this worker started into another engine's memory can still
+        land (an engine dropped by its router says hello again only then)."""
         ...

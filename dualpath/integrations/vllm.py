@@ -22,6 +22,12 @@ class, three roles (``kv_connector_extra_config["role"]``):
 our engines' ids never match it. One stored block is one vLLM block (our key block size *is*
 vLLM's ``block_size``), its layers in order, each exactly vLLM's CPU cache block.
 
+**Fences**: a prefill engine that gives up on a request (an abort, a failed or timed-out call)
+revokes it in its fence table (``vllm_fence.py``, named by ``fence_path`` in the request's
+params); the worker side counts each step it binds, never pushes or seals a revoked request after
+that, and marks a step done once its moves have all ended, so the engine knows when no write of
+the request can still land in the decode engine's buffer.
+
 **Failures** never give a wrong token: a block missing, corrupt, late or not pulled is
 reported by ``get_block_ids_with_load_errors`` (vLLM, with ``kv_load_failure_policy=
 "recompute"``, recomputes from it) and the request is poisoned (no seal, nothing more saved);
@@ -41,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from dualpath.integrations.vllm_fence import FenceTableError, WorkerFence
 from dualpath.integrations.vllm_launch import BOTH
 from dualpath.integrations.vllm_moves import Moves
 from dualpath.integrations.vllm_plan import (
@@ -118,6 +125,8 @@ class DualPathConnector(KVConnectorBase_V1):
         config = storage_config(extra)
         self.client = StorageClient(open_store(config, self.layout), self.block_size, config)
         self._tracked: dict[str, _Tracked] = {}  # scheduler side
+        self._fence_path = ""  # scheduler side: the prefill engine's fence table, once named
+        self.fence = WorkerFence()  # worker side
         self._pending_copies: list[Remote] = []  # decode role: allocated, copied next step
         self._layer_of: dict[str, int] = {}  # worker side
         traffic = None
@@ -140,6 +149,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 params = parsed(PrefillParams, request.kv_transfer_params)
                 if params is not None:
                     tracked.prefill = PrefillPlan(params, len(request.prompt_token_ids or []))
+                    self._fence_path = params.fence_path or self._fence_path
             elif self.kind == Role.DECODE:
                 tracked.decode = parsed(DecodeParams, request.kv_transfer_params)
                 tracked.saved = tracked.decode.num_stored_blocks if tracked.decode else 0
@@ -209,7 +219,7 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's moves: loads, pulls, pushes, copies and saves (``StepPlan``)."""
-        plan = StepPlan(copies=self._pending_copies)
+        plan = StepPlan(copies=self._pending_copies, fence_path=self._fence_path)
         self._pending_copies = []
         for req_id, computed in self._scheduled(scheduler_output):
             tracked = self._tracked[req_id]
@@ -318,6 +328,22 @@ class DualPathConnector(KVConnectorBase_V1):
         assert isinstance(meta, DualPathMeta)
         return meta.plan
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """A step begins: count it in the fence table and drop the pushes (and seals) of the
+        requests the prefill engine has revoked. A table that cannot be opened drops every
+        push of the step (the decode side then recomputes): never a push the engine could not
+        fence."""
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, DualPathMeta)
+        plan = connector_metadata.plan
+        try:
+            self.fence.begin(plan.fence_path)
+        except FenceTableError as exc:
+            log.error("dualpath connector: %s: this step pushes nothing", exc)
+            plan.pushes = []
+            return
+        plan.pushes = [r for r in plan.pushes if not self.fence.revoked(r.req_id)]
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads and pulls (layers become ready one at a time) and its
         copies out of the buffer (decode role)."""
@@ -342,6 +368,7 @@ class DualPathConnector(KVConnectorBase_V1):
         became full this step, in chain order."""
         plan = self._plan()
         self.moves.finish(plan)
+        self.fence.end()  # no push of this step can still land
         saves = [t for t in plan.saves if not self.moves.poisoned(t.req_id)]
         if not saves or not self.moves.layers:
             return
@@ -368,6 +395,7 @@ class DualPathConnector(KVConnectorBase_V1):
         return None, (received or None)
 
     def shutdown(self) -> None:
-        """Close the store client and the transfer engine."""
+        """Close the store client, the transfer engine and the fence table."""
         self.moves.close()
         self.client.close()
+        self.fence.close()

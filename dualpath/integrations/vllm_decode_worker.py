@@ -10,7 +10,8 @@ instance (``kv_transfer_params["dualpath"]`` tells the connector where the buffe
 each chunk's token ids into ``Tokens`` and the end into ``Finished``, indexed as
 ``DecodeWorker`` does. The buffer is freed with the first chunk that carries tokens (the
 instance has copied it in by then) or when the call ends; an abort closes the stream (vLLM
-aborts the request) and frees it, after a quarantine when a PE may still write into it.
+aborts the request) and frees it — or, when a PE may still write into it (``fenced``), keeps it
+until the router's ``Unfence`` (``engine/prompt_buffers.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dualpath.protocol import (
     Finished,
     Message,
     Tokens,
+    Unfence,
 )
 from dualpath.request import SamplingParams
 from dualpath.storage.client import StorageClient
@@ -56,6 +58,9 @@ class _DecodeCall:
     num_streamed: int  # outputs the router has
     finish_reason: str = ""
     started_s: float = field(default_factory=time.monotonic)
+    # its prompt: an unsealed buffer is recomputed before the first token (the liveness budget)
+    num_prompt_tokens: int = 1
+    answering: bool = False  # the instance has begun streaming (a chunk came)
 
 
 class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
@@ -86,7 +91,7 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         self._reading: set[int] = set()  # req_ids whose DE-path read is in flight
         self._orphans: set[int] = set()  # aborted while reading: free the slots when it ends
         self._pending_allocs: deque[AllocBuffer] = deque()  # waiting for a contiguous run
-        self._quarantine: list[tuple[float, list[int]]] = []  # (free at, slots) of dropped ones
+        self._fenced: dict[int, list[int]] = {}  # req_id -> slots a dropped PE may still write
         self._streams: dict[int, _DecodeCall] = {}
         self.num_waits = 0
         self.num_decoded_tokens = 0
@@ -99,13 +104,19 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         if isinstance(msg, Decode):
             return self.start_decode(msg)
         if isinstance(msg, Abort):
-            return self.abort(msg.req_id, msg.quarantine_s)
+            return self.abort(msg.req_id, msg.fenced)
+        if isinstance(msg, Unfence):
+            return self.unfence(msg)
         raise ValueError(f"a decode engine cannot handle {msg.type!r}")
 
+    def settled(self) -> bool:
+        """The decode side writes into no other engine's memory."""
+        return True
+
     def work(self) -> list[Message]:
-        """Ended quarantines, finished reads, stream chunks and ends; returns the messages to
-        send (one ``Tokens`` for every stream's new tokens)."""
-        out = self._end_quarantines() + self.drain()
+        """Finished reads, stream chunks and ends; returns the messages to send (one
+        ``Tokens`` for every stream's new tokens)."""
+        out = self.drain()
         tokens = [m for m in out if isinstance(m, Tokens)]
         rest = [m for m in out if not isinstance(m, Tokens)]
         items = tuple(item for m in tokens for item in m.items)
@@ -122,14 +133,6 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         where = seal_offset(len(slots), self.layout.full_block_bytes)
         self.host_pool.region(slots[0], len(slots))[where : where + SEAL_BYTES] = 0
 
-    def _release(self, slots: list[int], quarantine_s: float) -> None:
-        if not slots:
-            return
-        if quarantine_s > 0:
-            self._quarantine.append((time.monotonic() + quarantine_s, slots))
-        else:
-            self.host_pool.free(slots)
-
     # -- decode ---------------------------------------------------------------------------------
     def start_decode(self, msg: Decode) -> list[Message]:
         """Stream the completion of the prompt plus the first token from the instance (or end
@@ -144,7 +147,8 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         del self._allocs[msg.req_id]
         slots = self._buffers.pop(msg.req_id)
         prior = list(prompt[len(prompt) - msg.num_prior_outputs:])
-        job = _DecodeCall(msg.req_id, slots, HttpCall(), prior, msg.num_prior_outputs or 1)
+        job = _DecodeCall(msg.req_id, slots, HttpCall(), prior, msg.num_prior_outputs or 1,
+                          num_prompt_tokens=len(prompt))
         self.num_requests += 1
         reason = self._ends(prior, msg.params, len(prompt) - msg.num_prior_outputs)
         if reason is None:
@@ -200,6 +204,7 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         try:
             with self.http.stream_completions(body, job.call) as stream:
                 for chunk in stream:
+                    job.answering = True
                     choice = (chunk.get("choices") or [{}])[0]
                     tokens = [int(t) for t in choice.get("token_ids") or ()]
                     reason = str(choice.get("finish_reason") or "")
@@ -250,25 +255,30 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         return [*self._new_tokens(job), Finished(job.req_id, tuple(job.outputs), reason)]
 
     # -- abort and state ------------------------------------------------------------------------
-    def abort(self, req_id: int, quarantine_s: float = 0.0) -> list[Message]:
+    def abort(self, req_id: int, fenced: bool = False) -> list[Message]:
         """Drop a request in any phase: close its stream (vLLM aborts it) and free its buffer
-        (after ``quarantine_s`` when a PE may still write into it); answers ``Aborted``."""
+        (once unfenced when a PE may still write into it: ``fenced``); answers ``Aborted``."""
         self._pending_allocs = deque(m for m in self._pending_allocs if m.req_id != req_id)
         self._allocs.pop(req_id, None)
         if req_id in self._reading:
             self._orphans.add(req_id)  # the read still fills the slots
         elif req_id in self._buffers:
-            self._release(self._buffers.pop(req_id), quarantine_s)
+            self._release_buffer(req_id, self._buffers.pop(req_id), fenced)
         job = self._streams.pop(req_id, None)
         if job is not None:
             job.call.close()
-            self._release(job.slots, quarantine_s)
+            self._release_buffer(req_id, job.slots, fenced)
             job.slots = []
             self.num_aborted += 1
         return [Aborted(req_id), *self._start_allocs()]
 
     def _open_calls(self) -> list[HttpCall]:
         return [job.call for job in list(self._streams.values())]
+
+    def _calls_waiting(self) -> list[tuple[float, int]]:
+        """Streams whose first chunk has not come yet."""
+        return [(job.started_s, job.num_prompt_tokens) for job in list(self._streams.values())
+                if not job.answering]
 
     def held_requests(self) -> tuple[int, ...]:
         """Req ids held in any phase."""

@@ -34,6 +34,7 @@ from dualpath.vocab import PrefillMode, ReadPath
 SEAL_BYTES = 8
 PARAMS_KEY = "dualpath"
 SHARED_POOL_PREFIX = "dualpath-"  # a decode engine's pool file (vllm_instance.shm_path_for)
+FENCE_PREFIX = "dualpath-fence-"  # a prefill engine's fence table (vllm_fence.py)
 log = logging.getLogger("vllm.dualpath")
 
 
@@ -61,6 +62,18 @@ def shared_pool_path(path: str) -> str:
     folders = {Path("/dev/shm"), Path(tempfile.gettempdir())}
     if where.parent not in folders or not where.name.startswith(SHARED_POOL_PREFIX):
         raise ValueError(f"{path!r} is not a dualpath decode engine's shared pool")
+    return path
+
+
+def fence_table_path(path: str) -> str:
+    """``path`` when empty or naming a prefill engine's fence table (``dualpath-fence-*`` in
+    /dev/shm, or the temporary folder where there is none); ``ValueError`` otherwise."""
+    if not path:
+        return path
+    where = Path(path)
+    folders = {Path("/dev/shm"), Path(tempfile.gettempdir())}
+    if where.parent not in folders or not where.name.startswith(FENCE_PREFIX):
+        raise ValueError(f"{path!r} is not a dualpath prefill engine's fence table")
     return path
 
 
@@ -103,6 +116,7 @@ class PrefillParams:
     de_buffer_addr: int
     num_blocks: int
     mode: PrefillMode
+    fence_path: str = ""  # the engine's fence table (vllm_fence.py); "" for none
 
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> PrefillParams | None:
@@ -115,7 +129,8 @@ class PrefillParams:
         store = {ReadPath.PE: hit, ReadPath.DE: 0}.get(path, int(mine.get("num_pe_read_blocks", 0)))
         found = cls(int(mine["req_id"]), path, hit, min(store, hit), str(mine["de_endpoint"]),
                     int(mine["de_buffer_addr"]), int(mine["num_blocks"]),
-                    PrefillMode(mine.get("mode", PrefillMode.LAYERWISE)))
+                    PrefillMode(mine.get("mode", PrefillMode.LAYERWISE)),
+                    fence_table_path(str(mine.get("fence_path", ""))))
         if min(found.num_hit_blocks, found.num_blocks, found.req_id) < 0:
             raise ValueError(f"negative sizes in {mine}")
         return found
@@ -185,3 +200,4 @@ class StepPlan:
     copies: list[Remote] = field(default_factory=list)  # shm buffer -> cache (decode role)
     saves: list[Any] = field(default_factory=list)  # BlockTransfer: cache -> store
     basic: bool = False  # a prefill in basic mode: load all before, push all after the forward
+    fence_path: str = ""  # the prefill engine's fence table (vllm_fence.py), once known

@@ -14,21 +14,29 @@ drains.
   buffer the decode instance's connector maps, DE-path reads) and a streamed completion per
   ``Decode``.
 
-An abort closes the call's connection: vLLM then aborts the request.
+An abort closes the call's connection: vLLM then aborts the request. A prefill engine answers
+``Aborted`` or ``Failed`` only once the request's fence has settled (``vllm_fence.py``): no step
+of the instance that might still push the request's KV into its DE buffer is running.
+
+Liveness: a call whose answer has not begun (no byte received) is work that has not moved; the
+heartbeat reports the age of the oldest such call beside how long it should take (its prompt at
+the pace of the calls that finished), so a hung instance is told from a busy one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dualpath.errors import RequestError
+from dualpath.integrations.vllm_fence import FenceTable, fence_path_for
 from dualpath.integrations.vllm_http import HttpCall, VllmHttp, VllmHttpError
 from dualpath.protocol import (
     Abort,
@@ -45,6 +53,9 @@ log = logging.getLogger("dualpath.vllm")
 STATS_EVERY_S = 0.5  # the instance's /metrics is read at most this often
 DE_STREAM_THREADS = 64  # concurrent decode streams (a thread each)
 PE_CALL_THREADS = 16  # concurrent prefill calls
+# seconds per prompt token a call is allowed before any call has finished: slower than a CPU
+# thread prefills a model of billions of weights, so a first call is never judged too early
+PRIOR_S_PER_TOKEN = 0.05
 
 
 def sampling_body(params: SamplingParams) -> dict[str, Any]:
@@ -69,7 +80,7 @@ class VllmWorkerBase:
         self._stats_at_s = 0.0
         self._free_kv_blocks = 0
         self._events: queue.Queue[Callable[[], list[Message]]] = queue.Queue()
-        self.progress_s = time.monotonic()  # when a call last gave a result
+        self._s_per_token: float | None = None  # how fast finished calls went, per token
         self.num_requests = 0
         self.num_failures = 0
         self.num_aborted = 0
@@ -77,10 +88,35 @@ class VllmWorkerBase:
         # Called with a step's token count (the EP traffic generator's exchange); vLLM runs
         # the steps, so this worker never calls it.
         self.on_step: Callable[[int], None] = lambda num_tokens: None
+        self.abandon: Callable[[], bool] = lambda: False  # calls end on abort: not polled
+        self.name = ""
+
+    def liveness(self) -> tuple[float, float]:
+        """(when work last moved, how long the waiting call should take): the oldest call that
+        has received nothing yet counts as work not moving since it started."""
+        waiting = [(started_s, tokens) for started_s, tokens in self._calls_waiting()]
+        if not waiting:
+            return time.monotonic(), 0.0
+        started_s, tokens = min(waiting)
+        s_per_token = self._s_per_token if self._s_per_token is not None else PRIOR_S_PER_TOKEN
+        return started_s, tokens * s_per_token
+
+    def _calls_waiting(self) -> list[tuple[float, int]]:
+        """(started, prompt tokens) of each call in flight that has received nothing yet (each
+        role keeps its own)."""
+        return []
+
+    def _timed(self, elapsed_s: float, num_tokens: int) -> None:
+        """A call of ``num_tokens`` prompt tokens answered in ``elapsed_s``: the pace later
+        calls are judged by (the slowest of the latest and the running mean)."""
+        if num_tokens <= 0:
+            return
+        pace = elapsed_s / num_tokens
+        mean = pace if self._s_per_token is None else (self._s_per_token + pace) / 2
+        self._s_per_token = max(pace, mean)
 
     def _post(self, event: Callable[[], list[Message]]) -> None:
         """Hand a call's result to the loop thread (``work`` runs ``event``)."""
-        self.progress_s = time.monotonic()
         self._events.put(event)
 
     def drain(self) -> list[Message]:
@@ -139,6 +175,15 @@ class _PrefillCall:
     msg: Prefill
     call: HttpCall
     hit_tokens: int  # tokens the instance reads from storage (PE path), for the read queue
+    started_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Fencing:
+    """A request given up on, answered once its fence settles (``vllm_fence.py``)."""
+
+    answer: Message  # Aborted or Failed
+    steps: int | None = None  # the instance's steps begun at the revocation (None: not yet)
 
 
 class VllmPrefillWorker(VllmWorkerBase):
@@ -152,6 +197,8 @@ class VllmPrefillWorker(VllmWorkerBase):
         self.block_bytes = block_bytes
         self.num_store_read_blocks = 0  # hit blocks the instance read from the store
         self._calls: dict[int, _PrefillCall] = {}
+        self._fencing: dict[int, _Fencing] = {}  # req_id -> its answer, once settled
+        self._fence: FenceTable | None = None  # made on first use, named in every call
         self.num_prefilled = 0
         self.num_hit_tokens = 0
         self.num_computed_tokens = 0
@@ -164,6 +211,12 @@ class VllmPrefillWorker(VllmWorkerBase):
         if isinstance(msg, Abort):
             return self.abort(msg.req_id)
         raise ValueError(f"a prefill engine cannot handle {msg.type!r}")
+
+    def fence_table(self) -> FenceTable:
+        """This engine's fence table (created on first use)."""
+        if self._fence is None:
+            self._fence = FenceTable.create(fence_path_for(self.name or "pe"))
+        return self._fence
 
     def accept(self, msg: Prefill) -> None:
         """Start the request's completion call."""
@@ -191,7 +244,7 @@ class VllmPrefillWorker(VllmWorkerBase):
             "num_hit_blocks": msg.num_hit_blocks, "num_pe_read_blocks": msg.num_pe_read_blocks,
             "de_endpoint": msg.de_endpoint, "de_buffer_addr": msg.de_buffer_addr,
             "num_blocks": -(-len(msg.prompt_ids) // self.block_size), "mode": str(msg.mode),
-            "cache_salt": salt}}
+            "cache_salt": salt, "fence_path": self.fence_table().path}}
         return body
 
     def _run(self, job: _PrefillCall, body: dict[str, Any]) -> None:
@@ -214,10 +267,13 @@ class VllmPrefillWorker(VllmWorkerBase):
             if isinstance(answer, Exception):
                 raise answer
             first, cached = _first_token(answer)
-        except Exception as exc:
+        except Exception as exc:  # vLLM may still run a step of it: answer once settled
             self.num_failures += 1
-            return [Failed(msg.req_id, f"vllm prefill instance {self.http.url}: "
-                                       f"{error_detail(exc)}")]
+            job.call.close()
+            return self._revoke(msg.req_id, Failed(msg.req_id, f"vllm prefill instance "
+                                                              f"{self.http.url}: "
+                                                              f"{error_detail(exc)}"))
+        self._timed(elapsed_s, len(msg.prompt_ids) - cached)
         self.num_prefilled += 1
         hit_blocks = min(msg.num_hit_blocks, cached // self.block_size)
         self.num_hit_tokens += cached
@@ -227,23 +283,62 @@ class VllmPrefillWorker(VllmWorkerBase):
                           forward_s=elapsed_s)]
 
     def abort(self, req_id: int) -> list[Message]:
-        """Close the request's call (vLLM aborts it); answers ``Aborted``."""
+        """Close the request's call (vLLM aborts it); answers ``Aborted`` once its fence has
+        settled (at once for a request with no call: it was never sent)."""
         job = self._calls.pop(req_id, None)
-        if job is not None:
-            job.call.close()
-            self.num_aborted += 1
-        return [Aborted(req_id)]
+        if job is None:
+            return [] if req_id in self._fencing else [Aborted(req_id)]
+        job.call.close()
+        self.num_aborted += 1
+        return self._revoke(req_id, Aborted(req_id))
+
+    def _revoke(self, req_id: int, answer: Message) -> list[Message]:
+        """Revoke the request in the fence table; ``answer`` goes out once it has settled."""
+        self._fencing[req_id] = _Fencing(answer)
+        return self._settle()
+
+    def _settle(self) -> list[Message]:
+        """Revocations the ring had no room for, then the answers of settled fences."""
+        if not self._fencing:
+            return []
+        table = self.fence_table()
+        for fencing in self._fencing.values():
+            if fencing.steps is None:
+                fencing.steps = table.revoke(fencing.answer.req_id)  # type: ignore[attr-defined]
+        done = table.done()
+        settled = [r for r, f in self._fencing.items() if f.steps is not None and done >= f.steps]
+        return [self._fencing.pop(req_id).answer for req_id in settled]
+
+    def settled(self) -> bool:
+        """True when no request's fence is still waiting for the instance's steps."""
+        return not self._fencing
+
+    def fenced_requests(self) -> tuple[int, ...]:
+        """A prefill engine keeps no buffer for another engine's writes."""
+        return ()
 
     def work(self) -> list[Message]:
-        """Pick up finished calls; returns the messages to send."""
-        return self.drain()
+        """Pick up finished calls and settled fences; returns the messages to send."""
+        return self.drain() + self._settle()
 
     def _open_calls(self) -> list[HttpCall]:
         return [job.call for job in list(self._calls.values())]
 
+    def _calls_waiting(self) -> list[tuple[float, int]]:
+        """Every prefill call in flight: its answer is one piece, at its end."""
+        return [(job.started_s, len(job.msg.prompt_ids)) for job in list(self._calls.values())]
+
     def held_requests(self) -> tuple[int, ...]:
-        """Req ids with a call in flight."""
-        return tuple(sorted(self._calls))
+        """Req ids with a call in flight, or given up on and not yet settled."""
+        return tuple(sorted({*self._calls, *self._fencing}))
+
+    def close(self) -> None:
+        """Close the calls, stop the threads, remove the fence table."""
+        super().close()
+        if self._fence is not None:
+            self._fence.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._fence.path)
 
     @property
     def read_queue_tokens(self) -> int:

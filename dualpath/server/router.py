@@ -152,8 +152,9 @@ class Router(RouterLoop):
         return out
 
     def engine_lost(self, name: str) -> None:
-        """An engine process is gone: fail or re-place what it held, place new work elsewhere."""
-        self._inbox.put(lambda: self._lose(name, f"engine {name} exited"))
+        """An engine process exited (its launcher saw it): fail or re-place what it held, place
+        new work elsewhere, lift the write fences it held (it writes nowhere any more)."""
+        self._inbox.put(lambda: self._lose(name, f"engine {name} exited", exited=True))
 
     def shutdown(self, notify_engines: bool = True) -> None:
         """Tell every engine to stop and end the router thread (without telling them, the

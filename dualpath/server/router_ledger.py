@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 
 from dualpath.scheduler.global_scheduler import GlobalScheduler
-from dualpath.server.router_types import Capacity, EngineState, Holds, Load, RequestState
-from dualpath.vocab import ReadPath
+from dualpath.server.router_types import Capacity, EngineState, Fence, Holds, Load, RequestState
+from dualpath.vocab import ReadPath, Role
 
 DECISIONS_KEPT = 10_000
 
@@ -27,8 +27,13 @@ class RouterLedger:
         self.engine_timeout_s = engine_timeout_s
         self.heartbeat_s = engine_timeout_s / 10 if heartbeat_s is None else heartbeat_s
         self.engines: dict[str, EngineState] = {}
-        # engines declared lost (they hear so when they beat again), the latest MAX_LOST
-        self.lost: dict[str, None] = {}
+        # engines declared lost (they hear so when they beat again), the latest MAX_LOST, with
+        # the incarnation each was
+        self.lost: dict[str, str] = {}
+        # attempts taken back while their PE may still write their DE buffer (wire id -> fence)
+        self.fences: dict[int, Fence] = {}
+        self.roles_seen: set[Role] = set()  # roles that had an engine once
+        self.role_gone_s: dict[Role, float] = {}  # role -> since when it has no live engine
         self.stuck: dict[str, int] = {}  # engine -> times it was declared stuck (registered)
         self.read_queue_tokens: dict[int, int] = {}  # node -> tokens being read for us
         self.requests: dict[int, RequestState] = {}  # every request not yet completed

@@ -123,6 +123,7 @@ class RouterLoop:
         self.model_id = self.key_space.model_id
         self.cluster_id = secrets.token_hex(6)
         self.keys = keys or cluster_keys(config)
+        self.state.public_keys = {name: pair.public for name, pair in self.keys.engines.items()}
         self._context = zmq.Context()  # its own: its ZAP handler admits this cluster's engines
         self._zap = ZapHandler(self._context, self.keys)
         try:
@@ -277,11 +278,11 @@ class RouterLoop:
             self._oracle_blocks.clear()
         self._oracle_blocks.update(self.key_space.keys(out.prompt_ids + out.output_ids[:-1]))
 
-    def _lose(self, name: str, reason: str) -> Effects:
+    def _lose(self, name: str, reason: str, exited: bool = False) -> Effects:
         for future in self._metrics.pop(name, []):
             if not future.done():
                 future.set_exception(RequestFailed(reason))
-        return self.state.lose(name, reason)
+        return self.state.lose(name, reason, exited)
 
     def _hit_blocks(self, req: RequestState) -> int:
         """Leading full blocks storage holds (leaving at least one token to compute); a store

@@ -31,6 +31,7 @@ class RouterPlacement(RouterLedger):
     def _enqueue(self, req: RequestState) -> None:
         req.phase = Phase.QUEUED
         req.unseen.clear()
+        req.sent_s.clear()
         req.pe = req.de = req.path = ""
         self.scheduler.submit(PendingRequest(req.req_id, len(req.kv_ids),
                                              self._read_tokens(req)))
@@ -52,6 +53,7 @@ class RouterPlacement(RouterLedger):
         req.pe, req.de = a.prefill, a.decode
         req.path = self._choose_path(req, a)
         req.phase = Phase.BUFFERING
+        req.sent_s[req.de] = self._now_s
         self._hold(req)
         self.decisions.append((req.req_id, req.pe, req.de, req.path, req.num_hit_blocks))
         num_blocks = -(-len(req.kv_ids) // self.capacity.block_size)

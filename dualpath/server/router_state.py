@@ -26,8 +26,15 @@ assemble — their full blocks, persisted as they were generated, are hits — a
 samples from the next output index with the same seed, so the caller's stream goes on without a
 repeated or missing token; after ``MAX_ATTEMPTS`` placements it fails with a clear error.
 A request aborted while its PE may still write into the DE buffer waits in DRAINING until the
-PE lets go; where the PE never confirms (it was lost) the DE keeps the buffer for a quarantine,
-so the buffer is never reused under a live writer.
+PE lets go; where the PE never confirms (it was lost) the buffer is fenced
+(``router_endings.py``): it is never reused under a writer not known to have stopped.
+
+Liveness has two clocks, both in the heartbeat: the inbox-read age (a request the router sent
+before the engine's last inbox read, and that the engine does not list, was lost on the way:
+``UNSEEN_BEATS`` such beats correct it, through ``Abort`` and the fence) and the progress age
+(work that has not moved for ``engine_timeout_s`` beyond ``PROGRESS_MARGIN`` times the time the
+step under way should take is stuck). A busy engine reads its inbox late and proves nothing.
+A role left with no live engine for ``engine_timeout_s`` fails the requests waiting for it.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from dualpath.protocol import (
     Prefilled,
     ReadDone,
     Tokens,
+    Unfence,
 )
 from dualpath.server.router_endings import RouterEndings
 from dualpath.server.router_ledger import count
@@ -64,12 +72,18 @@ from dualpath.server.router_types import (
 )
 from dualpath.vocab import Mode, Phase, PrefillMode, ReadPath
 
+LET_GO = (Aborted, Failed, Prefilled)  # a PE's answers: no write of the attempt can still land
 UNSEEN_BEATS = 3  # heartbeats of a live engine not listing a request it should hold
 MAX_LOST = 1024  # lost engine names remembered
+# no progress for engine_timeout_s plus this many times the step's expected time is a hang: a
+# layer may run a few times slower than the one before it on a shared core
+PROGRESS_MARGIN = 3.0
 
 
 class RouterState(RouterEndings):
     """Requests, engines, nodes and reservations, with every transition between them."""
+
+    public_keys: dict[str, str] | None = None  # engine -> CURVE public key (the router's keys)
 
     # -- inputs ---------------------------------------------------------------------------------
     def submit(self, req: RequestState, now_s: float) -> Effects:
@@ -108,7 +122,10 @@ class RouterState(RouterEndings):
         elif isinstance(msg, Heartbeat):
             self._heartbeat(engine, msg, now_s, out)
         elif engine not in self.engines:
-            self.dropped_messages += 1  # a lost engine speaking: it hears so at its heartbeat
+            # a lost engine speaking: it hears so at its heartbeat; a PE's answer for an attempt
+            # still lifts that attempt's fence (it writes no more there)
+            if not (isinstance(msg, LET_GO) and self._let_go_late(engine, msg.req_id, out)):
+                self.dropped_messages += 1
         else:
             self.engines[engine].last_heard_s = now_s
             self._request_message(engine, msg, out)
@@ -117,15 +134,32 @@ class RouterState(RouterEndings):
         return out
 
     def tick(self, now_s: float) -> Effects:
-        """Declare engines lost whose heartbeats stopped more than the timeout ago."""
+        """Declare engines lost whose heartbeats stopped more than the timeout ago; fail the
+        waiting requests of a role that has had no live engine for as long."""
         out = Effects()
         self._now_s = now_s
         for name, engine in list(self.engines.items()):
             if now_s - engine.last_heard_s > self.engine_timeout_s:
                 self._lose(name, f"engine {name} silent for over {self.engine_timeout_s:g} s", out)
+        self._fail_orphaned(now_s, out)
         self._announce_peers(out)
         self._schedule(out)
         return out
+
+    def _fail_orphaned(self, now_s: float, out: Effects) -> None:
+        """Requests waiting for a role that has had no live engine for ``engine_timeout_s``
+        fail with an error that says so (instead of waiting for their deadline)."""
+        live = {e.info.role for e in self.engines.values()}
+        for role in self.roles_seen - live:
+            since = self.role_gone_s.setdefault(role, now_s)
+            if now_s - since <= self.engine_timeout_s:
+                continue
+            why = RequestFailed(f"no live {role} engine for over {self.engine_timeout_s:g} s")
+            for req in [r for r in self.requests.values()
+                        if r.phase in (Phase.QUEUED, Phase.MOVING)]:
+                self._end(req, out, why)
+        for role in live:
+            self.role_gone_s.pop(role, None)
 
     def resume(self, req_id: int, num_hit_blocks: int, now_s: float) -> Effects:
         """Queue a moved request again with its hit (over ``kv_ids``) looked up anew."""
@@ -145,10 +179,15 @@ class RouterState(RouterEndings):
         self._schedule(out)
         return out
 
-    def lose(self, name: str, reason: str) -> Effects:
-        """An engine is gone (its process exited, or it stopped answering)."""
+    def lose(self, name: str, reason: str, exited: bool = False) -> Effects:
+        """An engine is gone: it stopped answering, or (``exited``, as its launcher saw) its
+        process ended — then it writes nowhere any more, and the fences it held are lifted."""
         out = Effects()
         self._lose(name, reason, out)
+        if exited:
+            self._writer_stopped(name, None, out)
+            for wire_id in [w for w, f in self.fences.items() if f.de == name]:
+                del self.fences[wire_id]  # the buffer went with its process
         self._announce_peers(out)
         self._schedule(out)
         return out
@@ -163,7 +202,8 @@ class RouterState(RouterEndings):
                 "buffer_blocks": sum(x.buffer_blocks for x in loads),
                 "pool_blocks": sum(x.pool_blocks for x in loads),
                 "requests": len(self.requests), "draining": len(self.draining),
-                "queued": len(self.scheduler), "wire_ids": len(self._by_wire)}
+                "queued": len(self.scheduler), "wire_ids": len(self._by_wire),
+                "fences": len(self.fences)}
 
     # -- engines --------------------------------------------------------------------------------
     def _hello(self, msg: Hello, now_s: float, out: Effects) -> None:
@@ -174,9 +214,15 @@ class RouterState(RouterEndings):
         if msg.name in self.engines:  # restarted under the same name: its old work is gone
             self._lose(msg.name, f"engine {msg.name} restarted", out)
         self.lost.pop(msg.name, None)
+        if msg.incarnation:
+            # a process says hello only new, or after it dropped its requests and settled
+            # every transfer: it writes into no buffer it was given before
+            self._writer_stopped(msg.name, msg.incarnation, out)
         info = EngineInfo(msg.name, msg.role, msg.node_id, msg.endpoint, msg.nic_address,
-                          msg.ep_buffer_addr, msg.ep_buffer_bytes)
+                          msg.ep_buffer_addr, msg.ep_buffer_bytes, msg.incarnation,
+                          (self.public_keys or {}).get(msg.name, ""))
         self.engines[msg.name] = EngineState(info, now_s)
+        self.roles_seen.add(msg.role)
         self.read_queue_tokens.setdefault(msg.node_id, 0)
         self._members_changed = True
 
@@ -186,7 +232,7 @@ class RouterState(RouterEndings):
             return
         self._members_changed = False
         peers = Peers(tuple(PeerInfo(i.name, i.role, i.node_id, i.endpoint, i.nic_address,
-                                     i.ep_buffer_addr, i.ep_buffer_bytes)
+                                     i.ep_buffer_addr, i.ep_buffer_bytes, i.public_key)
                             for i in (e.info for e in self.engines.values())))
         for name in self.engines:
             out.send(name, peers)
@@ -197,29 +243,35 @@ class RouterState(RouterEndings):
             if engine in self.lost:  # it was declared lost: drop everything, say hello again
                 out.send(engine, HeartbeatAck(known=False))
             return  # a beat that overtook the engine's hello (another socket): nothing to say
-        if msg.loop_age_s > self.engine_timeout_s and (msg.running or self._held_by(engine)):
+        allowed_s = self.engine_timeout_s + PROGRESS_MARGIN * msg.step_budget_s
+        if msg.progress_age_s > allowed_s and (msg.running or self._held_by(engine)):
             # alive but its work does not move (a transfer that never ends, a deadlock): lost
             # like a silent one; its next beats hear so, and it rejoins once its loop moves
-            self._lose(engine, f"engine {engine} made no progress for {msg.loop_age_s:.1f} s "
-                               "while holding requests", out)
+            self._lose(engine, f"engine {engine} made no progress for "
+                               f"{msg.progress_age_s:.1f} s (a step of it should take "
+                               f"{msg.step_budget_s:.1f} s) while holding requests", out)
             self.stuck[engine] = self.stuck.get(engine, 0) + 1
             out.send(engine, HeartbeatAck(known=False))
             return
         state.last_heard_s = now_s
         state.report = msg
         out.send(engine, HeartbeatAck(known=True))
+        stale = tuple(w for w in msg.fenced if w not in self.fences)
+        if stale:  # fenced by the DE itself (it was lost), and no writer the router knows of
+            out.send(engine, Unfence(stale))
         mine = {r.wire_id: r for r in self._held_by(engine)}
         self.drift[engine] = len(mine.keys() ^ set(msg.running))
-        if msg.loop_age_s > self.heartbeat_s:
-            return  # the engine has not read its inbox since the last beat: proves nothing
+        read_s = now_s - msg.inbox_age_s  # (at the latest) when it last read its inbox
         for wire_id, req in mine.items():
             if wire_id in msg.running:
                 req.unseen.pop(engine, None)
                 continue
+            if read_s <= req.sent_s.get(engine, now_s) + self.heartbeat_s:
+                continue  # not read since it was sent (a busy engine): proves nothing
             req.unseen[engine] = req.unseen.get(engine, 0) + 1
             if req.unseen[engine] >= UNSEEN_BEATS:  # a message was lost: correct, go on
                 self.corrected += 1
-                self._failed(req, engine, "the engine lost track of the request", out)
+                self._correct(req, engine, out)
 
     def _held_by(self, engine: str) -> list[RequestState]:
         """Requests the router expects ``engine`` to be holding right now."""
@@ -228,10 +280,11 @@ class RouterState(RouterEndings):
                 or (r.phase != Phase.QUEUED and engine == r.de)]
 
     def _lose(self, name: str, reason: str, out: Effects) -> None:
-        if self.engines.pop(name, None) is None:
+        state = self.engines.pop(name, None)
+        if state is None:
             return
         self._members_changed = True
-        self.lost[name] = None
+        self.lost[name] = state.info.incarnation
         while len(self.lost) > MAX_LOST:  # a server runs for weeks: forget the oldest
             del self.lost[next(iter(self.lost))]
         self.drift.pop(name, None)
@@ -254,7 +307,8 @@ class RouterState(RouterEndings):
             return
         req = self._by_wire.get(getattr(msg, "req_id", -1))
         if req is None:
-            self.dropped_messages += 1
+            if not (isinstance(msg, LET_GO) and self._let_go_late(engine, msg.req_id, out)):
+                self.dropped_messages += 1
             return
         if req.phase == Phase.DRAINING:
             if engine == req.pe and isinstance(msg, Aborted | Prefilled | Failed):
@@ -301,6 +355,7 @@ class RouterState(RouterEndings):
             req.num_hit_blocks = min(req.num_hit_blocks, msg.num_loaded_blocks)
         req.phase = Phase.PREFILLING
         req.marks["buffer_ready"] = self._now_s
+        req.sent_s[req.pe] = self._now_s
         de = self.engines[req.de].info
         out.send(req.pe, Prefill(req.wire_id, req.kv_ids, req.num_hit_blocks, req.path,
                                  de.endpoint, msg.buffer_addr, PrefillMode.of(req.mode), req.params,
@@ -337,6 +392,16 @@ class RouterState(RouterEndings):
         self._release(req)
         self._forget(req)
         out.finish(req.req_id, result)
+
+    def _correct(self, req: RequestState, engine: str, out: Effects) -> None:
+        """``engine`` does not hold a request it read the message of: place it again. Its PE
+        is told to abort (it may yet hold the request) and the DE buffer stays fenced until it
+        answers."""
+        reason = f"{engine}: the engine lost track of the request"
+        if req.phase == Phase.DECODING:
+            self._failed(req, engine, "the engine lost track of the request", out)
+        else:
+            self._retry(req, out, reason, pe_let_go=False)
 
     def _failed(self, req: RequestState, engine: str, error: str, out: Effects) -> None:
         if req.phase == Phase.DECODING and engine == req.de:

@@ -32,6 +32,8 @@ class EngineInfo:
     nic_address: str = ""  # its compute NIC's grant address ("": none)
     ep_buffer_addr: int = 0  # its EP receive buffer (0: EP traffic off)
     ep_buffer_bytes: int = 0
+    incarnation: str = ""  # its process's id (``Hello``): a rejoin of the same one lifts fences
+    public_key: str = ""  # its CURVE public key (Z85), from the router's keys: sent in ``Peers``
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class RequestState:
     cache_salt: str = ""  # the tenant's salt of its block keys (kv/hashing.salted_seed)
     holds: Holds = field(default_factory=Holds)
     unseen: dict[str, int] = field(default_factory=dict)  # engine -> heartbeats without it
+    sent_s: dict[str, float] = field(default_factory=dict)  # engine -> router clock at the
+    # last message of this attempt sent to it (a beat proves a loss only from a later read)
     # router clock (seconds) at submitted, dispatched (the last attempt), buffer_ready,
     # prefilled and first_decode (the DE's first tokens); the PE's own durations (Prefilled)
     marks: dict[str, float] = field(default_factory=dict)
@@ -169,6 +173,19 @@ def timeline(marks: dict[str, float], pe: dict[str, float]) -> dict[str, float]:
     if "first_decode" in marks:
         out["transfer_s"] = marks["first_decode"] - marks["prefilled"]
     return out
+
+
+@dataclass
+class Fence:
+    """A DE prompt buffer that a prefill engine the router gave up on may still write: it stays
+    out of the DE's pool until that writer is known to have stopped (it answered for the
+    request, rejoined as the same process, or its process exited)."""
+
+    pe: str  # the writer
+    incarnation: str  # its process (a new process under the same name proves nothing)
+    de: str  # the engine holding the buffer
+    de_state: EngineState | None  # the DE's registration that counts the blocks (lift: uncount)
+    buffer_blocks: int
 
 
 @dataclass

@@ -25,6 +25,7 @@ from dualpath.protocol import (
     Decode,
     Failed,
     GetMetrics,
+    Hello,
     Message,
     Metrics,
     Peers,
@@ -127,9 +128,12 @@ class FakeWorker:
 
     def __init__(self) -> None:
         self.on_step = lambda num_tokens: None
+        self.abandon = lambda: False
+        self.name = ""
         self.handled: list[Message] = []
         self.pending: list[int] = []
         self.worked = 0
+        self.in_flight = 0  # transfers started that may still land
 
     def handle(self, msg: Message) -> list[Message]:
         self.handled.append(msg)
@@ -163,6 +167,15 @@ class FakeWorker:
     def metrics(self) -> dict[str, object]:
         return {"num_echoes": self.worked}
 
+    def liveness(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def fenced_requests(self) -> tuple[int, ...]:
+        return ()
+
+    def settled(self) -> bool:
+        return not self.in_flight
+
 
 class FakeSocket:
     """The loop's DEALER socket: an inbox of frames, and what was sent."""
@@ -195,12 +208,13 @@ def _process(worker: Worker, inbox: list[Message]) -> EngineProcess:
     proc.storage = SimpleNamespace(close=lambda: None, metrics=lambda: {}, read_queue_tokens=0)
     proc.host_pool = SimpleNamespace(close=lambda: None, num_free=8)
     proc.ep = None
-    proc.engine = SimpleNamespace(runner=SimpleNamespace(layer_done_s=0.0))
+    proc.engine = None
     proc.config = SimpleNamespace(engine_timeout_s=1.0)
     proc._peer_endpoints = set()
     proc._running, proc._router_gone = True, False
-    proc._loop_at_s, proc._held = 0.0, ()
-    proc._rejoin = threading.Event()
+    proc.incarnation = "a1"
+    proc._inbox_read = (0.0, ())
+    proc._rejoin, proc._rejoining = threading.Event(), False
     proc._heart = threading.Thread(target=lambda: None)
     return proc
 
@@ -228,8 +242,15 @@ def test_a_forgotten_engine_aborts_through_the_worker():
     worker = FakeWorker()
     proc = _process(worker, [])
     worker.handle(Prefill(4, (5, 6), 0, "pe", "no-de", 0))
+    worker.in_flight = 1  # a transfer it started may still land
     proc._rejoin.set()
     proc._drop_everything()
-    assert worker.handled[-1] == Abort(4, 1.0) and worker.held_requests() == ()
-    assert [type(m).__name__ for m in proc.socket.sent] == ["Hello"]
+    assert worker.handled[-1] == Abort(4, fenced=True) and worker.held_requests() == ()
+    assert proc.socket.sent == [Aborted(4)]  # the answer goes out: it lifts the PE's fence
+    proc._hello_once_settled()
+    assert len(proc.socket.sent) == 1  # no hello while a transfer may still land
+    worker.in_flight = 0
+    proc._hello_once_settled()
+    proc._hello_once_settled()
+    assert proc.socket.sent[1:] == [Hello("pe0", "prefill", 0, "ep-pe0", incarnation="a1")]
     assert proc._state().free_kv_blocks == 5  # the heartbeat reports the worker's room

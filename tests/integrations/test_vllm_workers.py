@@ -5,6 +5,7 @@ and ``VllmInstance``'s command line, environment and missing-python error (nothi
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +16,7 @@ import pytest
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, VllmConfig
 from dualpath.integrations.vllm_decode_worker import VllmDecodeWorker
+from dualpath.integrations.vllm_fence import WorkerFence
 from dualpath.integrations.vllm_http import (
     VllmHttp,
     VllmResponseError,
@@ -44,6 +46,7 @@ from dualpath.protocol import (
     Prefill,
     Prefilled,
     Tokens,
+    Unfence,
 )
 from dualpath.request import SamplingParams
 from dualpath.storage import open_store
@@ -186,7 +189,8 @@ def test_prefill_sends_the_contract_body_and_maps_cached_tokens(fake):
         "kv_transfer_params": {"dualpath": {
             "role": "prefill", "req_id": 7, "read_path": "pe", "num_hit_blocks": 2,
             "num_pe_read_blocks": 0, "de_endpoint": "10.0.0.2:1234", "de_buffer_addr": 4096,
-            "num_blocks": 3, "mode": "layerwise", "cache_salt": "tenant"}}}]
+            "num_blocks": 3, "mode": "layerwise", "cache_salt": "tenant",
+            "fence_path": worker.fence_table().path}}}]
     assert worker.metrics()["vllm_requests"] == 1
     # the node's storage-NIC bytes: the PE-path hit blocks its instance used (1 of 2 asked)
     assert worker.metrics()["storage_snic_read_bytes"] == 1000
@@ -243,6 +247,44 @@ def test_prefill_abort_mid_call_closes_it_and_answers_aborted(fake):
     assert worker.has_work
     assert worker.work() == []  # its late end is dropped
     worker.close()
+
+
+def test_an_abort_is_answered_only_once_no_step_of_the_instance_may_still_push(fake):
+    """The instance's worker is mid-step (it began a step before the abort): ``Aborted``
+    waits until that step has ended; a step begun after the revocation drops the request's
+    pushes, and a failed call is answered the same way."""
+    fake.hang = True
+    worker = VllmPrefillWorker(VllmHttp(fake.url, 30), "fake", BS)
+    worker.name = "pe-fence-test"
+    worker.handle(prefill(7))
+    instance = WorkerFence()  # vLLM's worker process, played here
+    instance.begin(worker.fence_table().path)  # a step under way, pushing request 7
+    assert worker.handle(Abort(7)) == [] and worker.held_requests() == (7,)
+    assert not worker.settled() and worker.work() == []
+    later = WorkerFence()
+    later.begin(worker.fence_table().path)  # the next step has seen the revocation
+    assert later.revoked(7) and not later.revoked(8)
+    assert worker.work() == []  # the first step still runs
+    instance.end()
+    assert worker.work() == [Aborted(7)] and worker.settled()
+    assert worker.held_requests() == ()
+    later.end()
+    fake.hang, fake.status = False, 500
+    later.begin(worker.fence_table().path)
+    worker.handle(prefill(8))
+    deadline = time.monotonic() + 5
+    while worker.settled() and time.monotonic() < deadline:  # until the call has failed
+        assert not [m for m in worker.work() if isinstance(m, Failed)]
+        time.sleep(0.01)
+    assert worker.held_requests() == (8,)  # failed, not yet settled
+    later.end()
+    [failed] = worker.work()
+    assert isinstance(failed, Failed) and failed.req_id == 8
+    path = worker.fence_table().path
+    for fence in (instance, later):
+        fence.close()
+    worker.close()
+    assert not os.path.exists(path)
 
 
 def test_prefill_worker_reports_free_blocks_from_metrics(fake):
@@ -421,7 +463,7 @@ def test_an_http_error_frees_the_buffer_and_fails(de, fake):
     assert de.host_pool.num_free == 8
 
 
-def test_abort_mid_stream_closes_it_and_quarantines_the_buffer(de, fake):
+def test_abort_mid_stream_closes_it_and_fences_the_buffer_until_unfenced(de, fake):
     de.handle(AllocBuffer(3, PROMPT, 3, 0))
     fake.chunks = [([11], None), ([12], "stop")]
     fake.gate_after = 0  # nothing streams: the buffer is still held
@@ -429,12 +471,14 @@ def test_abort_mid_stream_closes_it_and_quarantines_the_buffer(de, fake):
     deadline = time.monotonic() + 5
     while not fake.bodies and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert de.handle(Abort(3, quarantine_s=0.2)) == [Aborted(3)]
+    assert de.handle(Abort(3, fenced=True)) == [Aborted(3)]
     assert de.held_requests() == () and de.host_pool.num_free == 5
-    time.sleep(0.3)
+    time.sleep(0.3)  # no timer frees it
     out = de.work()
     assert not any(isinstance(m, Finished | Failed) for m in out)
-    assert de.host_pool.num_free == 8
+    assert de.host_pool.num_free == 5 and de.fenced_requests() == (3,)
+    de.handle(Unfence((3, 99)))  # 99: not held, ignored
+    assert de.host_pool.num_free == 8 and de.fenced_requests() == ()
 
 
 def test_close_closes_the_open_streams(de, fake):
@@ -576,7 +620,8 @@ def test_an_engine_process_in_vllm_mode_loads_no_model_and_drives_the_instance(f
             assert isinstance(worker, VllmPrefillWorker) and shm is None
             worker.handle(prefill(params=SamplingParams()))
             assert proc._state().read_queue_tokens == 2 * BS  # the worker's own ledger
-        assert proc._progress_age_s() < 60
+        beat = proc._state()
+        assert beat.progress_age_s < 60 and beat.inbox_age_s < 60
     finally:
         proc.close()
     assert not shm or not Path(shm).exists()

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from dualpath.protocol import (
     _TYPES,
+    Abort,
     Decode,
     Heartbeat,
     Hello,
@@ -21,6 +22,7 @@ from dualpath.protocol import (
     Prefill,
     ProtocolError,
     Tokens,
+    Unfence,
     decode,
     encode,
 )
@@ -38,8 +40,11 @@ def _frame(**fields) -> bytes:
     _frame(type="hello", name="pe9", role="encode", node_id=1, endpoint="e"),  # unknown role
     _frame(type="hello", name="../x", role="prefill", node_id=1, endpoint="e"),
     _frame(type="hello", name="pe9", role="prefill", node_id=1),  # a field missing
+    _frame(type="hello", name="pe9", role="prefill", node_id=1, endpoint="e",
+           incarnation="x" * 65),  # an incarnation too long
+    _frame(type="unfence", req_ids=[1, -2]),
     _frame(type="heartbeat", name="de1", free_kv_blocks=1, free_host_slots=1,
-           read_queue_tokens=0, loop_age_s=math.nan),
+           read_queue_tokens=0, progress_age_s=math.nan),
     _frame(type="heartbeat", name="de1", free_kv_blocks=1, free_host_slots=1,
            read_queue_tokens=0, running=[1, "2"]),
     _frame(type="tokens", items=[[1, 0, [5, 6]], [2, 0]]),  # a short row
@@ -61,12 +66,15 @@ def test_a_frame_that_does_not_fit_its_schema_is_a_protocol_error(frame):
 def test_well_formed_frames_decode_as_before():
     for message in (Hello("pe0", "prefill", 0, "ep", "tcp://h:1", 1 << 40, 4096),
                     Join("de2", "decode", 2),
-                    Heartbeat("de1", 10, 4, 0, (3, 4), loop_age_s=0.25),
+                    Heartbeat("de1", 10, 4, 0, (3, 4), inbox_age_s=0.5, progress_age_s=0.25,
+                              step_budget_s=1.5, fenced=(7,)),
+                    Hello("pe0", "prefill", 0, "ep", incarnation="a1b2"),
+                    Abort(3, fenced=True), Unfence((3, 4)),
                     Tokens(((1, 0, (5, 6)), (2, 3, ())))):
         assert decode(encode(message)) == message
     # a whole-number float field may come as an integer
     assert decode(_frame(type="heartbeat", name="de1", free_kv_blocks=1, free_host_slots=1,
-                         read_queue_tokens=0, loop_age_s=2)).loop_age_s == 2
+                         read_queue_tokens=0, progress_age_s=2)).progress_age_s == 2
 
 
 def _decode_frame(**params) -> bytes:
@@ -128,7 +136,8 @@ _VALUES = st.recursive(
     st.sampled_from(["req_id", "name", "role", "node_id", "endpoint", "items", "output_ids",
                      "params", "num_stored_blocks", "prompt_ids",
                      "finish_reason", "error", "running", "values", "free_kv_blocks",
-                     "free_host_slots", "read_queue_tokens", "loop_age_s", "first_token",
+                     "free_host_slots", "read_queue_tokens", "progress_age_s", "first_token",
+                     "inbox_age_s", "step_budget_s", "fenced", "incarnation", "req_ids",
                      "num_hit_blocks", "buffer_addr", "num_blocks", "num_loaded_blocks",
                      "peers", "known", "config_json", "model_id", "cluster_id"]),
     _VALUES, max_size=8))

@@ -35,6 +35,7 @@ from dualpath.protocol import (
     ProtocolError,
     ReadDone,
     Tokens,
+    Unfence,
     decode,
     encode,
 )
@@ -80,24 +81,66 @@ def zero(state: RouterState) -> dict[str, int]:
 
 
 class EngineModel:
-    """Answers the router's messages the way an engine does (no compute)."""
+    """Answers the router's messages the way an engine does (no compute), and checks the write
+    fence: a PE takes up a ``Prefill`` (and writes the DE buffer) only while the DE process
+    that allocated the buffer still holds it — allocated or fenced, never back in its pool."""
 
     def __init__(self) -> None:
         self.alive = {name for name, _, _ in ENGINES}
         self.tokens: dict[int, tuple[int, ...]] = {}  # wire id -> an AllocBuffer's tokens
+        self.incarnation = {name: 0 for name, _, _ in ENGINES}  # a restart makes a new one
+        self.held: dict[str, set[int]] = {name: set() for name, _, _ in ENGINES}  # DE buffers
+        self.fenced: dict[str, set[int]] = {name: set() for name, _, _ in ENGINES}
+        self.holder: dict[int, tuple[str, int]] = {}  # wire id -> (DE, its incarnation)
+        # wire ids a made-up answer spoke for: a PE that lies about having stopped writing (or
+        # a DE about a buffer) cannot be fenced, so the check skips them
+        self.lies: set[int] = set()
+
+    def kill(self, name: str) -> None:
+        """The process ends (its memory with it); the next one is a new incarnation."""
+        self.alive.discard(name)
+        self.incarnation[name] += 1
+        self.held[name].clear()
+        self.fenced[name].clear()
+
+    def drop_everything(self, name: str) -> None:
+        """A lost engine rejoining: a DE fences every buffer it announced."""
+        self.fenced[name] |= self.held[name]
+        self.held[name].clear()
+
+    def check_writable(self, wire_id: int) -> None:
+        """A PE is about to write wire ``wire_id``'s DE buffer."""
+        if wire_id in self.lies:
+            return
+        de, incarnation = self.holder[wire_id]
+        if de in self.alive and self.incarnation[de] == incarnation:
+            assert wire_id in self.held[de] | self.fenced[de], \
+                f"a PE writes request {wire_id}'s buffer after {de} reused it"
+
+    def hello(self, name: str) -> Hello:
+        """``name``'s hello as its current process."""
+        role, node = next((r, n) for e, r, n in ENGINES if e == name)
+        return Hello(name, role, node, "ep", incarnation=str(self.incarnation[name]))
 
     def answer(self, engine: str, msg: Message) -> list[Message]:
         if engine not in self.alive:
             return []
         if isinstance(msg, AllocBuffer):  # a DE keeps the tokens for the Decode
             self.tokens[msg.req_id] = msg.prompt_ids
+            self.held[engine].add(msg.req_id)
+            self.holder[msg.req_id] = (engine, self.incarnation[engine])
             return [BufferReady(msg.req_id, 4096, msg.num_blocks, msg.num_read_blocks)]
+        if isinstance(msg, Unfence):
+            self.fenced[engine].difference_update(msg.req_ids)
+            return []
         if isinstance(msg, Prefill):
+            self.check_writable(msg.req_id)
             reads = msg.read_path in ("pe", "split")
             read = [ReadDone(msg.req_id, msg.num_hit_blocks)] if reads else []
             computed = len(msg.prompt_ids) - msg.num_hit_blocks * BLOCK
             return [*read, Prefilled(msg.req_id, 7, msg.num_hit_blocks, computed)]
         if isinstance(msg, Decode):  # a moved stream's outputs start with the prior ones
+            self.held[engine].discard(msg.req_id)
             tokens = self.tokens.pop(msg.req_id)
             prior = tokens[len(tokens) - msg.num_prior_outputs:]
             outputs = (*prior, msg.first_token, 8, 9)
@@ -105,8 +148,16 @@ class EngineModel:
             return [Tokens(((msg.req_id, first, outputs[first:-1]),)),
                     Finished(msg.req_id, outputs, "length")]
         if isinstance(msg, Abort):
+            if msg.req_id in self.held[engine]:
+                self.held[engine].discard(msg.req_id)
+                if msg.fenced:
+                    self.fenced[engine].add(msg.req_id)
             return [Aborted(msg.req_id)]
         return []
+
+    def beat(self, name: str) -> Heartbeat:
+        """``name``'s heartbeat (a DE lists its fenced buffers)."""
+        return Heartbeat(name, 1, 1, 0, fenced=tuple(sorted(self.fenced[name])))
 
 
 def run_to_quiet(state: RouterState, model: EngineModel, done: dict, sends: list,
@@ -280,16 +331,16 @@ def test_an_engine_that_beats_but_makes_no_progress_with_work_is_declared_stuck(
     and hears so; the same age with no work is only an idle engine."""
     state, model, done, sends = make_state(), EngineModel(), {}, []
     hello_all(state)
-    idle = state.on_message("de3", Heartbeat("de3", 1, 1, 0, (), loop_age_s=60.0), 1.0)
+    idle = state.on_message("de3", Heartbeat("de3", 1, 1, 0, (), progress_age_s=60.0), 1.0)
     assert idle.sends == [("de3", HeartbeatAck(known=True))] and "de3" in state.engines
     apply(state.submit(request(1), 0.0), done, sends, state)
     de = _to_decoding(state, model, done, sends)
     wire = state.requests[1].wire_id
-    busy = Heartbeat(de, 1, 1, 0, (wire,), loop_age_s=4.0)  # under the 5 s timeout: fine
+    busy = Heartbeat(de, 1, 1, 0, (wire,), progress_age_s=4.0)  # under the 5 s timeout: fine
     apply(state.on_message(de, busy, 1.0), done, sends, state)
     assert de in state.engines
     sends.clear()
-    stuck = Heartbeat(de, 1, 1, 0, (wire,), loop_age_s=5.5)
+    stuck = Heartbeat(de, 1, 1, 0, (wire,), progress_age_s=5.5)
     effects = state.on_message(de, stuck, 2.0)
     assert (de, HeartbeatAck(known=False)) in effects.sends and de not in state.engines
     assert state.stuck == {de: 1}
@@ -361,7 +412,7 @@ def test_heartbeats_correct_a_lost_message():
     apply(state.submit(request(1), 0.0), done, sends, state)
     engine, lost = sends.pop(0)  # the AllocBuffer never arrives
     for beat in range(3):
-        busy = Heartbeat(engine, 1, 1, 0, (), loop_age_s=4.0)  # a busy loop proves nothing
+        busy = Heartbeat(engine, 1, 1, 0, (), inbox_age_s=4.0)  # a busy loop proves nothing
         apply(state.on_message(engine, busy, 0.1 * beat), done, sends, state)
     assert state.requests[1].wire_id == lost.req_id and state.drift[engine] == 1
     for beat in range(3):
@@ -460,8 +511,9 @@ def test_random_faults_never_raise_and_always_end_at_zero(seed):
                           mode=rng.choice(list(Mode)), max_tokens=rng.randint(1, 300),
                           path=rng.choice(list(ReadPath)))
             apply(state.submit(req, now), done, sends, state)
-        elif action < 0.5 and sends:
-            engine, msg = sends.pop(rng.randrange(len(sends)))
+        elif action < 0.5 and sends:  # in order per engine, as ZeroMQ delivers them
+            engine = sends[rng.randrange(len(sends))][0]
+            msg = sends.pop(next(i for i, (e, _) in enumerate(sends) if e == engine))[1]
             inbox.extend((engine, reply) for reply in model.answer(engine, msg))
         elif action < 0.8 and inbox:
             engine, msg = inbox.pop(rng.randrange(len(inbox)))
@@ -475,36 +527,49 @@ def test_random_faults_never_raise_and_always_end_at_zero(seed):
                                Prefilled(rng.randint(0, 99), 1, 0, 1),
                                ReadDone(rng.randint(0, 99), 0),
                                Tokens(((rng.randint(0, 99), 0, (7,)),))])
+            if isinstance(junk, Failed | Aborted | Prefilled | BufferReady):
+                model.lies.add(junk.req_id)
             apply(state.on_message(rng.choice(ENGINES)[0], junk, now), done, sends, state)
-        elif action < 0.88:
+        elif action < 0.86:  # killed: its launcher sees the exit; it restarts as a new process
             name = rng.choice(ENGINES)[0]
-            model.alive.discard(name)
-            apply(state.lose(name, "killed"), done, sends, state)
+            model.kill(name)
+            sends[:] = [(e, m) for e, m in sends if e != name]  # nothing reaches the old one
+            apply(state.lose(name, "killed", exited=True), done, sends, state)
+        elif action < 0.88:  # cut off: lost, but the process lives on (its answers still come)
+            apply(state.lose(rng.choice(ENGINES)[0], "cut off"), done, sends, state)
         elif action < 0.92:
-            name, role, node = rng.choice(ENGINES)
+            name = rng.choice(ENGINES)[0]
+            if name in model.alive and name not in state.engines:
+                model.drop_everything(name)  # it hears it was lost, then says hello
             model.alive.add(name)
-            apply(state.on_message(name, Hello(name, role, node, "ep"), now), done, sends, state)
+            apply(state.on_message(name, model.hello(name), now), done, sends, state)
         elif action < 0.96 and submitted:
             apply(state.abort(rng.randint(1, submitted), "cancelled"), done, sends, state)
         else:
             for name, _, _ in ENGINES:
                 if name in model.alive and rng.random() < 0.8:
-                    apply(state.on_message(name, Heartbeat(name, 1, 1, 0), now), done, sends, state)
+                    apply(state.on_message(name, model.beat(name), now), done, sends, state)
             apply(state.tick(now), done, sends, state)
         _check_non_negative(state)
     # every engine back, every message delivered, whatever remains aborted
-    for name, role, node in ENGINES:
+    for name, _, _ in ENGINES:
         if name not in state.engines:
+            if name in model.alive:
+                model.drop_everything(name)
             model.alive.add(name)
-            apply(state.on_message(name, Hello(name, role, node, "ep"), now), done, sends, state)
+            apply(state.on_message(name, model.hello(name), now), done, sends, state)
     for engine, msg in inbox:
         apply(state.on_message(engine, msg, now), done, sends, state)
     run_to_quiet(state, model, done, sends, now)
     for req_id in list(state.requests):
         apply(state.abort(req_id, "end of test"), done, sends, state)
     run_to_quiet(state, model, done, sends, now)
+    for name, _, _ in ENGINES:  # the DEs' beats unfence what they fenced on their own
+        apply(state.on_message(name, model.beat(name), now), done, sends, state)
+    run_to_quiet(state, model, done, sends, now)
     assert sorted(done) == list(range(1, submitted + 1))
     assert zero(state) == {}
+    assert not any(model.fenced.values()), model.fenced
 
 
 def _check_non_negative(state: RouterState) -> None:
