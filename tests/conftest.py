@@ -1,14 +1,102 @@
-"""Shared fixtures: tiny random HF checkpoints (Llama, Qwen2, Mistral) and the default model."""
+"""Shared fixtures: tiny random HF checkpoints (Llama, Qwen2, Mistral) and the default model;
+a session check that the suite leaves ``/dev/shm`` no fuller than it found it."""
 
 from __future__ import annotations
 
 import os
+import secrets
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# -- /dev/shm after the suite holds no more than before ---------------------------------------
+# Every process this session starts inherits SESSION_ENV (engines, vLLM instances, Ray
+# workers), so a file a live process still holds at the end is told apart: one of this
+# session's processes (a leaked process: counted) or another run on the host (not counted).
+SESSION_ENV = "DUALPATH_TEST_SESSION"
+os.environ[SESSION_ENV] = f"{os.getpid()}-{secrets.token_hex(4)}"
+SHM = Path("/dev/shm")
+SHM_SETTLE_S = 30.0  # how long the check waits for this session's exiting processes
+
+
+def shm_sizes() -> dict[str, int]:
+    """Every file in /dev/shm and its size (apparent bytes)."""
+    sizes = {}
+    for entry in os.scandir(SHM) if SHM.is_dir() else ():
+        try:
+            sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue  # gone meanwhile
+    return sizes
+
+
+def shm_holders() -> dict[tuple[int, int], list[str]]:
+    """(device, inode) of each /dev/shm file a live process maps or holds, and who: ``pid
+    command`` of each holder, marked ``(this session)`` for this session's processes."""
+    from dualpath.kv.shm_files import held_by
+
+    device, mine = os.stat(SHM).st_dev, os.environ[SESSION_ENV].encode()
+    holders: dict[tuple[int, int], list[str]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        process = Path(entry.path)
+        try:
+            held = held_by(process, device)
+            ours = (f"{SESSION_ENV}=".encode() + mine in (process / "environ").read_bytes()
+                    or entry.name == str(os.getpid()))  # set after pytest started
+            command = (process / "cmdline").read_bytes().replace(b"\0", b" ")[:80].decode(
+                "utf-8", "replace").strip()
+        except OSError:
+            continue  # exited, or not ours to read
+        for key in held:
+            holders.setdefault(key, []).append(
+                f"pid {entry.name} {command!r}" + (" (this session)" if ours else ""))
+    return holders
+
+
+def shm_leaks(before: dict[str, int]) -> list[str]:
+    """The files /dev/shm holds now beyond ``before`` (new, or grown), each described, except
+    those only processes of other runs on this host hold."""
+    now = shm_sizes()
+    grown = {name: size for name, size in now.items() if size > before.get(name, -1)}
+    if not grown:
+        return []
+    holders = shm_holders()
+    leaks = []
+    for name, size in sorted(grown.items()):
+        try:
+            info = os.lstat(SHM / name)
+        except OSError:
+            continue
+        who = holders.get((info.st_dev, info.st_ino), [])
+        if who and not any(w.endswith("(this session)") for w in who):
+            continue  # another run's live file
+        was = f", was {before[name]:,} bytes" if name in before else ""
+        leaks.append(f"{name} ({size:,} bytes{was}; "
+                     + (f"held by {', '.join(who)})" if who else "no process holds it)"))
+    return leaks
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shm_left_as_found():
+    """Fails the session when /dev/shm holds more after it than before (a vLLM segment, a
+    pool file, a storage-NIC file...), naming each file and who holds it."""
+    before = shm_sizes()
+    yield
+    deadline = time.monotonic() + SHM_SETTLE_S
+    while (leaks := shm_leaks(before)) and time.monotonic() < deadline:
+        if not any("(this session)" in leak for leak in leaks):
+            break  # no process of this session is still exiting: waiting changes nothing
+        time.sleep(0.5)
+    if leaks:
+        pytest.fail(f"/dev/shm holds {len(leaks)} more files after the tests than before "
+                    "(none held by another run's live process; remove them once reported):\n  "
+                    + "\n  ".join(leaks), pytrace=False)
 
 
 def _save_tiny(folder: Path, config, seed: int) -> Path:

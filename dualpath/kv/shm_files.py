@@ -12,11 +12,13 @@ process that is killed:
 
 **Ownership.** A file is a dead process's, and swept, only when all of these hold:
 
-- it is a regular file (not a symlink) owned by this process's user; a ``psm_`` or ``sem.mp-``
-  file is also older than ``min_age_s`` (so one being handed from its creator to a peer by
-  name is left alone);
+- it is a regular file (not a symlink) owned by this process's user;
 - no live process maps it (``/proc/PID/maps``) or holds it open (``/proc/PID/fd``), matched by
-  device and inode, so a mount namespace that sees the folder under another path still counts;
+  device and inode, so a mount namespace that sees the folder under another path still counts.
+  The files are listed before ``/proc`` is scanned, so a file's creator (alive) is seen holding
+  it; Python's ``SharedMemory`` and vLLM's queues keep their segments mapped for their whole
+  life. No age is required: a segment in use is written all the time, so its times say nothing
+  of its owner (a killed engine core's segments are seconds "old");
 - for a pool file, the process its name gives is gone (or is this very process, which is about
   to create its pool afresh: a file with its pid that it neither maps nor holds is a dead
   process's that had the same pid).
@@ -52,7 +54,6 @@ SHM_FOLDER = Path("/dev/shm")
 POOL_FILE = re.compile(r"dualpath-(?!nic-)(?P<name>[A-Za-z0-9_.-]+)-(?P<pid>[1-9][0-9]{0,9})")
 PSM_FILE = re.compile(r"psm_[0-9a-f]{8}")  # multiprocessing.shared_memory's default names
 SEM_FILE = re.compile(r"sem\.mp-[a-z0-9_]{8}")  # multiprocessing's named semaphores
-MIN_AGE_S = 5.0
 INIT_PID = "1"  # the pid namespace's init: not inspected (see the module doc)
 PRIVATE_MODE_BITS = 0o077  # access for the group or others
 
@@ -129,16 +130,23 @@ def scan_holders(folder: Path, proc: Path = Path("/proc")) -> Holders:
         if not entry.name.isdigit() or entry.name == INIT_PID:
             continue
         try:
-            found.held |= _mapped(Path(entry.path) / "maps", device)
-            found.held |= _open_files(Path(entry.path) / "fd", device)
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # it exited meanwhile
+            found.held |= held_by(Path(entry.path), device)
         except PermissionError:
             if _runs_as_me(Path(entry.path) / "status"):
                 found.unread_own = True
             else:
                 found.unread_other = True
     return found
+
+
+def held_by(process: Path, device: int) -> set[tuple[int, int]]:
+    """(device, inode) of the files on ``device`` that the process at ``process``
+    (``/proc/PID``) maps or holds open: empty once it exited, ``PermissionError`` when it may
+    not be read."""
+    try:
+        return _mapped(process / "maps", device) | _open_files(process / "fd", device)
+    except (FileNotFoundError, ProcessLookupError):
+        return set()  # it exited meanwhile
 
 
 def _mapped(maps: Path, device: int) -> set[tuple[int, int]]:
@@ -210,12 +218,10 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _candidates(folder: Path, min_age_s: float,
+def _candidates(folder: Path,
                 names: set[str] | None = None) -> list[tuple[Path, os.stat_result]]:
     """The files of ``folder`` the sweep may remove, before the scan of ``/proc``: of a swept
-    kind, regular, this user's, and a pool file's process gone (a file with no pid in its name:
-    older than ``min_age_s``)."""
-    now = time.time()
+    kind, regular, this user's, and a pool file's process gone."""
     found = []
     try:
         listed = os.listdir(folder) if names is None else sorted(names)
@@ -231,19 +237,16 @@ def _candidates(folder: Path, min_age_s: float,
             info = os.lstat(folder / name)
         except OSError:
             continue
-        young = pid is None and now - max(info.st_mtime, info.st_ctime) < min_age_s
-        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not young:
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
             found.append((folder / name, info))
     return found
 
 
-def dead_files(folder: Path | None = None, min_age_s: float | None = None,
-               names: set[str] | None = None) -> list[Path]:
+def dead_files(folder: Path | None = None, names: set[str] | None = None) -> list[Path]:
     """The files of ``folder`` (default ``shm_folder()``) that dead processes left (see the
-    module doc); ``min_age_s`` defaults to ``MIN_AGE_S``; ``names``: consider only these."""
+    module doc); ``names``: consider only these."""
     folder = shm_folder() if folder is None else folder
-    min_age_s = MIN_AGE_S if min_age_s is None else min_age_s
-    candidates = _candidates(folder, min_age_s, names)
+    candidates = _candidates(folder, names)
     if not candidates:
         return []
     holders = scan_holders(folder)
@@ -255,11 +258,10 @@ def dead_files(folder: Path | None = None, min_age_s: float | None = None,
             and not (holders.unread_other and info.st_mode & PRIVATE_MODE_BITS)]
 
 
-def sweep_dead(folder: Path | None = None, min_age_s: float | None = None,
-               names: set[str] | None = None) -> list[Path]:
+def sweep_dead(folder: Path | None = None, names: set[str] | None = None) -> list[Path]:
     """Remove the files ``dead_files`` finds; returns those removed (logged)."""
     removed = []
-    for path in dead_files(folder, min_age_s, names):
+    for path in dead_files(folder, names):
         with contextlib.suppress(FileNotFoundError):
             size = path.stat().st_size
             path.unlink()
@@ -269,9 +271,9 @@ def sweep_dead(folder: Path | None = None, min_age_s: float | None = None,
 
 
 def remove_if_dead(path: Path) -> bool:
-    """Remove ``path`` if it is a file the sweep would remove (no minimum age); whether it
-    went. How a new pool replaces a file a dead process with its name left."""
-    return bool(sweep_dead(path.parent, min_age_s=0.0, names={path.name}))
+    """Remove ``path`` if it is a file the sweep would remove; whether it went. How a new
+    pool replaces a file a dead process with its name left."""
+    return bool(sweep_dead(path.parent, names={path.name}))
 
 
 def wait_unheld(paths: list[Path], timeout_s: float, poll_s: float = 0.2) -> None:

@@ -14,12 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from dualpath.config import ClusterConfig, VllmConfig
 from dualpath.integrations import vllm_instance
 from dualpath.integrations.vllm_instance import VllmInstance, group_members, launch_plan
-from dualpath.kv import shm_files
 from tests.integrations.test_vllm_workers import fake_model, fake_python
 
 # The engine core: a segment, SIGTERM handled by a shutdown of CORE_STOP_S (or ignored).
@@ -77,13 +74,7 @@ def segment_of(instance: VllmInstance) -> Path | None:
     return Path("/dev/shm") / found.group(1) if found else None
 
 
-@pytest.fixture
-def no_min_age(monkeypatch):
-    """Segments seconds old count for the sweep (vLLM's are as old as the instance)."""
-    monkeypatch.setattr(shm_files, "MIN_AGE_S", 0.0)
-
-
-def test_close_lets_the_engine_core_exit_cleanly(tmp_path, no_min_age):
+def test_close_lets_the_engine_core_exit_cleanly(tmp_path):
     instance = start(tmp_path, str(CORE_STOP_S))
     segment = segment_of(instance)
     assert segment.exists()
@@ -94,8 +85,7 @@ def test_close_lets_the_engine_core_exit_cleanly(tmp_path, no_min_age):
     assert not segment.exists() and group_members(instance.proc.pid) == []
 
 
-def test_a_group_deaf_to_sigterm_is_killed_after_the_grace_and_swept(tmp_path, no_min_age,
-                                                                     monkeypatch):
+def test_a_group_deaf_to_sigterm_is_killed_after_the_grace_and_swept(tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_instance, "STOP_GRACE_S", 2.0)
     instance = start(tmp_path, "ignore")
     segment = segment_of(instance)
@@ -107,7 +97,7 @@ def test_a_group_deaf_to_sigterm_is_killed_after_the_grace_and_swept(tmp_path, n
     assert not segment.exists()  # the sweep after the kill
 
 
-def test_an_instance_sigkilled_before_close_leaves_no_segment(tmp_path, no_min_age):
+def test_an_instance_sigkilled_before_close_leaves_no_segment(tmp_path):
     instance = start(tmp_path, str(CORE_STOP_S))
     segment = segment_of(instance)
     os.killpg(instance.proc.pid, signal.SIGKILL)  # as the vLLM fault tests kill an instance

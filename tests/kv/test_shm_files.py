@@ -121,20 +121,12 @@ def test_a_live_processs_segment_is_kept_and_a_killed_groups_is_swept(children):
     child = children(SEGMENT)
     path = Path("/dev/shm") / child.line
     assert path.exists() and sweepable_name(path.name)
-    assert sweep_dead(min_age_s=0.0, names={path.name}) == []  # mapped by a live process
+    assert sweep_dead(names={path.name}) == []  # mapped by a live process
     assert path.exists()
     child.kill_group()
     assert path.exists(), "the killed group left its segment (what the sweep is for)"
-    sweep_dead(min_age_s=0.0, names={path.name})  # another sweep may have been first
+    sweep_dead(names={path.name})  # another sweep may have been first
     assert not path.exists()
-
-
-def test_a_young_segment_waits_for_the_minimum_age(children, tmp_path):
-    path = tmp_path / "psm_0123abcd"
-    path.write_bytes(b"x")
-    path.chmod(0o600)
-    assert dead_files(tmp_path, min_age_s=60.0) == []
-    assert dead_files(tmp_path, min_age_s=0.0) == [path]
 
 
 def test_a_killed_engines_pool_is_kept_while_its_reader_lives_then_swept(children, tmp_path):
@@ -165,18 +157,18 @@ def test_a_file_held_open_without_a_mapping_is_kept(children, tmp_path):
     path = tmp_path / f"dualpath-de2-{_dead_pid()}"
     path.write_bytes(b"x")
     holder = children(HOLDER, str(path))
-    assert dead_files(tmp_path, min_age_s=0.0) == []
+    assert dead_files(tmp_path) == []
     holder.kill_group()
-    assert dead_files(tmp_path, min_age_s=0.0) == [path]
+    assert dead_files(tmp_path) == [path]
 
 
 def test_a_pool_named_for_a_live_process_is_kept_even_unmapped(children, tmp_path):
     live = children("print(1, flush=True); import time; time.sleep(600)")
     path = tmp_path / f"dualpath-de3-{live.proc.pid}"
     path.write_bytes(b"x")
-    assert dead_files(tmp_path, min_age_s=0.0) == []
+    assert dead_files(tmp_path) == []
     live.kill_group()
-    assert dead_files(tmp_path, min_age_s=0.0) == [path]
+    assert dead_files(tmp_path) == [path]
 
 
 def test_other_users_files_symlinks_and_other_names_are_never_swept(tmp_path):
@@ -191,7 +183,7 @@ def test_other_users_files_symlinks_and_other_names_are_never_swept(tmp_path):
         theirs.write_bytes(b"keep")
         os.chown(theirs, 65534, 65534)
     before = sorted(p.name for p in tmp_path.iterdir())
-    assert sweep_dead(tmp_path, min_age_s=0.0) == []
+    assert sweep_dead(tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert target.read_bytes() == b"keep"
 

@@ -255,12 +255,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_local_cluster_stop_sweeps_a_killed_engines_shared_memory(tmp_path, monkeypatch):
+def test_a_local_cluster_stop_sweeps_a_killed_engines_shared_memory(tmp_path):
     from multiprocessing import shared_memory
 
-    from dualpath.kv import shm_files
-
-    monkeypatch.setattr(shm_files, "MIN_AGE_S", 0.0)  # the stand-in's segment is seconds old
     live = shared_memory.SharedMemory(create=True, size=4096)  # this process maps it: kept
     config = ClusterConfig(num_prefill=1, num_decode=1)
     cluster = _StandIns(tmp_path / "model", config, log_dir=tmp_path / "logs")
