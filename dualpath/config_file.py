@@ -10,10 +10,14 @@ value is read as a TOML value (``200``, ``true``, ``"de"``, ``[["high", 99]]``),
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
+import sys
 import tomllib
 import types
 import typing
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -35,8 +39,12 @@ class ServeConfig:
     port: int = 8000
     model: str | None = None  # a HF folder; None: the default model (SmolLM2-135M-Instruct)
     model_name: str | None = None  # the name clients use; None: the model folder's name
-    # When set, every /v1 call, /metrics and the docs need "Authorization: Bearer KEY"
+    # When set, every /v1 call, /metrics and the docs need "Authorization: Bearer KEY". Keys
+    # can come from a file instead (api_key_file: one key a line, the first is api_key, the
+    # others join api_keys) or from $DUALPATH_API_KEY (``with_api_keys``); config.json
+    # written beside the logs shows every key as "<redacted>".
     api_key: str | None = None
+    api_key_file: str | None = None
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_concurrent_requests: int = 256  # more generations at once get 429
     default_max_tokens: int = 256  # when a request names none (and the context allows)
@@ -65,6 +73,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.api_key == "" or any(not isinstance(k, str) or not k for k in self.api_keys):
             raise ValueError("serve.api_key and serve.api_keys must be non-empty strings")
+        if self.api_key is not None and self.api_key_file:
+            raise ValueError("give serve.api_key or serve.api_key_file, not both")
         if self.allowed_modes is not None:
             modes = [str(m) for m in Mode]
             if not self.allowed_modes or not set(self.allowed_modes) <= set(modes):
@@ -131,8 +141,84 @@ def _apply_overrides(data: dict[str, Any], overrides: list[str]) -> None:
 
 
 def config_to_json(config: AppConfig) -> str:
-    """The resolved configuration, as written beside the server's logs."""
-    return json.dumps(asdict(config), indent=2)
+    """The resolved configuration, as written beside the server's logs: every secret
+    (``redacted``) shown as ``"<redacted>"``."""
+    return json.dumps(redacted(asdict(config)), indent=2)
+
+
+REDACTED = "<redacted>"
+# A setting holds a secret when its name says so: api_key(s), *secret*, *password*, *token
+# (singular: "max_tokens" counts tokens), *_key(s) that are credentials (not "key_prefix").
+SECRET_NAME = re.compile(r"(^|_)(api_keys?|secrets?|passwords?|passphrase|token|"
+                         r"credentials?|private_keys?|access_keys?|auth_keys?)$|secret|password")
+# In a list of command-line arguments (vllm.extra_args): the value after such a flag.
+SECRET_FLAG = re.compile(r"--[\w-]*(key|secret|password|token)[\w-]*", re.IGNORECASE)
+
+
+def redacted(value: Any, name: str = "") -> Any:
+    """``value`` (``asdict`` output) with every string under a secret's name (``SECRET_NAME``)
+    replaced by ``REDACTED``, and in argument lists the value of a secret flag
+    (``--api-key K`` or ``--api-key=K``). Other values (``salt_by_api_key = true``, a null
+    key) stay as they are."""
+    if isinstance(value, dict):
+        return {key: redacted(item, key) for key, item in value.items()}
+    secret = bool(SECRET_NAME.search(name))
+    if isinstance(value, list | tuple):
+        if secret:
+            return [REDACTED if isinstance(item, str) else item for item in value]
+        return _redacted_args(list(value))
+    return REDACTED if secret and isinstance(value, str) else value
+
+
+def _redacted_args(items: list[Any]) -> list[Any]:
+    """An argument list with the values of secret flags redacted."""
+    out: list[Any] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            out.append(redacted(item))
+        elif i > 0 and isinstance(items[i - 1], str) and SECRET_FLAG.fullmatch(items[i - 1]):
+            out.append(REDACTED)
+        elif "=" in item and SECRET_FLAG.fullmatch(item.partition("=")[0]):
+            out.append(f"{item.partition('=')[0]}={REDACTED}")
+        else:
+            out.append(item)
+    return out
+
+
+API_KEY_ENV = "DUALPATH_API_KEY"
+
+
+def read_api_key_file(path: str | Path) -> tuple[str, ...]:
+    """The keys in ``path``, one a line (blank lines and surrounding spaces dropped);
+    ``ConfigError`` when it cannot be read or holds none. A file others may read is used, with
+    a warning on stderr (a mounted secret may be 0644), naming the fix."""
+    try:
+        text = Path(path).read_text()
+        mode = os.stat(path).st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the API key file {path}: {exc}") from exc
+    keys = tuple(line.strip() for line in text.splitlines() if line.strip())
+    if not keys:
+        raise ConfigError(f"the API key file {path} holds no key")
+    if mode & 0o077:
+        print(f"dualpath: warning: the API key file {path} is open to other users "
+              f"(mode {stat.filemode(mode)}): chmod 600 {path}", file=sys.stderr, flush=True)
+    return keys
+
+
+def with_api_keys(config: ServeConfig,
+                  environ: typing.Mapping[str, str] | None = None) -> ServeConfig:
+    """``config`` with its keys resolved: those of ``api_key_file`` (the first becomes
+    ``api_key``, the others join ``api_keys``; ``api_key_file`` is then cleared), else
+    ``$DUALPATH_API_KEY`` when no key is set at all. Idempotent."""
+    environ = os.environ if environ is None else environ
+    if config.api_key_file:
+        first, *more = read_api_key_file(config.api_key_file)
+        return replace(config, api_key=first, api_keys=(*more, *config.api_keys),
+                       api_key_file=None)
+    if config.api_key is None and environ.get(API_KEY_ENV):
+        return replace(config, api_key=environ[API_KEY_ENV].strip())
+    return config
 
 
 def _assign(data: dict[str, Any], dotted: str, value: Any) -> None:

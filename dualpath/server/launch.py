@@ -123,7 +123,7 @@ class ClusterBase:
 
     def start(self) -> None:
         """Start the router and the engines; wait until every engine said hello."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # logs: owner-only
         self.router = Router(self.model_dir, self.config)
         count = self.config.num_prefill + self.config.num_decode
         try:

@@ -3,12 +3,14 @@
 Starts the router and has the configured launcher place the engines (``serve.launcher``: local
 child processes, Ray actors, or none — engines that join by ``dualpath engine --router``),
 waits until every engine said hello, writes the resolved configuration beside the engines'
-logs, prints the endpoints and serves HTTP with uvicorn. Nothing it leaves grows without
-bound: an ``fs`` store without a ``capacity_gb`` gets one (``serve.store_capacity_fraction`` of
-the disk), and only the last ``serve.keep_runs`` run folders under ``<cache>/serve`` stay. On
-SIGINT or SIGTERM uvicorn stops accepting requests, then every engine is told to shut down
-(and killed if it lingers): no process is left behind. Engines whose server died without a
-word stop by themselves (they find their router silent).
+logs (``config.json``, 0600, every API key shown as ``"<redacted>"``, in a run folder only its
+owner may enter), prints the endpoints and serves HTTP with uvicorn. API keys come from
+``--api-key-file`` / ``serve.api_key_file``, else ``$DUALPATH_API_KEY``, or ``--api-key``.
+Nothing it leaves grows without bound: an ``fs`` store without a ``capacity_gb`` gets one
+(``serve.store_capacity_fraction`` of the disk), and only the last ``serve.keep_runs`` run
+folders under ``<cache>/serve`` stay. On SIGINT or SIGTERM uvicorn stops accepting requests,
+then every engine is told to shut down (and killed if it lingers): no process is left behind.
+Engines whose server died without a word stop by themselves (they find their router silent).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from dualpath.commands.args import add_device_argument, gigabytes
 from dualpath.config import StorageConfig
-from dualpath.config_file import AppConfig, config_to_json, load_config
+from dualpath.config_file import API_KEY_ENV, AppConfig, config_to_json, load_config, with_api_keys
 from dualpath.model.default_model import cache_dir, resolve_model
 from dualpath.model.spec import load_spec
 from dualpath.model.tokenizer import Tokenizer
@@ -41,6 +43,9 @@ from dualpath.vocab import EngineKind, Launcher
 
 RUN_NAME = re.compile(r"[0-9]{8}-[0-9]{6}(-[0-9]+)?")  # a run folder's name: its start time
 PID_FILE = "serve.pid"  # in a run folder: "PID START" of the serve process that uses it
+# Run folders hold the engines' logs, the resolved config and (`--launcher none`) the engines'
+# control keys: owner-only, as is the folder of run folders when serve creates it.
+RUN_FOLDER_MODE = 0o700
 
 
 if TYPE_CHECKING:
@@ -82,6 +87,7 @@ def serve(config: AppConfig, log_dir: Path | None = None) -> None:
     """Run the cluster and the HTTP server until a signal stops them."""
     import uvicorn
 
+    config = replace(config, serve=with_api_keys(config.serve))  # a key file, $DUALPATH_API_KEY
     settings = config.serve
     if config.cluster.storage.root == StorageConfig().root:  # the default: under the cache
         storage = replace(config.cluster.storage, root=str(cache_dir() / "kv-store"))
@@ -89,8 +95,8 @@ def serve(config: AppConfig, log_dir: Path | None = None) -> None:
     config = with_default_capacity(config)
     model_dir = resolve_model(settings.model)
     log_dir = log_dir or new_run_folder(cache_dir() / "serve", settings.keep_runs)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    (log_dir / "config.json").write_text(config_to_json(config))
+    log_dir.mkdir(mode=RUN_FOLDER_MODE, parents=True, exist_ok=True)
+    write_private(log_dir / "config.json", config_to_json(config))  # keys redacted
     with _launcher(model_dir, config, log_dir) as cluster:
         router = cluster.router
         assert router is not None
@@ -188,21 +194,31 @@ def default_capacity_gb(free_bytes: int, stored: int, fraction: float) -> float:
 def new_run_folder(parent: Path, keep_runs: int) -> Path:
     """A new folder under ``parent`` named by the time, marked as this process's (its pid file);
     then run folders beyond the newest ``keep_runs`` are removed, unless a live process uses
-    them. Only folders named like runs are considered; nothing outside ``parent`` is touched."""
-    parent.mkdir(parents=True, exist_ok=True)
+    them. Only folders named like runs are considered; nothing outside ``parent`` is touched.
+    The folder is owner-only (``RUN_FOLDER_MODE``), whatever the umask."""
+    parent.mkdir(mode=RUN_FOLDER_MODE, parents=True, exist_ok=True)
     name = time.strftime("%Y%m%d-%H%M%S")
     folder = parent / name
     try:
-        folder.mkdir()
+        folder.mkdir(mode=RUN_FOLDER_MODE)
     except FileExistsError:  # another server started in the same second
         folder = parent / f"{name}-{os.getpid()}"
-        folder.mkdir(exist_ok=True)
+        folder.mkdir(mode=RUN_FOLDER_MODE, exist_ok=True)
+    os.chmod(folder, RUN_FOLDER_MODE)  # mkdir's mode passes through the umask
     (folder / PID_FILE).write_text(f"{os.getpid()} {_started(os.getpid())}\n")
     removed = prune_runs(parent, keep_runs, current=folder)
     if removed:
         print(f"dualpath serve: removed {len(removed)} old run folders of {parent} "
               f"(serve.keep_runs = {keep_runs})", flush=True)
     return folder
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, a file only its owner may read (0600 from its creation)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # a file that was there keeps its mode through O_TRUNC
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
 
 
 def prune_runs(parent: Path, keep_runs: int, current: Path | None = None) -> list[Path]:
@@ -262,6 +278,7 @@ class ServeOptions:
     config: str | None = None
     sets: tuple[str, ...] = ()
     api_key: str | None = None
+    api_key_file: str | None = None
     launcher: str | None = None
     ray_address: str | None = None
     router_host: str | None = None
@@ -285,7 +302,12 @@ def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. storage.read_cap_mb_s=200 "
                         "(repeatable)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="require 'Authorization: Bearer KEY' for a KEY in this file (one "
+                        f"a line; owner-only). Without a key: ${API_KEY_ENV} if set")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="as --api-key-file, the key itself (other users can read a command "
+                        f"line: prefer --api-key-file or ${API_KEY_ENV})")
     parser.add_argument("--launcher", default=None, choices=tuple(Launcher),
                         help="who starts the engines: local child processes (default), Ray "
                         "actors, or none (engines join with `dualpath engine --router`)")
@@ -309,7 +331,9 @@ def serve_config(options: ServeOptions) -> AppConfig:
                        ("num_prefill", options.prefill), ("num_decode", options.decode),
                        ("serve.model", options.model), ("storage.root", options.storage),
                        ("storage.capacity_gb", options.store_capacity_gb),
-                       ("serve.api_key", options.api_key), ("serve.launcher", options.launcher),
+                       ("serve.api_key", options.api_key),
+                       ("serve.api_key_file", options.api_key_file),
+                       ("serve.launcher", options.launcher),
                        ("serve.ray_address", options.ray_address),
                        ("engine.device", options.device), ("router_host", options.router_host),
                        ("router_port", options.router_port),

@@ -282,3 +282,90 @@ def test_a_local_cluster_stop_sweeps_a_killed_engines_shared_memory(tmp_path):
     finally:
         live.close()
         live.unlink()
+
+
+# -- secrets: the run folder, config.json, where API keys come from --------------------------
+
+
+def test_the_run_folder_is_owner_only_and_config_json_redacts_every_key(launched, monkeypatch,
+                                                                        tmp_path):
+    from dualpath.config import VllmConfig
+
+    _free_disk(monkeypatch, 100 * GB)
+    os.umask(0o002)  # a permissive umask must not open the folder (restored below)
+    try:
+        config = AppConfig(
+            ClusterConfig(vllm=VllmConfig(extra_args=("--enforce-eager", "--api-key",
+                                                      "sk-vllm-secret", "--token=sk-tok"))),
+            ServeConfig(api_key="sk-main-secret", api_keys=("sk-tenant-a", "sk-tenant-b"),
+                        salt_by_api_key=True))
+        seen = launched(config)
+    finally:
+        os.umask(0o022)
+    folder = seen["log_dir"]
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert folder.parent.stat().st_mode & 0o777 == 0o700  # serve created <cache>/serve too
+    written = folder / "config.json"
+    assert written.stat().st_mode & 0o777 == 0o600
+    text = written.read_text()
+    for secret in ("sk-main-secret", "sk-tenant-a", "sk-tenant-b", "sk-vllm-secret", "sk-tok"):
+        assert secret not in text
+    data = json.loads(text)
+    assert data["serve"]["api_key"] == "<redacted>"
+    assert data["serve"]["api_keys"] == ["<redacted>", "<redacted>"]
+    assert data["serve"]["salt_by_api_key"] is True  # a setting, not a secret
+    assert data["cluster"]["vllm"]["extra_args"] == ["--enforce-eager", "--api-key",
+                                                     "<redacted>", "--token=<redacted>"]
+    assert data["cluster"]["storage"]["capacity_gb"] == 50.0  # the rest as it was
+    assert seen["config"].serve.api_key == "sk-main-secret"  # the server still has it
+
+
+def test_api_keys_come_from_a_file_one_a_line(launched, monkeypatch, tmp_path):
+    _free_disk(monkeypatch, 100 * GB)
+    monkeypatch.setenv("DUALPATH_API_KEY", "sk-from-env")  # a file wins over the environment
+    keys = tmp_path / "keys"
+    keys.write_text("sk-first\n\n  sk-second  \n")
+    keys.chmod(0o600)
+    config = AppConfig(serve=ServeConfig(api_key_file=str(keys), api_keys=("sk-config",)))
+    served = launched(config)["config"].serve
+    assert served.api_key == "sk-first"
+    assert served.api_keys == ("sk-second", "sk-config")
+    assert served.api_key_file is None
+
+
+def test_the_api_key_can_come_from_the_environment(launched, monkeypatch):
+    _free_disk(monkeypatch, 100 * GB)
+    monkeypatch.setenv("DUALPATH_API_KEY", "sk-from-env\n")
+    assert launched(AppConfig())["config"].serve.api_key == "sk-from-env"
+    explicit = AppConfig(serve=ServeConfig(api_key="sk-flag"))
+    assert launched(explicit)["config"].serve.api_key == "sk-flag"  # a given key wins
+    monkeypatch.delenv("DUALPATH_API_KEY")
+    assert launched(AppConfig())["config"].serve.api_key is None  # no key: no guard
+
+
+def test_a_bad_api_key_file_is_a_clear_error(tmp_path, capsys):
+    from dualpath.config_file import ConfigError, read_api_key_file
+
+    with pytest.raises(ConfigError, match="cannot read the API key file"):
+        read_api_key_file(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.write_text("\n  \n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        read_api_key_file(empty)
+    shared = tmp_path / "shared"
+    shared.write_text("sk-x\n")
+    shared.chmod(0o644)
+    assert read_api_key_file(shared) == ("sk-x",)
+    assert f"open to other users (mode -rw-r--r--): chmod 600 {shared}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not both"):
+        ServeConfig(api_key="sk", api_key_file=str(shared))
+
+
+def test_serve_takes_an_api_key_file_flag(tmp_path, monkeypatch):
+    from dualpath.cli import main
+
+    seen = []
+    monkeypatch.setattr(serve_mod, "serve", lambda config: seen.append(config))
+    assert main(["serve", "--api-key-file", str(tmp_path / "k")]) == 0
+    assert seen[0].serve.api_key_file == str(tmp_path / "k")
+    assert main(["serve", "--api-key-file", "k", "--api-key", "sk"]) == 2  # one or the other
