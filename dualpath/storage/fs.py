@@ -7,8 +7,12 @@ file and renames it into place, so a reader sees a whole block or none. A temp f
 carries its writer's host and pid; opening a store removes, in the background, those of this
 host's writers that no longer exist, and any left older than ``STALE_TEMP_S`` (another host's).
 Reads verify header and checksum; anything wrong is a miss (and the bad file is removed so the
-next save rewrites it). Reads run in parallel on a worker pool, optionally with O_DIRECT into
-4 KiB-aligned buffers.
+next save rewrites it). A short read goes on where it stopped (``file_reads``): only a file
+that is shorter than a block is damage. Reads run in parallel on a worker pool, optionally
+with O_DIRECT into 4 KiB-aligned buffers.
+Block files hold prompt token ids: they are created 0600 in folders of 0700, or 0640 and 0750
+in a group-shared store (its root carries the setgid bit, ``chmod g+s``, or the store is opened
+with ``group_shared=True``); whoever can read the files can read the prompts.
 Every use of a block (a read hit, an ``exists_prefix`` hit, a skipped rewrite) sets its file's
 mtime to now: the recency that capacity eviction goes by, shared by every process and host
 that uses the root (``fs_capacity``).
@@ -24,6 +28,7 @@ import mmap
 import os
 import re
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -46,6 +51,7 @@ from dualpath.storage.block_file import (
     stored_key,
     unpack_header,
 )
+from dualpath.storage.file_reads import preadv_full, read_file_into
 from dualpath.storage.fs_capacity import SUFFIX, SharedCapacity, pid_alive
 
 log = logging.getLogger("dualpath.storage")
@@ -61,6 +67,8 @@ _TEMP_NAME = re.compile(r"\.[0-9a-f]+" + re.escape(SUFFIX)
 # A temp file lives for one block write (milliseconds); one this old belongs to a writer that
 # died, whichever host it ran on (its pid can be checked only on its own host).
 STALE_TEMP_S = 3600.0
+PRIVATE_MODES = (0o600, 0o700)  # a store's files and folders: its owner's only ...
+GROUP_MODES = (0o640, 0o750)  # ... or readable by its group too (a group-shared store)
 
 
 def _address(view: memoryview) -> int:
@@ -73,15 +81,19 @@ class FsStore(StorageBackend):
     ``capacity_bytes`` caps the block files of the whole root, for every process (on every
     host) that writes it with a cap: see ``fs_capacity`` for how. ``lock`` is how those
     processes exclude each other: ``flock`` (falls back to ``excl`` where refused) or ``excl``
-    (O_EXCL lock files, for mounts whose flock is host-local).
+    (O_EXCL lock files, for mounts whose flock is host-local). ``group_shared``: files 0640 and
+    folders 0750 rather than 0600 and 0700 (None: whether the root carries the setgid bit; a
+    root this creates for ``True`` gets it, so later openers share it too).
     """
 
     def __init__(self, root: str | Path, layout: KVLayout, *, fsync: bool = False,
                  o_direct: bool = False, workers: int = 4,
-                 capacity_bytes: int | None = None, lock: str = "flock") -> None:
+                 capacity_bytes: int | None = None, lock: str = "flock",
+                 group_shared: bool | None = None) -> None:
         super().__init__(layout.full_block_bytes)
         self.root = Path(root).absolute()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.group_shared = _open_root(self.root, group_shared)
+        self.file_mode, self.dir_mode = GROUP_MODES if self.group_shared else PRIVATE_MODES
         self._root_str = str(self.root)
         self.layout = layout
         self.fsync = fsync
@@ -92,7 +104,8 @@ class FsStore(StorageBackend):
         self._can_touch = True  # False once the mount turns out read-only
         self.capacity: SharedCapacity | None = None
         if capacity_bytes is not None:
-            self.capacity = SharedCapacity(self.root, capacity_bytes, lock=lock)
+            self.capacity = SharedCapacity(self.root, capacity_bytes, lock=lock,
+                                           file_mode=self.file_mode)
         self._closing = threading.Event()
         self.swept = threading.Event()  # set once the temp-file sweep of the open has ended
         threading.Thread(target=self._sweep_at_open, name="fs-temp-sweep", daemon=True).start()
@@ -191,7 +204,8 @@ class FsStore(StorageBackend):
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            header = unpack_header(os.pread(fd, HEADER_BYTES, 0))
+            raw = bytearray(HEADER_BYTES)
+            header = unpack_header(raw[: preadv_full(fd, [raw])])
         finally:
             os.close(fd)
         check_header(header, key.name, self.layout)
@@ -204,14 +218,14 @@ class FsStore(StorageBackend):
         direct = self.o_direct and all(p.nbytes % ALIGN == 0 and _address(p) % ALIGN == 0
                                        for p in parts)
         try:
-            got = _preadv_file(path, [header_buf, *parts], O_DIRECT if direct else 0)
+            got = read_file_into(path, [header_buf, *parts], O_DIRECT if direct else 0)
         except OSError as exc:
             if not direct or exc.errno != errno.EINVAL:
                 raise
             self.o_direct = False  # this filesystem refuses O_DIRECT: read through the cache
-            got = _preadv_file(path, [header_buf, *parts], 0)
+            got = read_file_into(path, [header_buf, *parts], 0)
         if got != HEADER_BYTES + self.block_bytes:
-            raise BadBlockFile("short read")
+            raise BadBlockFile("truncated")  # the file ends early (short reads went on)
         header = unpack_header(header_buf)
         check_header(header, key.name, self.layout)
         if checksum(parts[0] if len(parts) == 1 else parts) != header.checksum:
@@ -233,7 +247,7 @@ class FsStore(StorageBackend):
             return _SKIPPED
         tmp = path.with_name(f".{path.name}.{HOST}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_dirs(path.parent)
             header = key_header(key, self.layout, parts[0] if len(parts) == 1 else parts)
             self._write_file(tmp, header, parts)
             os.replace(tmp, path)
@@ -247,9 +261,27 @@ class FsStore(StorageBackend):
         self.stats.add(blocks_written=1, bytes_written=self.block_bytes)
         return _WRITTEN
 
-    def _write_file(self, tmp: Path, header: bytes, parts: Parts) -> None:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _make_dirs(self, folder: Path) -> None:
+        """Create ``folder`` and the missing folders above it (inside the root) in the store's
+        folder mode."""
+        if folder.is_dir():
+            return
+        if folder != self.root and folder.parent != folder:
+            self._make_dirs(folder.parent)
         try:
+            os.mkdir(folder, self.dir_mode)
+        except FileExistsError:
+            return  # another writer made it meanwhile
+        if self.group_shared:  # past a umask that would strip the group's bits
+            with contextlib.suppress(OSError):
+                os.chmod(folder, self.dir_mode)
+
+    def _write_file(self, tmp: Path, header: bytes, parts: Parts) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
+        try:
+            if self.group_shared:
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, self.file_mode)
             for chunk in (memoryview(header), *parts):
                 while chunk.nbytes:
                     chunk = chunk[os.write(fd, chunk):]
@@ -298,13 +330,30 @@ class FsStore(StorageBackend):
         return True
 
 
-def _preadv_file(path: str, buffers: list[Any], extra_flags: int) -> int:
-    """Read a whole file from offset 0 into ``buffers``; returns the bytes read."""
-    fd = os.open(path, os.O_RDONLY | extra_flags)
-    try:
-        return os.preadv(fd, buffers, 0)  # a truncated file reads short
-    finally:
-        os.close(fd)
+def _open_root(root: Path, group_shared: bool | None) -> bool:
+    """Make the store's ``root`` if it is missing (0700, or 2750 when ``group_shared``) and
+    say whether the store is group-shared (None: the root's setgid bit says). A root of ours
+    found empty (a launcher's ``mkdir``) gets the store's folder mode; one that other users may
+    still read is reported: its block files hold prompts."""
+    if not root.is_dir():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(root, GROUP_MODES[1] if group_shared else PRIVATE_MODES[1])
+            if group_shared:
+                with contextlib.suppress(OSError):  # a mount that refuses it: mode 0750 only
+                    os.chmod(root, GROUP_MODES[1] | stat.S_ISGID)
+    st = os.stat(root)
+    shared = bool(st.st_mode & stat.S_ISGID) if group_shared is None else group_shared
+    folder_mode = GROUP_MODES[1] if shared else PRIVATE_MODES[1]
+    if stat.S_IMODE(st.st_mode) & 0o777 & ~folder_mode and st.st_uid == os.getuid() \
+            and not any(os.scandir(root)):
+        with contextlib.suppress(OSError):
+            os.chmod(root, folder_mode | (st.st_mode & stat.S_ISGID))
+            st = os.stat(root)
+    if st.st_mode & (stat.S_IROTH | stat.S_IXOTH):
+        log.warning("the store root %s is open to other users (mode %o): its block files hold "
+                    "prompt token ids (chmod o-rwx %s)", root, stat.S_IMODE(st.st_mode), root)
+    return shared
 
 
 def keys_under(root: str | Path) -> Iterator[BlockKey]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualpath.storage.block_file import HEADER_BYTES, BadBlockFile, unpack_header
+from dualpath.storage.file_reads import preadv_full, read_file_into
 from dualpath.storage.index import PrefixLRUIndex
 from dualpath.storage.lock_file import LockFile
 
@@ -53,11 +54,13 @@ class Usage:
 
 
 class Ledger:
-    """The running total of block-file bytes, in a small file every writer updates."""
+    """The running total of block-file bytes, in a small file every writer updates (created
+    with ``file_mode``)."""
 
-    def __init__(self, path: Path, lock: LockFile) -> None:
+    def __init__(self, path: Path, lock: LockFile, file_mode: int = 0o600) -> None:
         self.path = path
         self.lock = lock
+        self.file_mode = file_mode
 
     def read(self) -> Usage | None:
         """The current usage (None if the ledger's lock stayed held)."""
@@ -80,9 +83,10 @@ class Ledger:
             return None
         try:
             # opened per update: NFS close-to-open consistency then shows every host's write
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, self.file_mode)
             try:
-                usage = _parse(os.pread(fd, _LEDGER.size, 0))
+                raw = bytearray(_LEDGER.size)
+                usage = _parse(bytes(raw[: preadv_full(fd, [raw])]))
                 if change is not None:
                     usage = change(usage)
                     os.pwrite(fd, _LEDGER.pack(_LEDGER_MAGIC, usage.anchored,
@@ -113,16 +117,19 @@ class BlockFile:
 
 
 class SharedCapacity:
-    """Keeps the block files under ``root`` within ``capacity_bytes``, for every writer."""
+    """Keeps the block files under ``root`` within ``capacity_bytes``, for every writer; its
+    ledger and lock files are created with ``file_mode`` (the store's)."""
 
-    def __init__(self, root: Path, capacity_bytes: int, *, lock: str = "flock") -> None:
+    def __init__(self, root: Path, capacity_bytes: int, *, lock: str = "flock",
+                 file_mode: int = 0o600) -> None:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         self.root = root
         self.capacity_bytes = capacity_bytes
         self.rescan_bytes = max(1, int(capacity_bytes * RESCAN_FRACTION))
-        self.ledger = Ledger(root / LEDGER_NAME, LockFile(root / (LEDGER_NAME + ".lock"), lock))
-        self.evict_lock = LockFile(root / EVICT_LOCK_NAME, lock)
+        self.ledger = Ledger(root / LEDGER_NAME,
+                             LockFile(root / (LEDGER_NAME + ".lock"), lock, file_mode), file_mode)
+        self.evict_lock = LockFile(root / EVICT_LOCK_NAME, lock, file_mode)
         self._parents: dict[bytes, bytes | None] = {}  # block hash -> parent, from headers
         self.passes = 0
         self.last_pass_s = 0.0
@@ -280,9 +287,5 @@ def stored_bytes(root: Path) -> int:
 
 def _read_parent(path: str) -> bytes | None:
     """The parent hash in a block file's header (None for a sequence's first block)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        raw = os.pread(fd, HEADER_BYTES, 0)
-    finally:
-        os.close(fd)
-    return unpack_header(raw).parent
+    raw = bytearray(HEADER_BYTES)
+    return unpack_header(raw[: read_file_into(path, [raw])]).parent

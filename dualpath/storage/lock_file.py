@@ -26,13 +26,15 @@ _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errn
 
 
 class LockFile:
-    """An exclusive lock shared by every process and host that opens the same ``path``."""
+    """An exclusive lock shared by every process and host that opens the same ``path``; its
+    files are created with ``file_mode``."""
 
-    def __init__(self, path: Path, mode: str = "flock") -> None:
+    def __init__(self, path: Path, mode: str = "flock", file_mode: int = 0o600) -> None:
         if mode not in ("flock", "excl"):
             raise ValueError(f"lock mode {mode!r} (flock, excl)")
         self.path = path
         self.mode = mode
+        self.file_mode = file_mode
         self._held = path.with_name(path.name + ".held")  # the O_EXCL lock file
         self._threads = threading.Lock()  # one holder per process at a time, then per host
         self._fd: int | None = None
@@ -89,7 +91,7 @@ class LockFile:
 
     def _try_acquire(self) -> bool:
         if self.mode == "flock":
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, self.file_mode)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -109,7 +111,7 @@ class LockFile:
     def _try_excl(self) -> bool:
         token = f"{socket.gethostname()} {os.getpid()} {uuid.uuid4().hex}".encode()
         try:
-            fd = os.open(self._held, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(self._held, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
         except FileExistsError:
             self._break_if_stale()
             return False

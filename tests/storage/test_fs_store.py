@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import stat
 import threading
 from pathlib import Path
 
@@ -327,6 +328,149 @@ def test_the_client_counts_a_stores_read_errors_apart_from_damage(root, monkeypa
         metrics = client.metrics()
         client.close()
     assert (metrics["read_errors"], metrics["corrupt"], metrics["hits"]) == (2, 1, 2)
+
+
+def _short_reads(monkeypatch, most_bytes: int, stalls: int = 0) -> dict[str, int]:
+    """Make every ``os.preadv`` read at most ``most_bytes`` (as FUSE daemons and NFS clients
+    may, mid-file), and the first ``stalls`` reads past offset 0 read nothing at all; counts
+    the calls."""
+    real = os.preadv
+    seen = {"calls": 0, "stalled": 0}
+
+    def short(fd, buffers, offset, *args):
+        seen["calls"] += 1
+        if offset and seen["stalled"] < stalls:
+            seen["stalled"] += 1
+            return 0
+        views, room = [], most_bytes
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")[:room]
+            room -= view.nbytes
+            if view.nbytes:
+                views.append(view)
+        return real(fd, views, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", short)
+    return seen
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+@pytest.mark.parametrize("stalls", [0, 3], ids=["short", "short-and-stalled"])
+def test_short_reads_go_on_and_never_count_as_damage(root, monkeypatch, o_direct, stalls):
+    keys, data = _keys(3), _payloads(3)
+    with FsStore(root, SMALL, o_direct=o_direct) as store:
+        store.put_from(keys, data)
+        with monkeypatch.context() as patch:
+            seen = _short_reads(patch, 4096 if o_direct else 1000, stalls)  # O_DIRECT: aligned
+            out = _aligned_buffers(3)
+            assert store.get_into(keys, out) == [True] * 3
+            assert [bytes(b) for b in out] == data
+            found = store.read_block(keys[1])  # the header alone, short too
+            assert found.parent == keys[0].block_hash and found.token_ids == keys[1].token_ids
+        assert seen["calls"] > 3 * FILE_BYTES // 4096 and seen["stalled"] == stalls
+        assert (store.stats["hits"], store.stats["corrupt"], store.stats["read_errors"]) == (
+            3, 0, 0)
+        assert all(store.path_for(k).exists() for k in keys)
+
+
+def test_reads_that_stall_for_good_are_a_miss_that_keeps_the_block(store, monkeypatch):
+    keys, data = _keys(2), _payloads(2)
+    store.put_from(keys, data)
+    with monkeypatch.context() as patch:
+        _short_reads(patch, 1000, stalls=10**6)  # the file holds the bytes; reads stop
+        assert store.get_into(keys, _empty(2)) == [False, False]
+    assert (store.stats["misses"], store.stats["read_errors"], store.stats["corrupt"]) == (2, 2, 0)
+    assert all(store.path_for(k).exists() for k in keys)
+    out = _empty(2)
+    assert store.get_into(keys, out) == [True, True] and out == data
+
+
+def test_a_truncated_file_read_in_short_reads_is_still_damage(store, monkeypatch):
+    keys, data = _keys(2), _payloads(2)
+    store.put_from(keys, data)
+    _truncate(store.path_for(keys[1]))
+    with monkeypatch.context() as patch:
+        _short_reads(patch, 1000)
+        assert store.get_into(keys, _empty(2)) == [True, False]
+    assert (store.stats["corrupt"], store.stats["read_errors"]) == (1, 0)
+    assert not store.path_for(keys[1]).exists()
+
+
+def test_an_eviction_scan_reads_parents_through_short_reads(root, monkeypatch):
+    from dualpath.storage.fs_capacity import SharedCapacity
+
+    keys = _keys(3)
+    with FsStore(root, SMALL) as store:
+        store.put_from(keys, _payloads(3))
+    with monkeypatch.context() as patch:
+        _short_reads(patch, 1000)
+        scanned = SharedCapacity(root, 10 * FILE_BYTES).scan()  # reads every header
+    assert {h: b.parent for h, b in scanned.items()} == {k.block_hash: k.parent for k in keys}
+
+
+# -- who may read the files ----------------------------------------------------------------------
+
+
+def _modes(root: Path) -> tuple[set[int], set[int]]:
+    """The permission bits of every file and every folder under ``root`` (itself included)."""
+    files = {stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*") if p.is_file()}
+    folders = {stat.S_IMODE(p.stat().st_mode) & 0o777
+               for p in [root, *root.rglob("*")] if p.is_dir()}
+    return files, folders
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for a test (and restore it)."""
+    before = os.umask(0o022)
+    yield os.umask
+    os.umask(before)
+
+
+def test_a_stores_files_and_folders_are_its_owners_only(root, umask):
+    umask(0o002)  # the loosest common umask: it must not loosen the store
+    with FsStore(root, SMALL, capacity_bytes=10 * FILE_BYTES) as store:
+        store.put_from(_keys(3), _payloads(3))
+        assert not store.group_shared
+    files, folders = _modes(root)
+    assert files == {0o600} and folders == {0o700}
+    assert {p.name for p in root.iterdir() if p.is_file()} >= {".usage", ".usage.lock"}
+
+
+def test_a_group_shared_store_lets_its_group_read_and_no_one_else(root, umask):
+    umask(0o077)  # a umask that would keep the group out
+    with FsStore(root, SMALL, group_shared=True) as store:
+        store.put_from(_keys(2), _payloads(2))
+    assert root.stat().st_mode & stat.S_ISGID  # later openers find the store shared
+    with FsStore(root, SMALL) as store:
+        assert store.group_shared
+        store.put_from(_keys(2, salt=1), _payloads(2))
+    files, folders = _modes(root)
+    assert files == {0o640} and folders == {0o750}
+    assert len(_block_files(root)) == 4
+
+
+def test_an_empty_root_a_launcher_made_gets_the_stores_mode(root):
+    root.mkdir()
+    os.chmod(root, 0o755)  # mkdir under the usual umask
+    with FsStore(root, SMALL):
+        pass
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+def test_a_store_root_open_to_others_is_reported_not_changed(root, caplog):
+    with FsStore(root, SMALL) as store:
+        store.put_from(_keys(1), _payloads(1))
+    os.chmod(root, 0o755)  # as older code left it, blocks inside
+    with caplog.at_level("WARNING", logger="dualpath.storage"), FsStore(root, SMALL):
+        pass
+    assert "open to other users (mode 755)" in caplog.text
+    assert stat.S_IMODE(root.stat().st_mode) == 0o755
+    caplog.clear()
+    os.chmod(root, 0o700)
+    with caplog.at_level("WARNING", logger="dualpath.storage"), FsStore(root, SMALL):
+        pass
+    assert "open to other users" not in caplog.text
 
 
 # -- audits ----------------------------------------------------------------------------------------
