@@ -45,7 +45,10 @@ class KVLayout:
     def vllm_layout_id(self) -> str:
         """vLLM CPU's head-major layout (``LBHNC``: per block and KV head, the keys of every
         token, then the values): what the vLLM connector stores. Same sizes as ours, never the
-        same id, so neither side reads the other's bytes."""
+        same id, so neither side reads the other's bytes. How the keys are packed inside a
+        head's run is the attention kernel's choice (vLLM's ``vec`` stores them as
+        ``[head_dim, block_size]``; ``amx`` packs them for its tiles), which this id does not
+        name: ``store verify`` cannot lay out recomputed KV this way, and says so."""
         return (f"vllm-LBHNC-{self.dtype}-L{self.num_layers}-kvh{self.num_kv_heads}"
                 f"-hd{self.head_dim}-bs{self.block_size}")
 
