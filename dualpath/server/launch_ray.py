@@ -29,14 +29,32 @@ its engine's output to ``log_dir/NAME.log`` on its host.
 A watcher thread waits (``ray.wait``) on every engine's pending ``run`` result: an actor that
 died (``RayActorError``), an engine that raised or returned on its own are each reported to the
 router as ``engine_lost``, which fails or re-places what the engine held.
+
+**Secrets.** An engine's control-plane key (``DUALPATH_ENGINE_KEY``) is an argument of its
+actor's ``run`` call, set in the actor's process environment only there, never part of the
+actor's ``runtime_env``. Ray keeps an actor's creation spec, ``runtime_env`` and every
+variable in it included, in its GCS (the actor table and the task events), which its
+dashboard, ``ray list actors --detail`` and any client of the cluster can read. A method call's
+arguments go from this process straight to the actor's worker (a direct gRPC call; under 100 KiB
+they are inlined into it, never put in the object store) and are kept in neither table: the
+Ray tests read both tables and find no engine's secret. The other references considered: a key
+file on a shared mount (needs a private folder every host mounts, and the run folder is not
+one), a one-time token redeemed at join (needs a redeem step in the router's join protocol),
+``ray.put`` (the object store is shared memory on every node the object visits and spills to
+disk). What remains: Ray's own gRPC is unencrypted unless Ray's TLS is enabled, as Mooncake's
+transfers are, so the cluster's network must be private. Variables the actors do get through
+``runtime_env`` (``DUALPATH_*`` of this process, for the cache, traces and vLLM's python) leave
+out every name that looks secret (``SECRET_ENV_NAME``: this process's ``DUALPATH_API_KEY`` too).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,6 +81,8 @@ STOP_GRACE_S = 15.0  # how long stop() waits for engines to exit before killing 
 WATCH_INTERVAL_S = 0.2
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024  # a local Ray's store: no KV ever goes through it
 ENGINE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# Never forwarded through runtime_env (which Ray stores in its GCS): names that look secret.
+SECRET_ENV_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL", re.IGNORECASE)
 
 
 def cli_args(command: list[str]) -> list[str]:
@@ -70,6 +90,13 @@ def cli_args(command: list[str]) -> list[str]:
     if command[1:3] != ["-m", "dualpath.cli"]:
         raise DualPathError(f"not a dualpath command line: {command[:3]}")
     return command[3:]
+
+
+def actor_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``DUALPATH_*`` variables of ``environ`` an engine actor gets through its
+    ``runtime_env``: every one whose name does not look secret (``SECRET_ENV_NAME``)."""
+    return {name: value for name, value in environ.items()
+            if name.startswith("DUALPATH_") and not SECRET_ENV_NAME.search(name)}
 
 
 def node_resource(node_id: int) -> str:
@@ -88,15 +115,21 @@ class EngineActor:
         return {"ray_node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "log": self._log_path}
 
-    def run(self, argv: list[str]) -> int:
+    def run(self, argv: list[str], engine_key: str) -> int:
         """Run the engine (``dualpath <argv>``) in this process until it stops; its exit
-        status (0 when the router shut it down)."""
+        status (0 when the router shut it down). ``engine_key``: its control-plane key
+        (``EngineKey`` JSON), handed over in this call rather than in ``runtime_env`` (module
+        doc), and put in this process's environment, where the engine reads it, for the
+        engine's life only."""
         from dualpath.cli import main
 
+        os.environ[ENGINE_KEY_ENV] = engine_key
         try:
             return main(argv)
         except SystemExit as exc:  # argparse rejects the command line this way
             return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        finally:
+            os.environ.pop(ENGINE_KEY_ENV, None)
 
 
 _REMOTE_ENGINE = ray.remote(EngineActor)
@@ -106,8 +139,8 @@ def _redirect_output(log_path: str) -> str:
     """Send this process's stdout and stderr to ``log_path`` (the actor's process is the
     engine's alone); the path, or Ray's own worker log when it cannot be opened."""
     try:
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        Path(log_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     except OSError:
         return "the Ray worker's log"
     for target in (1, 2):
@@ -225,9 +258,7 @@ class RayCluster(ClusterBase):
 
     def _create_actor(self, name: str, node_id: int) -> ActorHandle:
         """Ask Ray for engine ``name``'s actor on config node ``node_id`` (not yet placed)."""
-        assert self.router is not None
-        env = {**{k: v for k, v in os.environ.items() if k.startswith("DUALPATH_")},
-               **ENGINE_ENV, ENGINE_KEY_ENV: self.router.keys.engine_key(name).to_json()}
+        env = {**actor_env_vars(os.environ), **ENGINE_ENV}  # no secret (module doc)
         options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0,
                                    "resources": {node_resource(node_id): ENGINE_RESOURCE_SHARE}}
         if self._gpu_share is not None:  # Ray sets the actor's CUDA_VISIBLE_DEVICES
@@ -266,7 +297,8 @@ class RayCluster(ClusterBase):
         for name, role, node_id in engine_roles(self.config):
             argv = cli_args(engine_command(name, role, node_id, self.router.address,
                                            self.model_dir))
-            self._runs[self._actors[name].run.remote(argv)] = name
+            key = self.router.keys.engine_key(name).to_json()  # in the call (module doc)
+            self._runs[self._actors[name].run.remote(argv, key)] = name
 
     def _wait_joined(self, deadline: float) -> None:
         """Wait until every engine joined the router; fail at once if one stops before."""

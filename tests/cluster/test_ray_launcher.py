@@ -153,6 +153,30 @@ def test_ray_engines_land_on_their_nodes_and_serve_single_process_tokens(ray_clu
     assert all(h > 0 for conv in hits for h in conv[1:]), f"turns >= 2 must hit: {hits}"
 
 
+def gcs_tables() -> bytes:
+    """Ray's GCS actor table and task events, raw: what its dashboard, ``ray list actors
+    --detail`` and any client of the cluster can read."""
+    from ray._private.state import state
+
+    accessor = state._connect_and_get_accessor()
+    return b"".join([*accessor.get_actor_table(None, None), *accessor.get_task_events()])
+
+
+def test_ray_keeps_no_engine_secret_in_its_gcs(ray_cluster, monkeypatch):
+    keys = ray_cluster.router.keys
+    secrets = [keys.engines[name].secret for name in ray_cluster.router.engines]
+    assert len(secrets) == 3
+    tables = gcs_tables()
+    assert b"dualpath.server.launch_ray" in tables or b"EngineActor" in tables  # read them
+    assert [s for s in secrets if s.encode() in tables] == []
+    assert keys.router.secret.encode() not in tables
+    monkeypatch.setenv("DUALPATH_API_KEY", "sk-serve-key")  # never forwarded to an actor
+    monkeypatch.setenv("DUALPATH_CACHE_DIR", "/somewhere")
+    forwarded = launch_ray.actor_env_vars(os.environ)
+    assert "DUALPATH_API_KEY" not in forwarded and "DUALPATH_ENGINE_KEY" not in forwarded
+    assert forwarded["DUALPATH_CACHE_DIR"] == "/somewhere"
+
+
 def test_ray_kill_of_a_decode_actor_is_an_engine_loss_and_the_cluster_serves_on(ray_cluster,
                                                                                want):
     cluster = ray_cluster
