@@ -45,6 +45,7 @@ from dualpath.integrations.vllm_plan import (
 )
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
+from dualpath.kv.shm_files import map_readonly
 from dualpath.storage.client import StorageClient
 from dualpath.traffic.lanes import Lane
 from dualpath.traffic.manager import TrafficManager
@@ -271,9 +272,8 @@ class Moves:
         """The request's buffer (data and seal) in the decode engine's shared file."""
         mapped = self._maps.get(remote.endpoint)
         if mapped is None:
-            with Path(shared_pool_path(remote.endpoint)).open("rb") as file:
-                mapped = self._maps[remote.endpoint] = mmap.mmap(file.fileno(), 0,
-                                                                 prot=mmap.PROT_READ)
+            # a regular, owner-only file of this user, never through a symlink
+            mapped = self._maps[remote.endpoint] = map_readonly(shared_pool_path(remote.endpoint))
         size = seal_offset(remote.num_blocks, self.layout.full_block_bytes) + SEAL_BYTES
         if remote.buffer + size > len(mapped):
             raise ValueError(f"buffer [{remote.buffer}, +{size}) is outside {remote.endpoint}")
