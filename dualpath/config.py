@@ -231,6 +231,10 @@ class ClusterConfig:
     # How engines move KV between each other: Mooncake "tcp", or "rdma" (each engine names
     # its RDMA devices with `dualpath engine --rdma-devices`).
     transfer_protocol: str = "tcp"
+    # Mooncake listens on every interface whatever address it is given: engines fence its ports
+    # to the cluster's hosts (nftables, as root); true leaves them open (your own firewall
+    # keeps them, or a non-root engine on a non-loopback address could not start)
+    transfer_open_listeners: bool = False
     # A folder of control-plane keys (`dualpath keys`: router.json, engines/NAME.json); None:
     # the router makes keys for the engines its config names (control_keys.py)
     control_keys: str | None = None

@@ -94,11 +94,14 @@ class BlockTransfer:
 
 def prefill_traffic(extra: dict[str, Any]) -> TrafficManager:
     """A prefill worker's traffic manager over its own Mooncake transfer engine, advertised
-    at ``extra["host"]``, with ``extra["traffic"]``'s caps and lane weights."""
+    at ``extra["host"]`` (its listeners guarded, left open with ``extra["open_listeners"]``:
+    ``transfer/guard.py``), with ``extra["traffic"]``'s caps and lane weights. Its grant
+    server binds loopback: no peer learns its address, so none asks it for grants."""
     from dualpath.transfer.mooncake import MooncakeBackend
 
     values = dict(extra.get("traffic") or {})
     if "lane_weights" in values:
         values["lane_weights"] = tuple(tuple(w) for w in values["lane_weights"])
     host = str(extra.get("host", "127.0.0.1"))
-    return TrafficManager(MooncakeBackend(host, "tcp"), TrafficConfig(**values), nic_host=host)
+    backend = MooncakeBackend(host, "tcp", open_listeners=bool(extra.get("open_listeners")))
+    return TrafficManager(backend, TrafficConfig(**values))

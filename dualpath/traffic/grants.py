@@ -10,6 +10,11 @@ send side); the passive side queues, arbitrates, paces and counts it like local 
 ``timeout``; the passive side drops, uncharged, cancelled requests and those of a requester
 silent, or idle on full credit, for ``timeout``; a closing server or a full queue refuses.
 
+Trust: a server made with its engine's keys is a CURVE server that admits only the public keys
+of the engines the router names (``admit``; ``peer_auth.PeerGate``): a stranger is refused
+during the handshake and never creates a requester here, and frames of a peer no longer named
+are dropped unread. Without keys a server binds loopback only.
+
 Wire format (one msgpack frame; ROUTER adds the requester's identity frame). To the server:
 ``["req", [[rid, side, lane, nbytes], ...]]``, ``["cancel", [rid, ...]]``, ``["done", [rid,
 ...]]`` (granted chunks moved or dropped), ``["ping", 0]``. Back: ``["go", [rid, ...]]``,
@@ -35,8 +40,10 @@ from typing import Any
 import msgpack
 import zmq
 
+from dualpath.control_keys import KeyPair
 from dualpath.errors import TransferError
 from dualpath.traffic.lanes import Lane
+from dualpath.traffic.peer_auth import PeerGate, check_unkeyed, curve_server
 from dualpath.traffic.work import Work
 
 log = logging.getLogger(__name__)
@@ -185,26 +192,47 @@ class GrantServer(IoLoop):
     this NIC's dispatchers are stuck (then pings are answered as stalled); ``wake()`` makes
     the dispatchers re-check requests that were not ready. A requester holds at most ``credit``
     grants whose chunks it has not reported moved, so a requester that falls behind cannot
-    pile up grants and then move them all at once, past this NIC's cap.
+    pile up grants and then move them all at once, past this NIC's cap. With ``keys`` (its
+    engine's pair) only the peers ``admit`` names get through; without, ``host`` must be
+    loopback (``TransferError`` otherwise).
     """
 
     def __init__(self, host: str, timeout_s: float, credit: int,
                  enqueue: Callable[[str, Sequence[Work]], None], stalled: Callable[[float], bool],
-                 wake: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
+                 wake: Callable[[], None], clock: Callable[[], float] = time.monotonic,
+                 keys: KeyPair | None = None) -> None:
+        if keys is None:
+            check_unkeyed(host)
         super().__init__("traffic-grant-server", timeout_s / 10, clock)
         self.timeout_s = timeout_s
         self.credit = credit
         self.refusing = False
+        self.dropped_frames = 0  # frames of peers no longer admitted, dropped unread
         self._enqueue, self._stalled, self._wake = enqueue, stalled, wake
+        self._gate: PeerGate | None = None
+        if keys is not None:
+            self._gate = PeerGate(self._ctx)
+            self._poller.register(self._gate.socket, zmq.POLLIN)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.SNDHWM, 0)  # never drop a grant to a live requester
+        if keys is not None:
+            curve_server(self._router, keys)
         self._router.bind(f"tcp://{host}:0")
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller.register(self._router, zmq.POLLIN)
         self._requesters: dict[bytes, _Requester] = {}
         self._inbound: dict[tuple[bytes, int], GrantRequest] = {}
         self._thread.start()
+
+    @property
+    def refused(self) -> int:
+        """Peers refused during the handshake (no key, or one not admitted)."""
+        return 0 if self._gate is None else self._gate.refused
+
+    def admit(self, public_keys: Sequence[str]) -> None:
+        """Admit exactly the peers with these public keys (Z85) from now on (thread-safe)."""
+        self.post(("admit", tuple(public_keys)))
 
     def refuse_all(self) -> None:
         """Closing: refuse outstanding and new requests (their transfers fail at once)."""
@@ -220,6 +248,8 @@ class GrantServer(IoLoop):
                     (goes if cmd[0] == "go" else expired)[cmd[1]].append(cmd[2])
             elif cmd[0] == "refuse":
                 self._refuse_inbound()
+            elif cmd[0] == "admit" and self._gate is not None:
+                self._gate.admit(cmd[1])
         for identity, rids in goes.items():
             self._reply(identity, ["go", rids])
         for identity, rids in expired.items():  # if the requester is alive after all, it hears
@@ -227,13 +257,19 @@ class GrantServer(IoLoop):
                                                      f"{self.timeout_s:g} s"]])
 
     def _readable(self, sock: Any) -> None:
+        if self._gate is not None and sock == self._gate.socket:
+            self._gate.answer()
+            return
         while True:
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if self._gate is not None and not self._gate.admitted(frames[-1].get("User-Id")):
+                self.dropped_frames += 1  # a peer the router no longer names
+                continue
             try:
-                identity, raw = frames
+                identity, raw = (frame.bytes for frame in frames)
                 kind, body = msgpack.unpackb(raw)
                 self._handle(identity, kind, body)
             except Exception:  # one bad message never stops the loop
@@ -301,3 +337,5 @@ class GrantServer(IoLoop):
     def _shutdown(self) -> None:
         self._refuse_inbound()
         self._router.close()
+        if self._gate is not None:
+            self._gate.close()

@@ -9,6 +9,8 @@ Transfers to and from peer engines are split into chunks (``chunk_bytes`` on the
 future at once and may wait for another future (``after``) before their chunks queue. A capped
 manager runs a grant server (``nic_address``) and, told a peer's (``set_peer_nic``), asks it for
 a grant before each chunk (``nic_grants``, ``nic_grant_client``); uncapped pairs make no RPC.
+With its engine's ``keys`` both ends of a grant are CURVE-authenticated: the server admits the
+peers ``admit_peers`` names, the client presents the engine's key (``traffic/peer_auth.py``).
 
 ``metrics()`` keys: ``cnic_{side}_*`` (bytes, passive, lane, total, queue, utilization, peak),
 ``lane_bytes_{lane}``, ``h2d_bytes``/``d2h_bytes``, ``copy_bytes_{lane}``, ``cnic_dropped_grants``,
@@ -21,10 +23,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dualpath.config import TrafficConfig
 from dualpath.errors import TransferError
@@ -37,12 +39,15 @@ from dualpath.traffic.copies import (
     submission_context,
 )
 from dualpath.traffic.grant_client import GrantClient, PendingGrant
-from dualpath.traffic.grants import GrantServer
+from dualpath.traffic.grants import GrantServer, log
 from dualpath.traffic.lanes import Lane, weights_from_pairs
 from dualpath.traffic.queues import NicDirection, direction_metrics
 from dualpath.traffic.token_bucket import TokenBucket
 from dualpath.traffic.work import CopyWork, LiveSubmissions, MoveWork, Submission, Work
 from dualpath.transfer.base import Segment, TransferBackend
+
+if TYPE_CHECKING:
+    from dualpath.control_keys import KeyPair
 
 __all__ = ["CopyDirection", "TrafficManager", "TransferKind", "coalesce", "split_chunks"]
 
@@ -55,13 +60,16 @@ _OPPOSITE = {"send": "recv", "recv": "send"}
 class TrafficManager:
     """An engine's data movement: lanes, chunking, compute-NIC caps (both ends) and counters.
 
-    ``nic_host`` is the address a capped manager's grant server binds (peers must reach it).
-    Returned futures complete on a dispatcher thread or a NIC direction's poller thread: their
-    callbacks must not wait on this manager (chain with ``after=`` instead).
+    ``nic_host`` is the address a capped manager's grant server binds (peers must reach it);
+    ``keys``, its engine's CURVE pair, authenticate its grant sockets (without them the server
+    binds loopback only). Returned futures complete on a dispatcher thread or a NIC direction's
+    poller thread: their callbacks must not wait on this manager (chain with ``after=``
+    instead).
     """
 
     def __init__(self, backend: TransferBackend | None, config: TrafficConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic, nic_host: str = "127.0.0.1") -> None:
+                 clock: Callable[[], float] = time.monotonic, nic_host: str = "127.0.0.1",
+                 keys: KeyPair | None = None) -> None:
         self.config = config or TrafficConfig()
         self.backend = backend
         self._clock = clock
@@ -78,13 +86,15 @@ class TrafficManager:
         self._live = LiveSubmissions(self.config.grant_timeout_s)
         self._lock = threading.Lock()  # peers, counters
         self._peer_nics: dict[str, str] = {}
+        self._keys = keys
+        self._peer_keys: dict[str, str] = {}  # peer endpoint -> its engine's public key
         self._unpaced_chunks = 0
         self._client: GrantClient | None = None
         self._server: GrantServer | None = None
         if any(cap is not None for cap in caps.values()):
             self._server = GrantServer(nic_host, self.config.grant_timeout_s,
                                        self.config.grant_credit, self._enqueue_passive,
-                                       self._stalled, self._wake, clock)
+                                       self._stalled, self._wake, clock, keys)
 
     # --- the API ------------------------------------------------------------------------
 
@@ -183,15 +193,31 @@ class TrafficManager:
     def set_peer_nic(self, endpoint: str, nic_address: str) -> None:
         """Ask ``nic_address`` for grants before moving chunks to or from peer ``endpoint``.
 
-        ``endpoint`` is the peer's transfer-backend endpoint, as ``submit`` names it.
+        ``endpoint`` is the peer's transfer-backend endpoint, as ``submit`` names it. With
+        keys, a peer whose public key ``admit_peers`` did not give is not asked (its chunks go
+        paced by this NIC only, as for a peer whose NIC is unknown).
         """
         if nic_address == self.nic_address:
             return  # ourselves
         with self._lock:
+            public_key = self._peer_keys.get(endpoint, "")
+            if self._keys is not None and not public_key:
+                log.warning("no key for peer %s: its NIC %s is not asked for grants", endpoint,
+                            nic_address)
+                return
             if self._client is None:
-                self._client = GrantClient(self.config.grant_timeout_s, self._clock)
+                self._client = GrantClient(self.config.grant_timeout_s, self._clock, self._keys)
             self._peer_nics[endpoint] = nic_address
-            self._client.set_peer(endpoint, nic_address)
+            self._client.set_peer(endpoint, nic_address, public_key)
+
+    def admit_peers(self, public_keys: Mapping[str, str]) -> None:
+        """The cluster's other engines, their public keys by transfer endpoint: the grant
+        server admits exactly these from now on, and ``set_peer_nic`` reaches them with
+        them."""
+        with self._lock:
+            self._peer_keys = dict(public_keys)
+        if self._server is not None:
+            self._server.admit(sorted(set(public_keys.values())))
 
     def forget_peer(self, endpoint: str) -> None:
         """Stop asking peer ``endpoint`` for grants; transfers waiting on its grants fail."""

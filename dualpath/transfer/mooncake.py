@@ -16,6 +16,12 @@ asynchronous batch and polled with ``transfer_check_status`` (non-blocking; it c
 first task, hence one segment per batch): ``start_write``/``start_read`` return the batches as a
 ``PendingTransfer`` for the caller to poll beside others (several transfers in flight from one
 thread), and ``write``/``read`` poll theirs, spinning only briefly and then sleeping with backoff.
+
+Mooncake listens on every interface whatever address it is given (its handshake port and its
+TCP data port: ``transfer/firewall.py``), so a backend learns the ports its engine opened
+(this process's listeners before and after) and guards them (``transfer/guard.py``): fenced to
+loopback and the hosts ``allow_hosts`` names where this process can install firewall rules,
+else refused on a non-loopback address unless ``open_listeners`` (``transfer_open_listeners``).
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dualpath.errors import TransferError
 from dualpath.transfer.base import PendingTransfer, RegionSet, Segment, TransferBackend
+from dualpath.transfer.guard import ListenerGuard, guard_listeners
+from dualpath.transfer.listeners import listeners
 
 SPIN_CHECKS = 20  # status checks before the first sleep (a small transfer ends within these)
 POLL_MIN_S = 50e-6
@@ -47,11 +55,17 @@ def _engine_class() -> Any:
 
 
 class MooncakeBackend(TransferBackend):
-    """One Mooncake Transfer Engine, listening on ``hostname`` and a port it picks."""
+    """One Mooncake Transfer Engine, advertised at ``hostname`` on a port it picks, its
+    listeners guarded (module docstring)."""
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp",
-                 device_name: str = "") -> None:
-        engine = _engine_class()()
+                 device_name: str = "", open_listeners: bool = False) -> None:
+        """``open_listeners``: leave the listeners unfenced (the operator firewalls them);
+        without it a backend on a non-loopback address that cannot be fenced is a
+        ``ListenerError``."""
+        engine_class = _engine_class()
+        before = set(listeners())
+        engine = engine_class()
         rc = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise TransferError(f"Mooncake initialize({hostname!r}, {protocol!r}) returned {rc}")
@@ -59,6 +73,18 @@ class MooncakeBackend(TransferBackend):
         self._regions = RegionSet()
         self._lock = threading.Lock()
         self.endpoint = f"{hostname}:{engine.get_rpc_port()}"
+        opened = [item for item in listeners() if item not in before]
+        try:
+            self.guard: ListenerGuard = guard_listeners(opened, hostname, open_listeners)
+        except BaseException:
+            self._engine = None
+            del engine
+            raise
+
+    def allow_hosts(self, hosts: Iterable[str]) -> None:
+        """Admit ``hosts`` (the cluster's other engines' hosts) to this engine's listeners,
+        besides loopback, instead of the previous set (no-op when they are not fenced)."""
+        self.guard.allow(hosts)
 
     def register(self, address: int, nbytes: int) -> None:
         """Register ``[address, address + nbytes)`` with Mooncake (identical repeats: no-op)."""
@@ -88,7 +114,8 @@ class MooncakeBackend(TransferBackend):
         return self._start("read", peer, segments)
 
     def close(self) -> None:
-        """Unregister every region and drop the engine (its threads stop with it)."""
+        """Unregister every region, drop the engine (its threads and listeners stop with it)
+        and remove its listeners' fence."""
         with self._lock:
             engine, self._engine = self._engine, None
             if engine is None:
@@ -97,7 +124,8 @@ class MooncakeBackend(TransferBackend):
             self._regions.clear()
         if regions:
             engine.batch_unregister_memory([address for address, _ in regions])
-        del engine
+        del engine  # its listeners close ...
+        self.guard.close()  # ... then their fence goes
 
     def _start(self, kind: str, peer: str, segments: Sequence[Segment]) -> PendingTransfer:
         """Check local ranges, then submit every segment as its own asynchronous batch."""
