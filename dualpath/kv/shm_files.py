@@ -5,7 +5,8 @@ process that is killed:
 
 - a vLLM decode engine's host pool, ``dualpath-NAME-PID`` (``HostPool(shm_path=...)`` at
   ``vllm_instance.shm_path_for``: GBs for a large model), which its vLLM instance maps
-  read-only;
+  read-only, and any file named the same way by the process that made it (a vLLM prefill
+  engine's fence table, ``dualpath-fence-NAME-PID``, ``vllm_fence.py``);
 - what Python's ``multiprocessing`` leaves in a vLLM instance's processes: shared-memory
   segments ``psm_XXXXXXXX`` (vLLM's message queues between its API server and engine core) and
   named semaphores ``sem.mp-XXXXXXXX``. A clean exit unlinks them; a SIGKILL does not.
@@ -50,7 +51,8 @@ from dualpath.errors import DualPathError
 log = logging.getLogger("dualpath.shm")
 
 SHM_FOLDER = Path("/dev/shm")
-# dualpath-NAME-PID: a decode engine's pool (not the storage-NIC accounts, dualpath-nic-...)
+# dualpath-NAME-PID: an engine's pool or fence table (not the storage-NIC accounts, which
+# node_nic.remove_dead_accounts sweeps by their holder files)
 POOL_FILE = re.compile(r"dualpath-(?!nic-)(?P<name>[A-Za-z0-9_.-]+)-(?P<pid>[1-9][0-9]{0,9})")
 PSM_FILE = re.compile(r"psm_[0-9a-f]{8}")  # multiprocessing.shared_memory's default names
 SEM_FILE = re.compile(r"sem\.mp-[a-z0-9_]{8}")  # multiprocessing's named semaphores
