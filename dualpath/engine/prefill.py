@@ -41,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from dualpath.engine.faults import ForwardFaults, fault_flag
+from dualpath.engine.faults import forward_hooks
 from dualpath.engine.layerwise import LayerPlan, PrefillHooks
 from dualpath.engine.llm_engine import Forwarded, LLMEngine
 from dualpath.engine.prefill_jobs import BlockRuns, PrefillJob
@@ -324,10 +324,10 @@ class PrefillWorker:
                 raise RequestError("no contiguous PE cache room for the request")
             items.append((seq, bsz))
         parts = [self._hooks(job, bsz) for job, bsz in batch]
-        faults = ForwardFaults(self.abandon, fault_flag(f"{self.name}.forward"))
+        hooks = ComposedHooks(forward_hooks(self.abandon, self.name, list(parts)))
         started_s = time.monotonic()
         try:
-            done = self.engine.forward(items, ComposedHooks([faults, *parts]))
+            done = self.engine.forward(items, hooks)
         except Exception:
             for part in parts:  # no load or send of this forward may outlive it
                 part.settle()

@@ -112,7 +112,7 @@ def test_a_busy_engine_that_reads_its_inbox_late_is_never_corrected():
     read before they were sent): no correction, however many beats; once it reads its inbox
     and lists them, nothing happened."""
     state, done, sends = make_state(), {}, []
-    pe, de, wire = started(state, sends, done)
+    pe, _, wire = started(state, sends, done)
     for beat in range(20):  # a 10 s forward; the inbox was read just before the Prefill
         now = 0.5 * (beat + 1)
         busy = Heartbeat(pe, 1, 1, 0, (), inbox_age_s=now + 0.01, progress_age_s=0.1,
