@@ -18,7 +18,8 @@ class, three roles (``kv_connector_extra_config["role"]``):
   stored.
 
 **Keys** are our chained ``BlockKey``s over the token ids, seeded with the checkpoint's
-``model_id``, the request's ``cache_salt`` and vLLM's layout id (``KVLayout.vllm_layout_id``):
+``model_id``, the request's salt (``vllm_plan.key_salt``: ours, of which vLLM's ``cache_salt``
+is the digest) and vLLM's layout id (``KVLayout.vllm_layout_id``):
 our engines' ids never match it. One stored block is one vLLM block (our key block size *is*
 vLLM's ``block_size``), its layers in order, each exactly vLLM's CPU cache block.
 
@@ -51,11 +52,13 @@ from dualpath.integrations.vllm_fence import FenceTableError, WorkerFence
 from dualpath.integrations.vllm_launch import BOTH
 from dualpath.integrations.vllm_moves import Moves
 from dualpath.integrations.vllm_plan import (
+    Bounds,
     DecodeParams,
     PrefillParams,
     PrefillPlan,
     Remote,
     StepPlan,
+    key_salt,
     parsed,
 )
 from dualpath.integrations.vllm_setup import (
@@ -145,13 +148,15 @@ class DualPathConnector(KVConnectorBase_V1):
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             tracked = self._tracked[request.request_id] = _Tracked(request)
+            bounds = Bounds(len(request.prompt_token_ids or []), self.block_size,
+                            self.layout.full_block_bytes)  # what the params are checked against
             if self.kind == Role.PREFILL:
-                params = parsed(PrefillParams, request.kv_transfer_params)
+                params = parsed(PrefillParams, request.kv_transfer_params, bounds)
                 if params is not None:
                     tracked.prefill = PrefillPlan(params, len(request.prompt_token_ids or []))
                     self._fence_path = params.fence_path or self._fence_path
             elif self.kind == Role.DECODE:
-                tracked.decode = parsed(DecodeParams, request.kv_transfer_params)
+                tracked.decode = parsed(DecodeParams, request.kv_transfer_params, bounds)
                 tracked.saved = tracked.decode.num_stored_blocks if tracked.decode else 0
         return tracked
 
@@ -159,7 +164,7 @@ class DualPathConnector(KVConnectorBase_V1):
         """Hash the chain's full blocks up to ``num_tokens`` tokens (known ones only)."""
         request = tracked.request
         tokens = request.all_token_ids[:num_tokens]
-        seed = self.space.salted(request.cache_salt or "").seed
+        seed = self.space.salted(key_salt(request.cache_salt, request.kv_transfer_params)).seed
         extend_block_hashes(tracked.hashes, tokens, self.block_size, seed)
 
     def get_num_new_matched_tokens(self, request: Request,
@@ -187,7 +192,7 @@ class DualPathConnector(KVConnectorBase_V1):
     def _store_hit(self, tracked: _Tracked, usable: int) -> int:
         request = tracked.request
         self._extend(tracked, usable * self.block_size)
-        space = self.space.salted(request.cache_salt or "")
+        space = self.space.salted(key_salt(request.cache_salt, request.kv_transfer_params))
         try:
             return self.client.exists_prefix(space.keys_for_hashes(tracked.hashes[:usable]))
         except Exception as exc:  # a store that cannot answer is a miss
@@ -292,7 +297,8 @@ class DualPathConnector(KVConnectorBase_V1):
         request, bs = tracked.request, self.block_size
         parents = [tracked.hashes[k - 1] if k else None for k in range(start, stop)]
         tokens = request.all_token_ids
-        return BlockTransfer(request.request_id, request.cache_salt or "",
+        return BlockTransfer(request.request_id,
+                             key_salt(request.cache_salt, request.kv_transfer_params),
                              tracked.block_ids[start:stop], tracked.hashes[start:stop], parents,
                              [list(tokens[k * bs:(k + 1) * bs]) for k in range(start, stop)])
 

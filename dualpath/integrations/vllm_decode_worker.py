@@ -24,7 +24,7 @@ from typing import Any
 
 from dualpath.engine.prompt_buffers import PromptBuffers
 from dualpath.integrations.vllm_http import HttpCall, VllmHttp
-from dualpath.integrations.vllm_plan import SEAL_BYTES, seal_offset
+from dualpath.integrations.vllm_plan import SEAL_BYTES, seal_offset, vllm_salt
 from dualpath.integrations.vllm_workers import (
     DE_STREAM_THREADS,
     VllmWorkerBase,
@@ -190,7 +190,7 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
             "min_tokens": max(0, params.min_tokens - num_outputs),
             "return_token_ids": True, "stream": True}
         if salt:
-            body["cache_salt"] = salt
+            body["cache_salt"] = vllm_salt(salt)  # vLLM's limits; keys use the salt itself
         body["kv_transfer_params"] = {"dualpath": {
             "role": "decode", "req_id": msg.req_id, "shm_path": self.host_pool.shm_path,
             "buffer_offset": self.host_pool.address(slots[0]) - self.host_pool.base_address,

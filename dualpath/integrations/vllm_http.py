@@ -10,6 +10,12 @@ must be cancellable from another thread: ``HttpCall.close`` shuts the socket dow
 thread blocked reading it at once, and vLLM aborts a request whose client went away (its
 routes run under ``with_cancellation``). Every failure is a ``VllmHttpError`` that names the
 instance's URL; a call closed on purpose raises ``VllmCallClosed``.
+
+An instance an engine started answers ``/v1/...`` only to its key (``VLLM_API_KEY`` in the
+instance's environment): a client made with ``api_key`` sends it as ``Authorization: Bearer``
+on every call. Each ``HttpCall`` records when its first and latest response bytes arrived
+(``first_byte_s``/``last_byte_s``, monotonic seconds, set by the thread reading the response),
+so a call that has received nothing tells from one that streams.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -110,12 +117,22 @@ def parse_kv_cache_stats(text: str) -> KvCacheStats:
 
 class HttpCall:
     """One call's connection: ``close`` (from any thread) cuts it off; the thread running the
-    call then raises ``VllmCallClosed``."""
+    call then raises ``VllmCallClosed``. ``first_byte_s`` and ``last_byte_s``: when its first
+    and its latest response bytes arrived (``time.monotonic``; None before any)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._conn: http.client.HTTPConnection | None = None
         self.closed = False
+        self.first_byte_s: float | None = None
+        self.last_byte_s: float | None = None
+
+    def heard(self) -> None:
+        """Response bytes arrived just now (the thread reading the response calls this)."""
+        now = time.monotonic()
+        if self.first_byte_s is None:
+            self.first_byte_s = now
+        self.last_byte_s = now
 
     def attach(self, conn: http.client.HTTPConnection) -> None:
         """The call's connection (closed at once when the call was closed before)."""
@@ -155,6 +172,7 @@ class CompletionStream:
             line = self._client.guard(self._call, self._response.readline)
             if not line:
                 raise VllmResponseError(url, "the event stream ended without [DONE]")
+            self._call.heard()
             text = line.decode("utf-8", "replace").strip()
             if not text.startswith("data:"):
                 continue  # blank separators, comments
@@ -181,13 +199,15 @@ class VllmHttp:
     """Blocking calls to the vLLM instance at ``url`` (``http://host:port``)."""
 
     def __init__(self, url: str, request_timeout_s: float = 600.0,
-                 probe_timeout_s: float = PROBE_TIMEOUT_S) -> None:
+                 probe_timeout_s: float = PROBE_TIMEOUT_S, api_key: str = "") -> None:
         """``request_timeout_s``: how long a completion call may wait for the instance's next
-        bytes; ``probe_timeout_s`` the same for health, model and metrics calls."""
+        bytes; ``probe_timeout_s`` the same for health, model and metrics calls; ``api_key``:
+        the instance's key ("" for an instance without one)."""
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"a vLLM instance URL is http://host:port, got {url!r}")
         self.url = url.rstrip("/")
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.host = parts.hostname
         self.port = parts.port or 80
         self.request_timeout_s = request_timeout_s
@@ -200,7 +220,9 @@ class VllmHttp:
         call = call or HttpCall()
         conn, response = self.open(call, "POST", "/v1/completions", {**body, "stream": False})
         try:
-            return _json(self.url, self.guard(call, response.read).decode("utf-8", "replace"))
+            text = self.guard(call, response.read).decode("utf-8", "replace")
+            call.heard()
+            return _json(self.url, text)
         finally:
             conn.close()
 
@@ -248,8 +270,11 @@ class VllmHttp:
                                           timeout=timeout_s or self.request_timeout_s)
         call.attach(conn)
         payload = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        headers = dict(self._auth)
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
         response = self.guard(call, lambda: _send(conn, method, path, payload, headers))
+        call.heard()  # the status line is in
         if response.status >= 400:
             text = self.guard(call, response.read).decode("utf-8", "replace")[:500]
             conn.close()

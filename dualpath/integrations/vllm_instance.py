@@ -30,19 +30,20 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dualpath.config import ClusterConfig, VllmConfig
 from dualpath.errors import DualPathError
 from dualpath.integrations.vllm_http import VllmHttp
-from dualpath.integrations.vllm_launch import transfer_config
+from dualpath.integrations.vllm_launch import instance_environ, transfer_config
 from dualpath.integrations.vllm_plan import SEAL_BYTES
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
@@ -89,6 +90,7 @@ class LaunchPlan:
     env: dict[str, str]
     port: int
     log_path: Path
+    api_key: str = field(default="", repr=False)  # the instance's ``VLLM_API_KEY`` ("": none)
 
     @property
     def url(self) -> str:
@@ -133,14 +135,17 @@ def launch_plan(model_dir: str | Path, config: ClusterConfig, role: Role, host: 
                 plain: bool = False) -> LaunchPlan:
     """The command line and environment of ``role``'s instance (nothing starts). ``host``: the
     address the connector's transfer engine advertises (the engine's own). ``plain``: plain
-    vLLM, the benchmarks' peer: no connector, vLLM's own prefix cache on."""
+    vLLM, the benchmarks' peer: no connector, vLLM's own prefix cache on, no API key. The
+    instance inherits no secret (``vllm_launch.instance_environ``) and answers ``/v1`` only to
+    a fresh key of its own, which the plan holds."""
     environ = dict(os.environ) if environ is None else dict(environ)
     vllm, engine = config.vllm, config.engine
     python = vllm_python(vllm, root, environ)
     port = port or free_port()
     dtype = resolve_dtype(engine.dtype, load_spec(model_dir))
     kv_config = transfer_config(storage=config.storage, role=Role(role).value,
-                                traffic=config.traffic, model_id=model_id(model_dir), host=host)
+                                traffic=config.traffic, model_id=model_id(model_dir), host=host,
+                                open_listeners=config.transfer_open_listeners)
     command = (str(python), *ENTRY, "--model", str(model_dir), "--port", str(port),
                "--host", "127.0.0.1", "--block-size", str(engine.block_size), "--dtype", dtype,
                "--max-model-len", str(vllm.max_model_len), "--enable-prompt-tokens-details",
@@ -148,11 +153,13 @@ def launch_plan(model_dir: str | Path, config: ClusterConfig, role: Role, host: 
                "--enable-prefix-caching" if vllm.prefix_caching or plain
                else "--no-enable-prefix-caching", *vllm.extra_args)
     python_path = os.pathsep.join(filter(None, [str(root), environ.get("PYTHONPATH")]))
-    env = {**environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(vllm.kv_cache_gb))),
+    api_key = "" if plain else secrets.token_urlsafe(32)
+    env = {**instance_environ(environ, api_key),
+           "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(vllm.kv_cache_gb))),
            "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, engine.threads)))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # engines share the host's cores
-    return LaunchPlan(command, env, port, log_path or default_log_path(name))
+    return LaunchPlan(command, env, port, log_path or default_log_path(name), api_key)
 
 
 def _die_with_parent() -> None:
@@ -202,7 +209,8 @@ class VllmInstance:
             proc = subprocess.Popen(plan.command, env=plan.env, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=_die_with_parent)
-        instance = cls(VllmHttp(plan.url, vllm.request_timeout_s), proc, plan.log_path)
+        instance = cls(VllmHttp(plan.url, vllm.request_timeout_s, api_key=plan.api_key), proc,
+                       plan.log_path)
         try:
             instance.wait_healthy(vllm.start_timeout_s)
         except BaseException:

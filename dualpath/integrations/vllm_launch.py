@@ -11,11 +11,18 @@ the engine processes that start or drive vLLM instances run in dualpath's own en
   layer by layer), ``decode`` (copies a prompt's KV from its node's buffer, persists full
   blocks) or ``both`` (one instance on the store: PE-path loads and full-block saves);
 - ``host``: the address its Mooncake transfer engine advertises (prefill role);
-- ``traffic``: ``TrafficConfig`` fields (compute-NIC caps, lane weights) for its transfers.
+- ``traffic``: ``TrafficConfig`` fields (compute-NIC caps, lane weights) for its transfers;
+- ``open_listeners``: leave its Mooncake listeners unfenced (``transfer_open_listeners``).
+
+``instance_environ`` is the environment an engine hands its instance: its own, without our
+secrets or anything named like a secret (``SECRET_NAME``), plus the instance's API key
+(``API_KEY_ENV``: vLLM takes ``--api-key`` from there, so it is on no command line).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,19 @@ MODULE = "dualpath.integrations.vllm"  # the module vLLM loads the connector fro
 BOTH = "both"  # the role of a lone instance on the store (no decode engine)
 _KV_ROLES = {Role.PREFILL.value: "kv_producer", Role.DECODE.value: "kv_consumer",
              BOTH: "kv_both"}
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's --api-key, from the environment
+# names an instance never inherits: DUALPATH_ENGINE_KEY, DUALPATH_API_KEY, HF_TOKEN, ...
+SECRET_NAME = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIALS?)(_ID)?$",
+                         re.IGNORECASE)
+
+
+def instance_environ(environ: Mapping[str, str], api_key: str = "") -> dict[str, str]:
+    """``environ`` without the names that look secret (``SECRET_NAME``), with the instance's
+    ``api_key`` as ``VLLM_API_KEY`` when there is one."""
+    env = {name: value for name, value in environ.items() if not SECRET_NAME.search(name)}
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    return env
 
 
 def transfer_config(store_root: str | Path | None = None, *, store: str = "fs",

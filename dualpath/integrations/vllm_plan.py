@@ -18,11 +18,29 @@ The buffer is layer-major: layer ``l`` of buffer block ``j`` sits at
 ``buffer + num_blocks × full_block_bytes``, an 8-byte seal the prefill writes last (``seal_of``)
 once every push of the request has landed. The decode side copies only a sealed buffer, so a
 push that failed is a recompute there, never a wrong token.
+
+Whoever can post to an instance can send ``kv_transfer_params``, so every field is checked, by
+type (integers that are integers, short strings) and against what the connector knows
+(``Bounds``: the request's prompt, the block size, a block's bytes) and the pool file: a
+prefill's ``num_blocks`` is the prompt's, its hit no more than that, its endpoint a
+``host:port``, its buffer inside the address space; a decode's ``num_tokens`` leaves a prompt
+token to compute (vLLM asserts as much and would end the instance), its ``num_blocks`` covers
+exactly those tokens, and its buffer and seal lie inside the pool file. Parameters that fail a
+check are ignored (``parsed``): that request is computed, nothing moves.
+
+**Salts.** vLLM takes a ``cache_salt`` of at most 128 characters without ``@``, ``/``, a
+backslash or NUL; ours may be any text, so an engine sends vLLM the salt's digest
+(``vllm_salt``) and the salt itself in ``kv_transfer_params`` (``cache_salt``); the connector
+keys blocks with the salt whose digest vLLM holds (``key_salt``), so its keys are the ones our
+engines and router derive.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass, field
@@ -35,7 +53,79 @@ SEAL_BYTES = 8
 PARAMS_KEY = "dualpath"
 SHARED_POOL_PREFIX = "dualpath-"  # a decode engine's pool file (vllm_instance.shm_path_for)
 FENCE_PREFIX = "dualpath-fence-"  # a prefill engine's fence table (vllm_fence.py)
+MAX_COUNT = 2**63 - 1  # integers in the parameters (ids, counts, offsets)
+MAX_ADDRESS = 2**64  # a buffer ends inside the 64-bit address space
+MAX_TEXT = 4096  # strings in the parameters (paths, endpoints)
 log = logging.getLogger("vllm.dualpath")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the connector knows of a request, to check its parameters against."""
+
+    num_prompt_tokens: int
+    block_size: int
+    block_bytes: int  # one block, every layer (``KVLayout.full_block_bytes``)
+
+    def blocks(self, num_tokens: int) -> int:
+        """Blocks that ``num_tokens`` tokens take."""
+        return -(-num_tokens // self.block_size)
+
+
+def vllm_salt(salt: str) -> str:
+    """What vLLM gets as ``cache_salt`` for our ``salt``: its hex BLAKE2b digest (64
+    characters of ``0-9a-f``; vLLM refuses ``@``, ``/``, a backslash, NUL and more than 128)."""
+    return hashlib.blake2b(salt.encode(), digest_size=32).hexdigest()
+
+
+def key_salt(cache_salt: str | None, params: dict[str, Any] | None) -> str:
+    """The salt a request's block keys use: ``kv_transfer_params``' ``cache_salt`` when vLLM's
+    ``cache_salt`` is its digest (what our engines send), else vLLM's own (a plain client's)."""
+    mine = (params or {}).get(PARAMS_KEY)
+    ours = mine.get("cache_salt") if isinstance(mine, dict) else None
+    if isinstance(ours, str) and ours and cache_salt == vllm_salt(ours):
+        return ours
+    return cache_salt or ""
+
+
+def _count(mine: dict[str, Any], key: str, default: int | None = None) -> int:
+    """``mine[key]``: an integer in 0..MAX_COUNT (a bool or a float is none)."""
+    value = mine.get(key, default)
+    if type(value) is not int or not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{key} must be an integer in 0..{MAX_COUNT}, got {value!r}")
+    return value
+
+
+def _text(mine: dict[str, Any], key: str, default: str | None = None) -> str:
+    """``mine[key]``: a string of at most MAX_TEXT characters."""
+    value = mine.get(key, default)
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        raise ValueError(f"{key} must be a string of at most {MAX_TEXT} characters")
+    return value
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if it is a Mooncake session name ``host:port`` (``[v6]:port``) with a port
+    in 1..65535 and a host of letters, digits and ``.-:_``; ``ValueError`` otherwise."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    valid_host = 0 < len(host) <= 255 and all(c.isascii() and (c.isalnum() or c in ".-:_")
+                                              for c in host)
+    if not sep or not valid_host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{endpoint!r} is not a host:port endpoint")
+    return endpoint
+
+
+def pool_file_bytes(path: str) -> int:
+    """The size of a decode engine's pool file (a regular file, never through a symlink);
+    ``ValueError`` when there is none."""
+    try:
+        info = os.lstat(shared_pool_path(path))
+    except OSError as exc:
+        raise ValueError(f"no pool file {path!r}: {exc}") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path!r} is not a regular file")
+    return info.st_size
 
 
 def seal_of(req_id: int) -> bytes:
@@ -77,16 +167,19 @@ def fence_table_path(path: str) -> str:
     return path
 
 
-def parsed(kind: type[PrefillParams] | type[DecodeParams],
-           params: dict[str, Any] | None) -> Any:
-    """``kind.parse(params)``, or None (logged) when they are malformed: whoever can post to
-    the instance can send ``kv_transfer_params``, and a bad one costs that request its
-    transfer (it is computed), never the instance."""
+def parsed(kind: type[PrefillParams] | type[DecodeParams], params: dict[str, Any] | None,
+           bounds: Bounds | None = None) -> Any:
+    """``kind.parse(params)`` checked against ``bounds`` (when given), or None (logged) when
+    they are malformed or out of bounds: whoever can post to the instance can send
+    ``kv_transfer_params``, and a bad one costs that request its transfer (it is computed),
+    never the instance."""
     try:
-        return kind.parse(params)
-    except (KeyError, TypeError, ValueError) as exc:
-        log.warning("dualpath connector: ignoring malformed kv_transfer_params (%r): %s",
-                    params, exc)
+        found = kind.parse(params)
+        if found is not None and bounds is not None:
+            found.check(bounds)
+        return found
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        log.warning("dualpath connector: ignoring malformed kv_transfer_params: %s", exc)
         return None
 
 
@@ -124,16 +217,31 @@ class PrefillParams:
         mine = (params or {}).get(PARAMS_KEY)
         if not mine:
             return None
-        path = ReadPath(mine["read_path"])
-        hit = int(mine["num_hit_blocks"])
-        store = {ReadPath.PE: hit, ReadPath.DE: 0}.get(path, int(mine.get("num_pe_read_blocks", 0)))
-        found = cls(int(mine["req_id"]), path, hit, min(store, hit), str(mine["de_endpoint"]),
-                    int(mine["de_buffer_addr"]), int(mine["num_blocks"]),
-                    PrefillMode(mine.get("mode", PrefillMode.LAYERWISE)),
-                    fence_table_path(str(mine.get("fence_path", ""))))
-        if min(found.num_hit_blocks, found.num_blocks, found.req_id) < 0:
-            raise ValueError(f"negative sizes in {mine}")
-        return found
+        if not isinstance(mine, dict):
+            raise TypeError(f"{PARAMS_KEY} must be a map")
+        path = ReadPath(_text(mine, "read_path"))
+        hit = _count(mine, "num_hit_blocks")
+        store = {ReadPath.PE: hit, ReadPath.DE: 0}.get(path, _count(mine, "num_pe_read_blocks", 0))
+        return cls(_count(mine, "req_id"), path, hit, min(store, hit),
+                   check_endpoint(_text(mine, "de_endpoint")), _count(mine, "de_buffer_addr"),
+                   _count(mine, "num_blocks"),
+                   PrefillMode(_text(mine, "mode", PrefillMode.LAYERWISE)),
+                   fence_table_path(_text(mine, "fence_path", "")))
+
+    def check(self, bounds: Bounds) -> None:
+        """``ValueError`` unless the buffer is the prompt's (``num_blocks`` blocks), the hit
+        lies inside it and the buffer with its seal inside the address space."""
+        want = bounds.blocks(bounds.num_prompt_tokens)
+        if self.num_blocks != want:
+            raise ValueError(f"num_blocks {self.num_blocks}: the prompt of "
+                             f"{bounds.num_prompt_tokens} tokens takes {want}")
+        if self.num_hit_blocks > self.num_blocks:
+            raise ValueError(f"num_hit_blocks {self.num_hit_blocks} > num_blocks "
+                             f"{self.num_blocks}")
+        end = self.de_buffer_addr + seal_offset(self.num_blocks, bounds.block_bytes) + SEAL_BYTES
+        if self.de_buffer_addr == 0 or end > MAX_ADDRESS:
+            raise ValueError(f"de_buffer_addr {self.de_buffer_addr:#x} of {self.num_blocks} "
+                             "blocks is outside the address space")
 
 
 @dataclass
@@ -153,12 +261,30 @@ class DecodeParams:
         mine = (params or {}).get(PARAMS_KEY)
         if not mine:
             return None
-        found = cls(int(mine["req_id"]), str(mine["shm_path"]), int(mine["buffer_offset"]),
-                    int(mine["num_blocks"]), int(mine["num_tokens"]),
-                    int(mine.get("num_stored_blocks", 0)))
-        if min(found.buffer_offset, found.num_blocks, found.num_tokens, found.req_id) < 0:
-            raise ValueError(f"negative sizes in {mine}")
-        return found
+        if not isinstance(mine, dict):
+            raise TypeError(f"{PARAMS_KEY} must be a map")
+        return cls(_count(mine, "req_id"), shared_pool_path(_text(mine, "shm_path")),
+                   _count(mine, "buffer_offset"), _count(mine, "num_blocks"),
+                   _count(mine, "num_tokens"), _count(mine, "num_stored_blocks", 0))
+
+    def check(self, bounds: Bounds) -> None:
+        """``ValueError`` unless the buffer's tokens leave a prompt token to compute, its
+        ``num_blocks`` hold exactly them, the stored blocks are prompt blocks, and the buffer
+        with its seal lies inside the pool file."""
+        if self.num_tokens >= bounds.num_prompt_tokens:
+            raise ValueError(f"num_tokens {self.num_tokens} leaves none of the "
+                             f"{bounds.num_prompt_tokens} prompt tokens to compute")
+        if self.num_blocks != bounds.blocks(self.num_tokens):
+            raise ValueError(f"num_blocks {self.num_blocks}: {self.num_tokens} tokens take "
+                             f"{bounds.blocks(self.num_tokens)}")
+        if self.num_stored_blocks > bounds.num_prompt_tokens // bounds.block_size:
+            raise ValueError(f"num_stored_blocks {self.num_stored_blocks} exceeds the prompt's "
+                             "full blocks")
+        end = self.buffer_offset + seal_offset(self.num_blocks, bounds.block_bytes) + SEAL_BYTES
+        size = pool_file_bytes(self.shm_path)
+        if end > size:
+            raise ValueError(f"the buffer [{self.buffer_offset}, {end}) is outside "
+                             f"{self.shm_path} ({size} bytes)")
 
 
 @dataclass

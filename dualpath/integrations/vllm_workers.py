@@ -38,6 +38,7 @@ from typing import Any
 from dualpath.errors import RequestError
 from dualpath.integrations.vllm_fence import FenceTable, fence_path_for
 from dualpath.integrations.vllm_http import HttpCall, VllmHttp, VllmHttpError
+from dualpath.integrations.vllm_plan import vllm_salt
 from dualpath.protocol import (
     Abort,
     Aborted,
@@ -238,7 +239,7 @@ class VllmPrefillWorker(VllmWorkerBase):
             **sampling_body(params), "min_tokens": min(1, params.min_tokens),
             "return_token_ids": True, "stream": False}
         if salt:
-            body["cache_salt"] = salt
+            body["cache_salt"] = vllm_salt(salt)  # vLLM's limits; keys use the salt itself
         body["kv_transfer_params"] = {"dualpath": {
             "role": "prefill", "req_id": msg.req_id, "read_path": str(msg.read_path),
             "num_hit_blocks": msg.num_hit_blocks, "num_pe_read_blocks": msg.num_pe_read_blocks,

@@ -29,7 +29,7 @@ from dualpath.integrations.vllm_instance import (
     launch_plan,
     vllm_python,
 )
-from dualpath.integrations.vllm_plan import SEAL_BYTES, seal_offset
+from dualpath.integrations.vllm_plan import SEAL_BYTES, seal_offset, vllm_salt
 from dualpath.integrations.vllm_workers import VllmPrefillWorker
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
@@ -185,7 +185,7 @@ def test_prefill_sends_the_contract_body_and_maps_cached_tokens(fake):
     assert fake.bodies == [{
         "model": "fake", "prompt": list(range(1, 11)), "max_tokens": 1, "temperature": 0.5,
         "top_p": 0.9, "seed": 3, "min_tokens": 1, "return_token_ids": True, "stream": False,
-        "cache_salt": "tenant",
+        "cache_salt": vllm_salt("tenant"),  # vLLM gets the digest, the connector the salt
         "kv_transfer_params": {"dualpath": {
             "role": "prefill", "req_id": 7, "read_path": "pe", "num_hit_blocks": 2,
             "num_pe_read_blocks": 0, "de_endpoint": "10.0.0.2:1234", "de_buffer_addr": 4096,
