@@ -123,6 +123,11 @@ class ClusterCollector(Collector):
                        counters["dropped_messages"])
         yield _counter("dualpath:router_corrected_requests",
                        "Requests an engine lost track of, placed again", counters["corrected"])
+        yield _counter("dualpath:router_moved_streams",
+                       "Streams moved off a lost or failing decode engine", counters["moved"])
+        yield _gauge("dualpath:router_fenced_buffers",
+                     "Decode buffers kept from reuse until their writer is known to have stopped",
+                     counters["fences"])
         family = GaugeMetricFamily("dualpath:heartbeat_age_seconds",
                                    "Seconds since each engine's last heartbeat",
                                    labels=["engine"])

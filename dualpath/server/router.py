@@ -96,6 +96,7 @@ class Router(RouterLoop):
                                   "refused_messages": self.refused_messages,
                                   "refused_peers": self._zap.refused,
                                   "corrected": self.state.corrected,
+                                  "moved": self.state.moved,
                                   "stuck": sum(self.state.stuck.values()),
                                   "drift": sum(self.state.drift.values())})
 

@@ -48,6 +48,7 @@ class RouterEndings(RouterPlacement):
                 f"{reason} while decoding the request (after {req.attempts} attempts)"))
             return
         self._tell_engines(req, out, pe_let_go=True)  # decoding: only the DE holds it
+        self.moved += 1
         self._release(req)
         self._by_wire.pop(req.wire_id, None)
         req.num_prior_outputs = req.num_streamed

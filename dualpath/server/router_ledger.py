@@ -43,6 +43,7 @@ class RouterLedger:
         self.dropped_messages = 0  # late, duplicated or unknown messages ignored
         self.drift: dict[str, int] = {}  # engine -> requests it and the router disagree on
         self.corrected = 0  # requests an engine lost track of, placed again or failed
+        self.moved = 0  # streams moved off a lost or failing decode engine
         self._by_wire: dict[int, RequestState] = {}
         self._next_wire = 1
         self._members_changed = False  # an engine joined or left during this call: send Peers

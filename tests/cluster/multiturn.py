@@ -56,7 +56,8 @@ def cluster_outputs(cluster: LocalCluster, convs: list[Conversation], params: Sa
                     mode: str, read_path: str, served: list[ClusterOutput] | None = None,
                     ) -> tuple[list[list[list[int]]], list[list[int]]]:
     """Outputs and hit tokens per conversation and turn, conversations running concurrently
-    (every ``ClusterOutput`` is appended to ``served`` when given)."""
+    (every ``ClusterOutput`` is appended to ``served`` when given). A fault-free run: no request
+    was ever taken for lost (corrected) or placed twice."""
     prompts = [c.first for c in convs]
     outputs: list[list[list[int]]] = [[] for _ in convs]
     hits: list[list[int]] = [[] for _ in convs]
@@ -70,6 +71,8 @@ def cluster_outputs(cluster: LocalCluster, convs: list[Conversation], params: Sa
         if turn < len(convs[0].appended):
             prompts = [p + o.output_ids + c.appended[turn]
                        for p, o, c in zip(prompts, results, convs, strict=True)]
+        assert all(out.num_attempts == 1 for out in results), "a turn was placed twice"
+    assert cluster.router.counters()["corrected"] == 0
     return outputs, hits
 
 

@@ -104,13 +104,14 @@ def in_phase(cluster: LocalCluster, req_id: int, phase: str) -> tuple[str, str, 
 
 
 def assert_idle(cluster: LocalCluster, host_pool_blocks: int = 64) -> None:
-    """Router counters at zero; each engine's own report shows its host pool free; every
-    block in the store holds its own chain's KV (``dualpath store verify``)."""
+    """Router counters at zero (no buffer fenced, no request ever corrected: a fault loses an
+    engine, never a message); each engine's own report shows its host pool free; every block in
+    the store holds its own chain's KV (``dualpath store verify``)."""
     def idle():
         counters = cluster.router.counters()
         busy = {k: v for k, v in counters.items()
                 if v and k not in ("dropped_messages", "bad_messages", "refused_messages",
-                                   "corrected", "stuck", "refused_peers")}
+                                   "stuck", "refused_peers", "moved")}
         reports = cluster.router.reports()
         pools = {n: r.free_host_slots for n, r in reports.items() if r is not None}
         leaks = {n: free for n, free in pools.items() if free != host_pool_blocks}

@@ -87,7 +87,7 @@ def _still_serving(cluster, want) -> None:
     def settled():
         counters = cluster.router.counters()
         busy = {k: v for k, v in counters.items()
-                if v and k not in (*REFUSALS, "bad_messages", "corrected", "stuck")}
+                if v and k not in (*REFUSALS, "bad_messages", "corrected", "stuck", "moved")}
         return "ok" if not busy else None
     wait_for(settled, timeout_s=10, what="every counter back at zero")
     assert cluster.router.counters()["bad_messages"] == 0

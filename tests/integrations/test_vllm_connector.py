@@ -27,11 +27,12 @@ LOADED = re.compile(r"dualpath connector: loaded (\d+) blocks \((\d+) tokens\), 
 
 
 def chat(tmp: Path, name: str, users: tuple[str, ...], store: Path | None = None,
-         history: Path | None = None) -> tuple[list[dict], str]:
-    """Run ``vllm_chat.py`` in the peers' python: the turns and the process's log."""
+         history: Path | None = None, *extra: str) -> tuple[list[dict], str]:
+    """Run ``vllm_chat.py`` in the peers' python (``extra``: more of its arguments): the turns
+    and the process's log; the whole answer stays in ``tmp/NAME.json``."""
     out = tmp / f"{name}.json"
     model = json.loads((tmp / "model.json").read_text())
-    cmd = [str(peers_python()), str(SCRIPT), "--model", model, "--out", str(out)]
+    cmd = [str(peers_python()), str(SCRIPT), "--model", model, "--out", str(out), *extra]
     for user in users:
         cmd += ["--user", user]
     if store is not None:

@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # several vLLM starts
 
 BLOCK_SIZE = 32  # as vllm_chat.py's reference instance
 MAX_TOKENS = 24
+LONG_TOKENS = 300  # the stream a decode instance dies under
 READY_S = 420.0
 VLLM_LOG = re.compile(r"starting vLLM \((\w+)\) at (\S+), log (\S+)")
 
@@ -74,10 +75,12 @@ def cluster(tmp_path_factory, smollm2_dir):
     peers_python()  # skip before starting anything
     tmp = tmp_path_factory.mktemp("vllm-serve")
     (tmp / "model.json").write_text(json.dumps(str(smollm2_dir)))
-    plain, _ = chat(tmp, "plain", TURNS)  # vllm_chat.py's max_tokens: MAX_TOKENS
+    # vllm_chat.py's max_tokens: MAX_TOKENS; and the first prompt's long stream
+    plain, _ = chat(tmp, "plain", TURNS, None, None, "--long-tokens", str(LONG_TOKENS))
+    long = json.loads((tmp / "plain.json").read_text())["long"]
     with serve_vllm(tmp, smollm2_dir, 1, 2, f"engine.block_size={BLOCK_SIZE}",
                     "vllm.max_model_len=1024") as served:
-        yield {**served, "plain": plain}
+        yield {**served, "plain": plain, "long": long}
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
@@ -230,12 +233,17 @@ def running_requests(url: str) -> float:
 
 def test_decode_instance_killed_mid_stream_moves_the_stream(cluster):
     """The decode vLLM instance that streams a request dies: the stream goes on from the other
-    decode engine (the router moves it, as in our own cluster) to its full length, no hang."""
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": cluster["plain"][0]["prompt"],
-            "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+    decode engine (the router moves it, as in our own cluster) to its full length, no hang, and
+    the caller's tokens are plain vLLM's, none repeated or skipped where the stream moved."""
+    long = cluster["long"]
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": long["prompt"],
+            "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
     decodes = [url for role, url, _ in vllm_instances(cluster) if role == "decode"]
     assert len(decodes) == 2
+    moved_before = router_counter(cluster, "dualpath:router_moved_streams_total")
     started = time.monotonic()
+    tokens: list[int] = []
     chunks, killed, finish = 0, None, None
     with requests.post(f"{cluster['url']}/v1/completions", json=body, timeout=180,
                        stream=True) as reply:
@@ -244,10 +252,22 @@ def test_decode_instance_killed_mid_stream_moves_the_stream(cluster):
             if not line.startswith("data: {"):
                 continue
             chunks += 1
-            finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
+            choice = json.loads(line[6:])["choices"][0]
+            tokens.extend(choice.get("token_ids") or ())
+            finish = choice.get("finish_reason") or finish
             if chunks == 5:
                 killed = next(url for url in decodes if running_requests(url) > 0)
                 kill_instance(killed)
     assert killed is not None
     assert time.monotonic() - started < 180
     assert finish == "length"  # it streamed on to max_tokens
+    assert router_counter(cluster, "dualpath:router_moved_streams_total") == moved_before + 1
+    assert tokens == long["output"]  # plain vLLM's: nothing repeated or skipped at the move
+
+
+def router_counter(cluster: dict, name: str) -> float:
+    """One series of ``dualpath serve``'s ``/metrics``."""
+    text = requests.get(f"{cluster['url']}/metrics", timeout=30).text
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    assert found, f"no {name} in /metrics"
+    return float(found.group(1))

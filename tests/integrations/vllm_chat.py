@@ -2,7 +2,9 @@
 
 ``--user A --user B`` runs the turns in one process; ``--history FILE`` continues a chat that
 an earlier process wrote (``--out``), so with ``--store`` turn 2's hit can come only from the
-store. Prints nothing of interest; writes ``{"turns": [{"prompt": ids, "output": ids}, ...]}``.
+store. ``--long-tokens N`` also runs the first turn's prompt for ``N`` tokens, EOS ignored
+(the reference of a long stream). Prints nothing of interest; writes ``{"turns": [{"prompt":
+ids, "output": ids}, ...], "long": {"prompt": ids, "output": ids}}``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main() -> None:
     parser.add_argument("--history", type=Path)
     parser.add_argument("--store", help="store root: run with dualpath's connector")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--long-tokens", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -57,7 +60,14 @@ def main() -> None:
             prompt = tokenizer.encode(text, add_special_tokens=False)
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params)[0]
         turns.append({"prompt": prompt, "output": list(out.outputs[0].token_ids)})
-    args.out.write_text(json.dumps({"turns": turns}))
+    result: dict = {"turns": turns}
+    if args.long_tokens:
+        long_params = SamplingParams(temperature=0.0, max_tokens=args.long_tokens,
+                                     ignore_eos=True)
+        prompt = turns[0]["prompt"]
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], long_params)[0]
+        result["long"] = {"prompt": prompt, "output": list(out.outputs[0].token_ids)}
+    args.out.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,134 @@
+"""The engines' side of write fences and liveness, on real workers with an in-process transfer
+backend: a DE keeps a fenced buffer out of its pool until ``Unfence`` (no timer frees it); a
+prefill forward stops sending the moment its engine is dropped and answers only once what it
+sent has settled; without a cost model a prompt is computed in chunks of
+``max_num_batched_tokens``; a vLLM call that has received nothing is work not moving."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dualpath.config import EngineConfig
+from dualpath.engine.decode import DecodeWorker
+from dualpath.engine.llm_engine import LLMEngine
+from dualpath.engine.prefill import PrefillWorker
+from dualpath.integrations.vllm_workers import PRIOR_S_PER_TOKEN, VllmPrefillWorker
+from dualpath.kv.host_pool import HostPool
+from dualpath.protocol import Abort, Aborted, AllocBuffer, BufferReady, Failed, Prefill, Unfence
+from dualpath.request import SamplingParams
+from dualpath.storage.client import StorageClient
+from dualpath.storage.memory import MemoryStore
+from dualpath.traffic.manager import TrafficManager
+from dualpath.transfer.local import LocalBackend
+
+BLOCK = 16
+PROMPT = tuple(range(10, 10 + 5 * BLOCK + 3))  # 6 blocks
+
+
+def engine_of(model_dir, **overrides) -> LLMEngine:
+    config = dict(dtype="float32", block_size=BLOCK, num_kv_blocks=32)
+    return LLMEngine(model_dir, EngineConfig(**{**config, **overrides}))
+
+
+class Pair:
+    """A prefill and a decode worker whose traffic managers reach each other in-process."""
+
+    def __init__(self, model_dir, **prefill_config) -> None:
+        self.pe_engine = engine_of(model_dir, **prefill_config)
+        self.de_engine = engine_of(model_dir)
+        layout = self.de_engine.layout
+        self.pe_backend, self.de_backend = LocalBackend(), LocalBackend()
+        self.pe = PrefillWorker(self.pe_engine, HostPool(layout.full_block_bytes, 8, pin=False),
+                                TrafficManager(self.pe_backend), self._storage(layout))
+        self.de = DecodeWorker(self.de_engine, HostPool(layout.full_block_bytes, 8, pin=False),
+                               TrafficManager(self.de_backend), self._storage(layout))
+        cache = self.pe_engine.runner.cache.data
+        self.pe_backend.register(cache.data_ptr(), cache.numel() * cache.element_size())
+        self.de_backend.register(self.de.host_pool.base_address, self.de.host_pool.nbytes)
+
+    @staticmethod
+    def _storage(layout) -> StorageClient:
+        return StorageClient(MemoryStore(layout.full_block_bytes), BLOCK)
+
+    def buffer(self, req_id: int) -> BufferReady:
+        (ready,) = self.de.handle(AllocBuffer(req_id, PROMPT, -(-len(PROMPT) // BLOCK), 0))
+        assert isinstance(ready, BufferReady)
+        return ready
+
+    def prefill(self, ready: BufferReady) -> Prefill:
+        return Prefill(ready.req_id, PROMPT, 0, "pe", self.de_backend.endpoint,
+                       ready.buffer_addr, params=SamplingParams(max_tokens=2))
+
+
+def test_a_fenced_buffer_stays_out_of_the_pool_until_unfenced(tiny_llama_dir):
+    pair = Pair(tiny_llama_dir)
+    de, slots = pair.de, pair.de.host_pool.num_slots
+    pair.buffer(1)
+    assert de.handle(Abort(1, fenced=True)) == [Aborted(1)]
+    assert de.fenced_requests() == (1,) and de.held_requests() == ()
+    waiting = AllocBuffer(2, PROMPT, 6, 0)  # needs the room the fenced buffer holds
+    assert de.handle(waiting) == []
+    time.sleep(0.2)
+    assert de.work() == [] and de.host_pool.num_free == slots - 6  # no timer frees it
+    (ready,) = de.handle(Unfence((1,)))
+    assert isinstance(ready, BufferReady) and ready.req_id == 2
+    de.handle(Abort(2))  # not fenced: back to the pool at once
+    assert de.host_pool.num_free == slots and de.fenced_requests() == ()
+
+
+def test_a_dropped_prefill_engine_stops_sending_at_the_next_layer(tiny_llama_dir):
+    """The engine is dropped after layer 0: layer 0's KV went out, nothing after it; the
+    request fails only once that send has settled."""
+    pair = Pair(tiny_llama_dir)
+    ready = pair.buffer(1)
+    layers_done = []
+    pair.pe.abandon = lambda: len(layers_done) > 0  # dropped once layer 0 has computed
+    original = pair.pe._hooks
+
+    def watched(job, bsz):
+        hooks = original(job, bsz)
+        forward = hooks.after_layer
+        hooks.after_layer = lambda i: (forward(i), layers_done.append(i))
+        return hooks
+
+    pair.pe._hooks = watched
+    buffer = pair.de.host_pool.region(pair.de._buffers[1][0], 6)
+    buffer[:] = 0
+    pair.pe.handle(pair.prefill(ready))
+    (failed,) = pair.pe.work()
+    assert isinstance(failed, Failed) and "dropped this engine" in failed.error
+    assert layers_done == [0] and pair.pe.held_requests() == ()
+    layer_bytes = pair.de.layout.layer_block_bytes * 6
+    assert buffer[:layer_bytes].any() and not buffer[layer_bytes:].any()
+    assert pair.pe.free_kv_blocks == 32 and pair.pe.settled()
+
+
+def test_without_a_cost_model_a_prompt_is_prefilled_in_chunks(tiny_llama_dir):
+    pair = Pair(tiny_llama_dir, max_num_batched_tokens=2 * BLOCK + 5)  # chunks of 2 blocks
+    ready = pair.buffer(1)
+    pair.pe.handle(pair.prefill(ready))
+    forwards = 0
+    while pair.pe.held_requests():
+        out = pair.pe.work()
+        forwards += 1
+    assert forwards == 3 and pair.pe.metrics()["num_chunks"] == 3
+    assert out[-1].first_token == engine_of(tiny_llama_dir).generate(
+        [list(PROMPT)], SamplingParams(max_tokens=1))[0].output_ids[0]
+
+
+def test_a_vllm_call_that_has_received_nothing_is_work_not_moving():
+    worker = VllmPrefillWorker.__new__(VllmPrefillWorker)
+    worker._calls, worker._s_per_token = {}, None
+    now = time.monotonic()
+    progress_s, budget_s = worker.liveness()
+    assert progress_s >= now and budget_s == 0.0  # nothing in flight: nothing is late
+    from types import SimpleNamespace
+
+    msg = SimpleNamespace(prompt_ids=(1,) * 1000)
+    worker._calls = {1: SimpleNamespace(msg=msg, started_s=now - 30),
+                     2: SimpleNamespace(msg=SimpleNamespace(prompt_ids=(1,)), started_s=now)}
+    assert worker.liveness() == (now - 30, pytest.approx(1000 * PRIOR_S_PER_TOKEN))
+    worker._timed(2.0, 1000)  # a finished call's pace: 2 ms a token
+    assert worker.liveness()[1] == pytest.approx(2.0)
