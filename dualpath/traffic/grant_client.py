@@ -9,9 +9,10 @@ fails every transfer waiting on a peer that has said nothing useful for ``timeou
 With its engine's ``keys`` every socket is a CURVE client that presents them and expects the
 peer's public key (``set_peer``): the peer's grant server admits it, and it talks to no other.
 A peer that has not yet heard from the router that we are in refuses the handshake, and
-ZeroMQ does not retry a refused one: a socket monitor sees the refusal and the socket is made
-anew after a backoff (``RETRY_MIN_S`` doubling to ``timeout / 4``), its unanswered requests
-sent again (none got through a refused handshake).
+ZeroMQ does not retry a refused one (the socket then takes no message): a socket monitor sees
+the refusal, or a request finds no connection to queue on, and the socket is made anew after a
+backoff (``RETRY_MIN_S`` doubling to ``timeout / 4``), its unanswered requests sent again (none
+got through a refused handshake). The liveness rule still fails them after ``timeout``.
 """
 
 from __future__ import annotations
@@ -187,10 +188,15 @@ class GrantClient(IoLoop):
             peer.busy_since = self._clock()
         peer.outstanding.update((g.rid, g) for g in grants)
         body = [[g.rid, g.side, g.lane.value, g.nbytes] for g in grants]
-        if not self._send(peer, ["req", body]):
-            for g in grants:
-                peer.outstanding.pop(g.rid, None)
-            _fail(grants, f"peer {endpoint}'s NIC ({peer.nic}) takes no more requests")
+        if self._send(peer, ["req", body]):
+            return
+        if self.keys is not None:  # no connection: its handshake was refused (not admitted
+            if peer.retry_at is None:  # yet); the requests go again on the new socket
+                peer.retry_at = self._clock()
+            return
+        for g in grants:
+            peer.outstanding.pop(g.rid, None)
+        _fail(grants, f"peer {endpoint}'s NIC ({peer.nic}) takes no more requests")
 
     def _cancel(self, endpoint: str, grants: list[PendingGrant]) -> None:
         peer = self._peers.get(endpoint)

@@ -105,7 +105,8 @@ class PeerGate:
             if not admitted:
                 self.refused += 1
                 if self.refused <= 10 or self.refused % 1000 == 0:
-                    log.warning("grant server: refused %s (%d refused)", who, self.refused)
+                    log.warning("grant server: refused %s (an engine the router has not "
+                                "named to us yet, or a stranger; %d refused)", who, self.refused)
             request_id = frames[1] if len(frames) > 1 else b""
             self.socket.send_multipart([b"1.0", request_id, b"200" if admitted else b"400",
                                         b"OK" if admitted else b"refused",
