@@ -22,7 +22,7 @@ import torch
 from multiturn import wait_for
 from test_faults import ENGINE, assert_idle, config, in_phase
 
-from dualpath.config import EngineConfig, TrafficConfig
+from dualpath.config import EngineConfig
 from dualpath.engine.faults import FAULT_HANG_ENV
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.request import SamplingParams
@@ -47,11 +47,13 @@ def reference(model_dir: Path, engine: EngineConfig, prompts: list[list[int]],
 
 def test_a_prefill_engine_stopped_mid_forward_past_its_timeout_writes_into_no_other_request(
         tiny_long_dir, tmp_path, monkeypatch):
-    """The issue's case: request A's PE stops mid-forward, a layer's send on the wire, and is
-    declared lost; B (DE read path, a hit) needs the DE room A's buffer holds; the PE resumes
-    and pushes the rest of A. Before fences, A's buffer was free after a timer, B's hit was
-    read into it, and the resumed PE overwrote it: B decoded on A's KV and stored wrong
-    blocks. Now B waits until the PE has stopped writing, and everything is right."""
+    """The issue's case: request A's PE stops after a layer of its forward (SIGSTOP) and is
+    declared lost; B (DE read path, a hit) needs the DE room A's buffer holds; the PE resumes.
+    Before, A's buffer was free after a timer, B's hit was read into it, and the resumed PE
+    pushed the rest of A over it: B decoded on A's KV and stored wrong blocks. Now two things
+    stop that, each enough alone (the test passes with either disabled, fails with both): the
+    resumed PE sends nothing after the layer under way once it hears it was dropped, and B
+    waits for A's fenced buffer until the PE has answered for A."""
     hang = tmp_path / "hang"
     hang.mkdir()
     monkeypatch.setenv(FAULT_HANG_ENV, str(hang))
@@ -59,13 +61,9 @@ def test_a_prefill_engine_stopped_mid_forward_past_its_timeout_writes_into_no_ot
     [ref_prefix] = reference(tiny_long_dir, ENGINE, [prefix])
     b_prompt = prefix + ref_prefix + tokens(11, seed=3)
     [ref_b] = reference(tiny_long_dir, ENGINE, [b_prompt])
-    # the DE's pool holds one 6-block buffer beside its 2 staging slots; a slow compute NIC
-    # (one layer of A, 24 KB, takes a second) keeps the layer's send on the wire while the PE
-    # is stopped, so the PE's own check that it was dropped cannot stop those bytes
-    slow = TrafficConfig(compute_send_cap_mb_s=0.02, kv_chunk_bytes=2048, burst_chunks=0,
-                         grant_timeout_s=60.0)
+    # the DE's pool holds one 6-block buffer beside its 2 staging slots
     cfg = config(tmp_path, num_prefill=2, num_decode=1, host_pool_blocks=8,
-                 save_staging_blocks=2, engine_timeout_s=5.0, traffic=slow)
+                 save_staging_blocks=2, engine_timeout_s=3.0)
     with LocalCluster(tiny_long_dir, cfg, log_dir=tmp_path / "logs") as cluster:
         assert cluster.submit(prefix, PARAMS).result(60).output_ids == ref_prefix  # B's hit
         for pe in ("pe0", "pe1"):
