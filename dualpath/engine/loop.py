@@ -139,7 +139,9 @@ class EngineProcess:
                 self.worker = DecodeWorker(*args, staging_blocks=config.save_staging_blocks)
             self.ep = _ep_traffic(self.traffic, config, self.engine.config, identity.role)
             if self.ep is not None:
-                self.worker.on_step = self.ep.exchange  # each step waits for its all-to-all
+                # each step waits for its all-to-all, as long as its peers' grants take at most
+                self.worker.on_step = self.engine.runner.clock.bounded(
+                    self.ep.exchange, config.traffic.grant_timeout_s)
         self._peer_endpoints: set[str] = set()  # other engines' transfer endpoints, as known
         self.config = config
         self.incarnation = secrets.token_hex(8)  # this process, in each of its hellos

@@ -5,12 +5,16 @@ second, so a legitimately long layer is never taken for a hang: ``server/router_
 A layer's expected time is the previous layer's of the same forward (the layers of a decoder
 are alike); a forward's first layer is predicted from its floating-point work at the rate the
 last measured layer ran, and before any layer was measured at ``PRIOR_FLOPS_PER_S``, a rate
-slower than any CPU thread's, so a first long layer is never judged too early. Clock-free:
-times are arguments, so the rules are tested without waiting.
+slower than any CPU thread's, so a first long layer is never judged too early. A wait with a
+deadline of its own (a step's EP exchange, bounded by its peers' grant timeout: ``bounded``)
+is budgeted at that deadline. The rules take times as arguments, so they are tested without
+waiting.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # before this engine has timed a layer: slower than one CPU thread runs a GEMM (tens of
@@ -64,8 +68,22 @@ class StepClock:
             self._s_per_flop = took_s / self._flops
         self._layer_start_s = self.progress_s = now_s
 
+    def wait(self, budget_s: float, now_s: float) -> None:
+        """A wait bounded by its own deadline begins (``end`` ends it)."""
+        self._flops, self._last_layer_s, self._layer_start_s = 0.0, budget_s, now_s
+
+    def bounded(self, step: Callable[[int], None], budget_s: float) -> Callable[[int], None]:
+        """``step`` budgeted at ``budget_s`` while it runs (a step hook: ``Worker.on_step``)."""
+        def run(num_tokens: int) -> None:
+            self.wait(budget_s, time.monotonic())
+            try:
+                step(num_tokens)
+            finally:
+                self.end(time.monotonic())
+        return run
+
     def end(self, now_s: float) -> None:
-        """The forward ended (finished, failed or abandoned)."""
+        """The forward (or bounded wait) ended (finished, failed or abandoned)."""
         self._layer_start_s = None
         self.progress_s = now_s
 

@@ -50,3 +50,16 @@ def test_the_first_layer_is_budgeted_from_its_work_and_later_ones_from_the_one_b
     half = LayerWork(num_tokens=4096, num_pairs=work.num_pairs / 4)
     clock.begin(half, now_s=30.0)  # at the pace the last layer ran
     assert clock.budget_s() == pytest.approx(7.0 * half.flops(1_000_000, 256) / flops)
+
+
+def test_a_step_hook_bounded_by_its_own_deadline_is_budgeted_at_it():
+    """A decode step's EP exchange waits for its peers at most their grant timeout: while it
+    waits, the budget is that timeout (a dead peer's exchange is not a hang), and after it none."""
+    clock = StepClock(params_per_layer=1, attention_width=1, now_s=0.0)
+    seen = []
+    exchange = clock.bounded(lambda n: seen.append((n, clock.budget_s())), budget_s=5.0)
+    exchange(7)
+    assert seen == [(7, 5.0)] and clock.budget_s() == 0.0
+    with pytest.raises(RuntimeError):
+        clock.bounded(lambda n: (_ for _ in ()).throw(RuntimeError("peer")), 5.0)(1)
+    assert clock.budget_s() == 0.0
