@@ -12,9 +12,10 @@ FLAVOUR ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || e
 MOONCAKE_cpu := mooncake-transfer-engine-non-cuda
 MOONCAKE_cuda := mooncake-transfer-engine
 MOONCAKE_OTHER := $(if $(filter cuda,$(FLAVOUR)),$(MOONCAKE_cpu),$(MOONCAKE_cuda))
-# The CUDA build also links libmlx5 (RDMA provider) and libnuma.
-APT_cpu := libibverbs1 iproute2
-APT_cuda := libibverbs1 iproute2 ibverbs-providers libnuma1
+# The CUDA build also links libmlx5 (RDMA provider) and libnuma. nftables: an engine run as root
+# fences Mooncake's listeners (which bind every interface) to the cluster's hosts.
+APT_cpu := libibverbs1 iproute2 nftables
+APT_cuda := libibverbs1 iproute2 nftables ibverbs-providers libnuma1
 STAMP := $(VENV)/.dualpath-installed$(if $(filter cuda,$(FLAVOUR)),-cuda,)
 
 .PHONY: setup model demo test lint bench peers soak clean gpu-wheels gpu-check
@@ -23,7 +24,8 @@ setup: $(STAMP) model
 
 # requirements.lock pins the extras the tests need too: convert, dev and ray (the Ray launcher);
 # requirements-$(FLAVOUR).lock the machine's Mooncake build.
-# iproute2 (ip, tc): the multi-host tests' network namespaces and shaped links (as root).
+# iproute2 (ip, tc): the multi-host tests' network namespaces and shaped links (as root);
+# nftables (nft): the fences around Mooncake's listeners (transfer/firewall.py).
 # A C compiler and this Python's headers (Python.h): the CPU fast path builds its C kernels
 # (dualpath/model/cpu_kernels.c) on first use; each is installed only when missing.
 $(STAMP): requirements.lock requirements-$(FLAVOUR).lock pyproject.toml
