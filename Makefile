@@ -59,7 +59,7 @@ demo: setup
 # peers' environment, so the suite builds it first (a minute and a half, once).
 test: setup peers
 	$(BIN)/ruff check dualpath tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: setup
 	$(BIN)/dualpath bench engine --json results/bench_engine.json

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = [(7 * i) % 40_000 + 100 for i in range(1_100)]  # 17 blocks of 64 tokens and a tail
 B_PROMPT = [(11 * i) % 40_000 + 100 for i in range(1_090)]  # 17 blocks and a tail
-TIMEOUT_S = 25  # the prefill engines' call timeout (a 17-block prefill moves for ~12 s)
+TIMEOUT_S = 14  # the prefill engines' call timeout (a 17-block prefill moves for ~6 s)
 
 
 def a_prompt(seed: int) -> list[int]:
@@ -43,11 +43,11 @@ def a_prompt(seed: int) -> list[int]:
 def cluster(tmp_path_factory, smollm2_dir):
     peers_python()  # skip before starting anything
     tmp = tmp_path_factory.mktemp("vllm-faults")
-    # a 17-block prompt's pushes or pulls (25 MB over 30 layers) take about 12 s
+    # a 17-block prompt's pushes or pulls (25 MB over 30 layers) take about 6 s
     with serve_vllm(tmp, smollm2_dir, 2, 1, "vllm.max_model_len=2048",
                     f"vllm.request_timeout_s={TIMEOUT_S}", "host_pool_blocks=20",
-                    "save_staging_blocks=2", "traffic.compute_send_cap_mb_s=2",
-                    "traffic.compute_recv_cap_mb_s=2", "traffic.chunk_bytes=65536",
+                    "save_staging_blocks=2", "traffic.compute_send_cap_mb_s=4",
+                    "traffic.compute_recv_cap_mb_s=4", "traffic.chunk_bytes=65536",
                     "traffic.burst_chunks=1", "traffic.grant_timeout_s=120") as served:
         yield served
 
@@ -80,7 +80,7 @@ def pushing_instance(cluster: dict) -> str:
     while time.monotonic() < deadline:
         busy = [url for url in prefills if calls_in_flight(url)]
         if busy:
-            time.sleep(3.0)  # its step is pushing layer by layer by now
+            time.sleep(2.0)  # its step is pushing layer by layer by now
             assert calls_in_flight(busy[0]), "the prefill ended before the fault"
             return busy[0]
         time.sleep(0.1)
@@ -137,7 +137,7 @@ def test_a_timed_out_call_still_pushing_writes_into_no_other_buffer(cluster, b_r
     os.killpg(group, signal.SIGSTOP)  # the instance hangs mid-step: A's call times out
     try:
         b_thread, b = in_background(lambda: complete(cluster, B_PROMPT, "de"))
-        time.sleep(TIMEOUT_S + 5)
+        time.sleep(TIMEOUT_S + 2)
     finally:
         os.killpg(group, signal.SIGCONT)  # its step goes on pushing A
     b_thread.join(400)

@@ -1,5 +1,7 @@
 """``dualpath serve --engine vllm``: our router and API in front of a prefill and two decode
-vLLM instances with dualpath's connector (issue 36), against plain vLLM on the same 2-turn chat.
+vLLM instances with dualpath's connector (issue 36), against plain vLLM on the same 2-turn chat;
+a ``cache_salt`` vLLM itself refuses, and what a stranger on this machine sees of the cluster's
+listeners (issue 42).
 
 Four vLLM starts (plain vLLM offline for the reference tokens, then the cluster's three, about
 two minutes together here); skipped where ``make peers`` has not run. The module's last test
@@ -21,6 +23,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from dualpath.transfer.firewall import fence_unavailable, fenced_ports
+from dualpath.transfer.listeners import listeners, process_tree
 from tests.integrations.test_vllm_connector import TURNS, chat
 from tests.integrations.test_vllm_env import ROOT, peers_python
 
@@ -28,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # several vLLM starts
 
 BLOCK_SIZE = 32  # as vllm_chat.py's reference instance
 MAX_TOKENS = 24
-LONG_TOKENS = 300  # the stream a decode instance dies under
+LONG_TOKENS = 160  # the stream a decode instance dies under
 READY_S = 420.0
 VLLM_LOG = re.compile(r"starting vLLM \((\w+)\) at (\S+), log (\S+)")
 
@@ -214,14 +218,67 @@ def rewrite_store(root: Path, random_values: bool) -> None:
         assert all(store.put_from(keys, payload))
 
 
+SALT = "tenant/" + "x/y" * 83  # 256 characters, with "/": vLLM itself refuses it (issue 42)
+SALT_PROMPT = [(11 * i + 5) % 3000 + 20 for i in range(100)]  # 3 full blocks and a partial one
+
+
+def salted(url: str, salt: str | None) -> dict:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": SALT_PROMPT, "max_tokens": 8,
+            "temperature": 0, "return_token_ids": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    reply = requests.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def serve_pid(url: str) -> int:
+    """The process listening on ``url``'s port."""
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True,
+                         check=True).stdout
+    return int(out.split("pid=", 1)[1].split(",", 1)[0])
+
+
+def test_a_salt_vllm_refuses_works_and_hits_only_itself(cluster):
+    """The salted request gets the unsalted request's tokens; the blocks the decode instance
+    stored under the salt are the router's hit for the same salt next time (the connector's
+    keys and ours agree) and not for another salt; ``ss -ltnp`` shows no listener of the serve
+    process, its engines or their vLLM instances on a wildcard address a fence does not
+    cover."""
+    url = cluster["url"]
+    plain = salted(url, None)
+    first = salted(url, SALT)
+    second = salted(url, SALT)
+    other = salted(url, SALT[:-1] + "z")
+    tree = process_tree(serve_pid(url))
+    opened = [item for item in listeners(tree) if item.wildcard]
+    fences = fenced_ports()
+    want = plain["choices"][0]["text"]
+    assert [r["choices"][0]["text"] for r in (first, second, other)] == [want] * 3
+    assert cached(first) == 0  # the salt's first request: nothing stored under it yet
+    assert cached(second) >= 2 * BLOCK_SIZE  # what the decode instance stored, keyed on SALT
+    assert cached(other) == 0  # another salt: another key space
+    assert len(tree) >= 6  # serve, the engines, their instances and the instances' children
+    assert opened, "Mooncake listens on every interface"
+    if fence_unavailable() is None:
+        covered = {port for ports in fences.values() for port in ports}
+        assert {item.port for item in opened} <= covered, (opened, fences)
+
+
 def kill_instance(url: str) -> None:
-    """SIGKILL the vLLM instance serving ``url`` (its API server and engine core)."""
+    """SIGKILL the vLLM instance serving ``url``: its whole process group (API server, engine
+    core and worker; the worker would otherwise finish its step after the server died)."""
     port = url.rsplit(":", 1)[1]
     pids = subprocess.run(["pgrep", "-f", f"api_server.*--port {port} "],
                           capture_output=True, text=True).stdout.split()
     assert pids
-    for pid in pids:
-        os.kill(int(pid), signal.SIGKILL)
+    for group in {os.getpgid(int(pid)) for pid in pids}:
+        os.killpg(group, signal.SIGKILL)
 
 
 def running_requests(url: str) -> float:

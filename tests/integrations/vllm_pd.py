@@ -67,7 +67,8 @@ def main() -> None:
     num_blocks = -(-len(prompt) // BLOCK_SIZE)
     shm = f"/dev/shm/dualpath-pd-test-{os.getpid()}"
     size = seal_offset(num_blocks, layout.full_block_bytes) + 4096
-    with open(shm, "w+b") as file:
+    fd = os.open(shm, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # as a pool file is made
+    with os.fdopen(fd, "w+b") as file:
         file.truncate(size)
         mapped = mmap.mmap(file.fileno(), size)
     buffer = torch.frombuffer(mapped, dtype=torch.uint8)
