@@ -73,18 +73,26 @@ def calls_in_flight(url: str) -> bool:
     return bool(out.strip())
 
 
+def busy_instance(prefills: list[str], hold_s: float) -> str:
+    """The prefill instance holding a connection on every poll for ``hold_s``: the call under
+    way, not a short ``/metrics`` or ``/health`` call that happened to be open at one poll."""
+    deadline = time.monotonic() + 60
+    since: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        for url in prefills:
+            if not calls_in_flight(url):
+                since.pop(url, None)
+            elif now - since.setdefault(url, now) >= hold_s:
+                return url
+        time.sleep(0.1)
+    raise AssertionError("no prefill instance ran the request")
+
+
 def pushing_instance(cluster: dict) -> str:
     """The prefill instance the request under way is on, a few seconds into its step."""
     prefills = [url for role, url, _ in vllm_instances(cluster) if role == "prefill"]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        busy = [url for url in prefills if calls_in_flight(url)]
-        if busy:
-            time.sleep(2.0)  # its step is pushing layer by layer by now
-            assert calls_in_flight(busy[0]), "the prefill ended before the fault"
-            return busy[0]
-        time.sleep(0.1)
-    raise AssertionError("no prefill instance ran the request")
+    return busy_instance(prefills, 2.0)  # its step is pushing layer by layer by now
 
 
 def instance_group(url: str) -> int:
@@ -156,15 +164,8 @@ def test_prefill_instance_killed_mid_prefill_is_re_placed(cluster):
     seen = {url: len(log.read_text()) for url, log in logs.items()}  # earlier tests' lines
     result: dict = {}
     call = threading.Thread(target=lambda: result.update(reply=complete(cluster, PROMPT, "de")))
-    started = time.monotonic()
     call.start()
-    killed = None
-    while killed is None and time.monotonic() - started < 30:  # the slow prefill is running
-        killed = next((url for url in prefills if calls_in_flight(url)), None)
-        time.sleep(0.1)
-    assert killed is not None, "no prefill instance ran the request"
-    time.sleep(1.0)  # a few layers in (vLLM's own gauges move only between steps)
-    assert calls_in_flight(killed), "the prefill ended before the fault"
+    killed = busy_instance(prefills, 1.0)  # a few layers in
     kill_instance(killed)
     call.join(240)
     assert not call.is_alive(), "the request hung after its prefill instance died"

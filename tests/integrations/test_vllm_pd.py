@@ -2,14 +2,15 @@
 the PD transfer layer by layer into a decode engine's buffer, both read paths, and the order of
 the connector's hooks against the transfers.
 
-``vllm_pd.py`` (the peers' python) hosts the decode engine's buffer and runs both instances;
-seven vLLM starts in all (about 40 s each here). Skipped where ``make peers`` has not run.
+``vllm_pd.py`` (the peers' python) hosts the decode engine's buffers and runs every case on
+one pair of instances: three vLLM starts in all. Skipped where ``make peers`` has not run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -35,17 +36,24 @@ MESSAGES = [{"role": "system", "content": "You are a careful assistant for a sto
              "engine uses it, and what happens when the checksum fails?"}]
 
 
-def run_pd(tmp: Path, name: str, *args: str) -> dict:
-    """Run ``vllm_pd.py``; its result (first token, output ids, whether sealed)."""
-    out = tmp / f"{name}.json"
+def run_pd(tmp: Path, *args: str) -> tuple[dict, str]:
+    """Run ``vllm_pd.py``: its results by run, and its log."""
+    out = tmp / "runs.json"
     cmd = [str(peers_python()), str(SCRIPT), "--model", json.loads((tmp / "model.json")
            .read_text()), "--prompt", str(tmp / "prompt.json"), "--store", str(tmp / "store"),
            "--max-tokens", str(MAX_TOKENS), "--out", str(out), *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    (tmp / f"{name}.log").write_text(done.stdout + done.stderr)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return json.loads(out.read_text())
+    done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=900)  # lines in order
+    (tmp / "pd.log").write_text(done.stdout)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return json.loads(out.read_text()), done.stdout
+
+
+def run_logs(log: str) -> dict[str, str]:
+    """Each run's lines: from its ``=== run NAME`` line to the next."""
+    parts = re.split(r"^=== run (\w+)$", log, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +69,15 @@ def runs(tmp_path_factory, smollm2_dir):
     fast = FastTokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
     prompt = fast.encode(text, add_special_tokens=False).ids
     (tmp / "prompt.json").write_text(json.dumps(prompt))
-    results = {"prompt": prompt, "plain": run_pd(tmp, "plain", "--plain"),
-               "miss": run_pd(tmp, "miss")}
-    results["pe"] = run_pd(tmp, "pe", "--read-path", "pe", "--hit-blocks", str(HIT_BLOCKS))
     trace = tmp / "trace.jsonl"
-    results["de"] = run_pd(tmp, "de", "--read-path", "de", "--hit-blocks", str(HIT_BLOCKS),
-                           "--trace", str(trace), "--recv-cap-mb-s", str(RECV_CAP_MB_S))
+    # one process, three vLLM starts: plain, then miss, pe and de on one PD pair whose prefill
+    # side's receive is capped (only the DE path's pulls use it)
+    results, log = run_pd(tmp, "--runs", "plain,miss,pe,de", "--hit-blocks",
+                             str(HIT_BLOCKS), "--trace", str(trace), "--recv-cap-mb-s",
+                             str(RECV_CAP_MB_S))
+    results["prompt"] = prompt
     results["trace"] = [json.loads(line) for line in trace.read_text().splitlines()]
-    results["logs"] = {n: (tmp / f"{n}.log").read_text() for n in ("miss", "pe", "de")}
+    results["logs"] = run_logs(log)
     return results
 
 
