@@ -81,8 +81,10 @@ def test_bench_engine_against_vllm_in_the_peers_environment(smollm2_dir, tmp_pat
     out = tmp_path / "vllm.json"
     args = ["bench", "engine", "--json", str(out), "--model", str(smollm2_dir), "--against",
             "vllm", "--prompt-tokens", "64", "--decode-batches", "2", "--decode-tokens", "4",
-            "--repeats", "1"]
+            "--repeats", "1", "--vllm-eager"]  # a start without a minute of torch.compile
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert result["measured"]["vllm"]["version"] and result["summary"]["prefill_ratio_vs_vllm"] > 0
     assert "engine-core" in result["cores"]["vllm"]
+    assert result["setup"]["vllm_eager"] is True
+    assert "Enforce eager set" in (tmp_path / "vllm.logs" / "vllm.log").read_text()

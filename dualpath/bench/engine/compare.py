@@ -59,6 +59,7 @@ class EngineBenchOptions(EngineOptions):
     repeats: int = 3
     against: str = "transformers"
     pin_core: int | None = None
+    vllm_eager: bool = False
     peers_python: str | None = None
 
 
@@ -77,6 +78,9 @@ def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--pin-core", type=int, default=None, metavar="K",
                         help="confine every system's whole process tree to core K (vLLM's "
                         "scheduler process included) for a like-for-like run")
+    parser.add_argument("--vllm-eager", action="store_true",
+                        help="run vLLM without torch.compile (--enforce-eager): it starts in "
+                        "seconds instead of a minute, but its steps are not its fastest")
     parser.add_argument("--peers-python", default=None,
                         help="the peers' python (default $DUALPATH_PEERS_PYTHON or "
                         ".venv-peers/bin/python)")
@@ -105,7 +109,8 @@ def make_spec(options: EngineBenchOptions, model_dir: Path, dtype: str,
             "prefill_prompt": _random_prompts(1, options.prompt_tokens, vocab, seed=1)[0],
             "decode_prompts": {str(b): _random_prompts(b, options.decode_prompt_tokens, vocab, b)
                                for b in batches},
-            "vllm_core": options.pin_core if options.pin_core is not None else 0}
+            "vllm_core": options.pin_core if options.pin_core is not None else 0,
+            "vllm_eager": options.vllm_eager}
 
 
 def peers_python(explicit: str | None) -> Path:
@@ -195,6 +200,7 @@ def _result(options: EngineBenchOptions, model_dir: Path, spec: dict[str, Any],
                   "decode_prompt_tokens": options.decode_prompt_tokens,
                   "decode_tokens": options.decode_tokens, "repeats": options.repeats,
                   "threads": options.threads, "pin_core": options.pin_core,
+                  "vllm_eager": options.vllm_eager,
                   "method": "prefill: prompt tokens / t(1 token); decode: batch x (N-1) / "
                             "(t(N) - t(1)); median, min and max over the repeats"},
         "machine": machine_profile(),
@@ -212,6 +218,8 @@ def render_table(result: dict[str, Any]) -> Table:
     table = Table(title=f"engine benchmark: {result['model']}, {result['dtype']}, "
                         f"{result['setup']['threads']} compute thread(s)"
                         + (f", every system on core {pin}" if pin is not None else "")
+                        + (", vLLM eager (no torch.compile)"
+                           if result["setup"].get("vllm_eager") else "")
                         + f"; {m['cpu_model']} ({', '.join(m['cpu_flags']) or 'no AVX'})")
     table.add_column("tok/s (median, min-max)")
     for name in systems:

@@ -38,7 +38,8 @@ KV_CACHE_GB = "2"  # VLLM_CPU_KVCACHE_SPACE: far more than the bench's prompts n
 
 
 def vllm_system(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``vllm.LLM`` on the spec's model, dtype and prompts; no prefix caching."""
+    """``vllm.LLM`` on the spec's model, dtype and prompts; no prefix caching; eager (no
+    torch.compile) where the spec says ``vllm_eager``."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GB)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(spec["vllm_core"])
     import vllm
@@ -50,7 +51,8 @@ def vllm_system(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     llm = LLM(model=spec["model"], dtype=spec["dtype"], enable_prefix_caching=False,
               max_model_len=longest + spec["decode_tokens"] + 16,
               max_num_seqs=max(64, *map(int, batches)),
-              max_num_batched_tokens=max(512, longest), seed=0)
+              max_num_batched_tokens=max(512, longest), seed=0,
+              enforce_eager=spec.get("vllm_eager", False))
 
     def generate(prompts: list[list[int]], new_tokens: int) -> None:
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0)
