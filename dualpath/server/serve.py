@@ -16,11 +16,13 @@ Engines whose server died without a word stop by themselves (they find their rou
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -97,7 +99,10 @@ def serve(config: AppConfig, log_dir: Path | None = None) -> None:
     log_dir = log_dir or new_run_folder(cache_dir() / "serve", settings.keep_runs)
     log_dir.mkdir(mode=RUN_FOLDER_MODE, parents=True, exist_ok=True)
     write_private(log_dir / "config.json", config_to_json(config))  # keys redacted
-    with _launcher(model_dir, config, log_dir) as cluster:
+    # The API's port is taken before any engine starts: a child's transfer engine or vLLM
+    # instance, given a free port by the kernel, could otherwise take it first.
+    listener = listen_socket(settings.host, settings.port)
+    with listener, _launcher(model_dir, config, log_dir) as cluster:
         router = cluster.router
         assert router is not None
         info = model_info(model_dir, settings.model_name, router.state.capacity.kv_tokens)
@@ -112,10 +117,34 @@ def serve(config: AppConfig, log_dir: Path | None = None) -> None:
               f"  logs and resolved config: {log_dir}", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)  # uvicorn re-raises it once it has stopped
         with RouterWatch(router, server) as watch, contextlib.suppress(KeyboardInterrupt):
-            server.run()  # until SIGINT or SIGTERM; then leaving the block stops every engine
+            server.run(sockets=[listener])  # until SIGINT or SIGTERM; then leaving the
+            # block stops every engine
     print("dualpath serve: stopped", flush=True)
     if watch.died:  # exit status 1, the message on stderr
         raise SystemExit("dualpath serve: the router thread died; see the log above")
+
+
+class PortInUseError(SystemExit):
+    """The API's address is taken by another process (raised before any engine starts)."""
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (IPv4 or IPv6, as ``host`` resolves), closed on
+    exec so no engine inherits it; ``PortInUseError`` when another process holds the port."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise PortInUseError(f"dualpath serve: {host}:{port} is in use by another process "
+                                 "(--port or serve.port picks another)") from error
+        raise
+    return sock
 
 
 class RouterWatch:

@@ -47,9 +47,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_vllm(tmp: Path, model_dir: Path, prefill: int, decode: int,
-               *sets: str) -> Iterator[dict]:
+               *sets: str, environ: dict[str, str] | None = None) -> Iterator[dict]:
     """``dualpath serve --engine vllm`` on ``tmp/store`` until the block ends: its URL, run
-    folder and store."""
+    folder and store. ``environ``: more of serve's environment (the instances inherit it)."""
     port = free_port()
     cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "dualpath.cli", "serve",
            "--engine", "vllm", "--prefill", str(prefill), "--decode", str(decode),
@@ -59,7 +59,8 @@ def serve_vllm(tmp: Path, model_dir: Path, prefill: int, decode: int,
         cmd += ["--set", item]
     log = (tmp / "serve.log").open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "DUALPATH_VLLM_PYTHON": str(peers_python())},
+                            env={**os.environ, "DUALPATH_VLLM_PYTHON": str(peers_python()),
+                                     **(environ or {})},
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -78,7 +78,10 @@ def vllm_leader(processes: list[psutil.Process], parent: psutil.Process) -> psut
 def test_a_killed_instance_and_a_killed_decode_engine_leave_nothing_in_dev_shm(
         tmp_path, smollm2_dir):
     peers_python()  # skip before starting anything
-    with serve_vllm(tmp_path, smollm2_dir, 1, 1, "vllm.max_model_len=1024") as served:
+    # vLLM's multi-process layout (a worker process beside the engine core, talking through
+    # psm_ segments), not the default in-process worker, which maps no psm_ segment to sweep
+    with serve_vllm(tmp_path, smollm2_dir, 1, 1, "vllm.max_model_len=1024",
+                    environ={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) as served:
         serve_pid = serve_process(served["url"]).pid
         body = {"model": MODEL, "prompt": list(range(100, 300)), "max_tokens": 4,
                 "temperature": 0}

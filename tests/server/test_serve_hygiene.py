@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections import namedtuple
@@ -41,6 +42,8 @@ def launched(tmp_path, monkeypatch):
         raise _Stopped
 
     monkeypatch.setattr(serve_mod, "_launcher", launcher)
+    listen = serve_mod.listen_socket  # any free port, not serve.port (8000 may be taken here)
+    monkeypatch.setattr(serve_mod, "listen_socket", lambda host, port: listen(host, 0))
 
     def run(config: AppConfig) -> dict:
         with pytest.raises(_Stopped):
@@ -369,3 +372,28 @@ def test_serve_takes_an_api_key_file_flag(tmp_path, monkeypatch):
     assert main(["serve", "--api-key-file", str(tmp_path / "k")]) == 0
     assert seen[0].serve.api_key_file == str(tmp_path / "k")
     assert main(["serve", "--api-key-file", "k", "--api-key", "sk"]) == 2  # one or the other
+
+
+# -- the API's port -----------------------------------------------------------------------------
+
+
+def test_a_taken_port_stops_serve_before_any_engine_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("DUALPATH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(serve_mod, "resolve_model", lambda name: tmp_path / "model")
+    started = []
+    monkeypatch.setattr(serve_mod, "_launcher", lambda *args: started.append(args))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(serve_mod.PortInUseError, match=f"127.0.0.1:{port} is in use"):
+            serve_mod.serve(AppConfig(serve=ServeConfig(port=port)))
+    assert started == []
+
+
+def test_the_listener_is_bound_before_the_engines_and_not_inherited():
+    sock = serve_mod.listen_socket("127.0.0.1", 0)
+    with sock:
+        assert not sock.get_inheritable()  # no engine or vLLM instance holds the API's port
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(sock.getsockname())
