@@ -53,7 +53,7 @@ def test_lanes_part_measures_tpot_quiet_and_loaded_with_ep_traffic(tiny_llama_di
     exchanged EP bytes and the PE pulled KV out of the DE buffers while loaded."""
     data = _run(tmp_path, tiny_llama_dir, "b", "--kv-hit-tokens", "96", "--decode-tokens", "600",
                 "--settle-s", "0.05", "--compute-cap-mb-s", "20", "--chunk-kb", "16",
-                "--ep-bytes-per-token", "4096")
+                "--ep-bytes-per-token", "4096", "--rounds", "1")
     summary, rows = data["summary"], data["parts"]["b"]
     for name in ("lanes", "fifo"):
         assert summary[f"tpot_inflation_{name}"] > 0

@@ -26,6 +26,17 @@ def gigabytes(raw: str) -> float:
     return value
 
 
+def positive_int(raw: str) -> int:
+    """An argument type: a whole number >= 1."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"expected a whole number >= 1, got {raw!r}")
+    return value
+
+
 def names(raw: str) -> tuple[str, ...]:
     """An argument type: comma-separated names, blanks dropped (``'a, b,'`` -> ``('a', 'b')``)."""
     return tuple(part.strip() for part in raw.split(",") if part.strip())

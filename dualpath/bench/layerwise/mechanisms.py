@@ -30,6 +30,7 @@ from dualpath.bench.layerwise.batch import BatchOptions, largest_prefill
 from dualpath.bench.layerwise.lanes import LanesOptions, lanes_experiment
 from dualpath.bench.layerwise.plot import plot_layerwise
 from dualpath.bench.report import machine_profile, write_json
+from dualpath.commands.args import positive_int
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, TrafficConfig
 from dualpath.server.launch import LocalCluster
 
@@ -63,6 +64,7 @@ class LayerwiseOptions:
     prefill: int = 1
     decode_tokens: int = 256
     settle_s: float = 1.0
+    rounds: int = 2
     read_cap_mb_s: float = 30.0
     agents: int = 4
     turns: int = 4
@@ -107,6 +109,8 @@ def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=256, help="(b) tokens per decode")
     parser.add_argument("--settle-s", type=float, default=1.0,
                         help="(b) seconds of KV traffic before the TPOT window opens")
+    parser.add_argument("--rounds", type=positive_int, default=2,
+                        help="(b) quiet/loaded pairs per lane setting (their mean is reported)")
     parser.add_argument("--read-cap-mb-s", type=float, default=30.0,
                         help="(c) storage-NIC read cap of every node")
     parser.add_argument("--agents", type=int, default=4, help="(c) agents")
@@ -154,7 +158,8 @@ def run_layerwise_bench(options: LayerwiseOptions) -> dict[str, Any]:
             config = _lanes_config(options, engine, _fresh(work / "b" / "kv"))
             lanes = LanesOptions(kv_hit_tokens=options.kv_hit_tokens,
                                  decode_tokens=options.decode_tokens,
-                                 kv_in_flight=options.kv_in_flight, settle_s=options.settle_s)
+                                 kv_in_flight=options.kv_in_flight, settle_s=options.settle_s,
+                                 rounds=options.rounds)
             rows = lanes_experiment(model_dir, config, vocab, lanes, work / "b" / "logs",
                                     step("(b) lanes vs FIFO", 4 * lanes.rounds))
             result["parts"]["b"], result["configs"]["b"] = rows, asdict(config)
