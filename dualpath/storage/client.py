@@ -31,6 +31,10 @@ from dualpath.storage.node_nic import NodeNicAccount, SharedBucket
 from dualpath.traffic.token_bucket import TokenBucket
 
 BURST_BLOCKS = 1  # a capped NIC may send one block ahead of its average rate
+# How long ``close`` lets queued writes go on; a block whose write has not started by then is
+# dropped (not stored: a miss later, never wrong KV). Without it, a stop behind a slow store or
+# a tight write cap waits for every queued block (at 2 KB/s, the launcher's 15 s and a SIGKILL).
+CLOSE_DRAIN_S = 3.0
 ERROR_FIELDS = ("read_errors", "write_errors", "lookup_errors", "read_deadline_misses")
 
 log = logging.getLogger("dualpath.storage")
@@ -193,6 +197,9 @@ class StorageClient:
         self._deadlines = _Deadlines()
         self._errors = dict.fromkeys(ERROR_FIELDS, 0)
         self._logged: set[tuple[str, type]] = set()
+        self._closing = threading.Event()  # set by close: queued writes drain until ...
+        self._drain_end_s = float("inf")  # ... this time.monotonic(), then are dropped
+        self._writes_dropped = 0
 
     @property
     def read_queue_tokens(self) -> int:
@@ -288,10 +295,17 @@ class StorageClient:
         out.update(errors)
         return out
 
-    def close(self) -> None:
-        """Finish pending work and stop the workers."""
+    def close(self, drain_s: float = CLOSE_DRAIN_S) -> None:
+        """Finish pending reads, let pending writes go on for ``drain_s`` (a block whose
+        write has not started by then is dropped and reported False), and stop the workers.
+        A write the backend is running when the drain ends is waited for."""
+        self._drain_end_s = time.monotonic() + drain_s
+        self._closing.set()
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
+        if self._writes_dropped:
+            log.warning("storage: %d queued block writes dropped at close (the %g s drain "
+                        "ended first): not stored, later misses", self._writes_dropped, drain_s)
         self._deadlines.close()
         for direction in (self._read, self._write):
             if isinstance(direction.bucket, SharedBucket):
@@ -343,8 +357,8 @@ class StorageClient:
     def _write_block(self, key: BlockKey, buffer: Any) -> bool:
         ok = False
         try:
-            self._pace(self._write, None)
-            ok = bool(self.backend.put_from([key], [buffer])[0])
+            if self._write_turn():
+                ok = bool(self.backend.put_from([key], [buffer])[0])
         except Exception as exc:  # store down, read-only, full, ...: not cached, never raised
             self._count_error("write_errors", exc)
         finally:
@@ -365,6 +379,23 @@ class StorageClient:
             return False
         if wait_s > 0:
             time.sleep(wait_s)  # pacing to the emulated NIC's bandwidth
+        return True
+
+    def _write_turn(self) -> bool:
+        """Wait for the write cap's turn; False (the block is dropped) when a close's drain
+        ends before it."""
+        wait_s = 0.0
+        if self._write.bucket is not None:
+            with self._lock:
+                wait_s = self._write.bucket.reserve(self.backend.block_bytes, self._clock())
+        turn_s = time.monotonic() + wait_s
+        if wait_s > 0 and not self._closing.wait(wait_s):
+            return True  # paced to the emulated NIC's bandwidth, no close meanwhile
+        if turn_s > self._drain_end_s:
+            with self._lock:
+                self._writes_dropped += 1
+            return False
+        time.sleep(max(0.0, turn_s - time.monotonic()))  # a close came; the turn is inside
         return True
 
     def _count_error(self, name: str, exc: Exception) -> None:

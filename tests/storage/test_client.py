@@ -305,3 +305,28 @@ def test_read_deadline_must_be_positive():
     with pytest.raises(ValueError, match="read_deadline_s"):
         StorageConfig(read_deadline_s=0)
     assert StorageConfig(read_deadline_s=None).read_deadline_s is None
+
+
+def test_close_drains_queued_writes_for_its_bound_then_drops_the_rest(blocks):
+    """20 blocks at 1.5 MB/s (about 1 s a block) would take 20 s: close lets the writes whose
+    turn comes inside its 1 s drain go on (each stored whole), drops the rest (reported False,
+    never stored) and returns as soon as none is left."""
+    keys, pool, src, dst = blocks
+    store = MemoryStore(LAYOUT.full_block_bytes)
+    client = StorageClient(store, 64, StorageConfig(write_cap_mb_s=1.5, workers=4))
+    future = client.submit_write(keys[:20], [pool.buffer(s) for s in src[:20]])
+    time.sleep(0.5)  # a block or two written before the close
+    began = time.monotonic()
+    client.close(drain_s=1.0)
+    took_s = time.monotonic() - began
+    stored = future.result(timeout=0)
+    assert took_s < 1.5, took_s  # not the 19 s the queue held
+    assert stored[0] and not stored[-1] and stored == sorted(stored, reverse=True)
+    num_stored = sum(stored)
+    assert num_stored == 2  # the burst's block, and the one whose turn came in the drain
+    assert store.exists_prefix(keys[:20]) == num_stored  # a dropped write stored nothing
+    reader = StorageClient(store, 64)
+    got = reader.read(keys[:num_stored], [pool.buffer(s) for s in dst[:num_stored]])
+    assert all(got) and all(bytes(pool.buffer(a)) == bytes(pool.buffer(b))
+                            for a, b in zip(src[:num_stored], dst[:num_stored], strict=False))
+    reader.close()
