@@ -141,8 +141,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
     except OSError as error:
         sock.close()
         if error.errno == errno.EADDRINUSE:
-            raise PortInUseError(f"dualpath serve: {host}:{port} is in use by another process "
-                                 "(--port or serve.port picks another)") from error
+            raise PortInUseError(f"dualpath serve: {host}:{port}: address already in use by "
+                                 "another process (--port or serve.port picks another)") from error
         raise
     return sock
 
