@@ -386,7 +386,8 @@ def test_a_taken_port_stops_serve_before_any_engine_starts(tmp_path, monkeypatch
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        with pytest.raises(serve_mod.PortInUseError, match=f"127.0.0.1:{port}: address already in use"):
+        with pytest.raises(serve_mod.PortInUseError,
+                           match=f"127.0.0.1:{port}: address already in use"):
             serve_mod.serve(AppConfig(serve=ServeConfig(port=port)))
     assert started == []
 
