@@ -29,7 +29,8 @@ FORBIDDEN = frozenset(
 REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/model/spec.py",
                  "dualpath/server/router_state.py", "dualpath/server/router_types.py",
                  "dualpath/server/router_ledger.py", "dualpath/server/router_placement.py",
-                 "dualpath/server/router_endings.py", "dualpath/vocab.py")
+                 "dualpath/server/router_endings.py", "dualpath/vocab.py",
+                 "dualpath/bench/regime.py")
 OPTIONAL_PURE = ("dualpath/traffic/lanes.py", "dualpath/traffic/token_bucket.py",
                  "dualpath/kv/layout.py")
 PURE_TREES = ("dualpath/scheduler",)
