@@ -70,13 +70,16 @@ def test_selection_skips_resumed_short_and_too_long_sessions():
     assert [s.trace for s in picked] == ["fresh"]
 
 
-def test_demo_runs_both_modes_and_reports_the_table(tiny_chaotic_dir, tmp_path):
+def test_demo_runs_its_modes_and_reports_the_table_and_the_regime(tiny_chaotic_dir, tmp_path):
     out = tmp_path / "demo.json"
     result = run_demo(DemoOptions(model=str(tiny_chaotic_dir), sessions=2, turns=2,
-                                  block_size=16, read_cap_mb_s=50.0, json_path=str(out)))
+                                  block_size=16, read_cap_mb_s=50.0, json_path=str(out),
+                                  modes=("basic", "dualpath", "recompute")))
     data = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert set(data["modes"]) == {"basic", "dualpath"}
+    assert set(data["modes"]) == {"basic", "dualpath", "recompute"}
+    _check_regime(data, result, tiny_chaotic_dir)
+    del data["modes"]["recompute"]
     for mode, s in data["modes"].items():
         assert s["jct_s"] > 0 and 0 < s["mean_ttft_s"] <= s["mean_turn_latency_s"], mode
         assert len(s["pe_read_bytes"]) == 1 and len(s["de_read_bytes"]) == 2
@@ -87,4 +90,25 @@ def test_demo_runs_both_modes_and_reports_the_table(tiny_chaotic_dir, tmp_path):
     assert data["summary"]["dualpath_speedup"] == pytest.approx(basic["jct_s"] / dual["jct_s"])
     assert data["machine"]["cpu_model"] and data["summary"]["jct_s"]["basic"] > 0
     assert all(r["turns"] == 2 for r in data["rows"])  # 2 sessions x turn 2 (turn 1 untimed)
-    assert render_table(result).row_count == 2
+    assert render_table(result).row_count == 3
+
+
+def _check_regime(data: dict, result: dict, model_dir) -> None:
+    """The regime rests on basic's hits and recompute's seconds per computed token; kappa is
+    loading a token's KV over the 50 MB/s NIC against that; rho = hit/computed x kappa."""
+    from dualpath.model.spec import load_spec
+
+    summary, modes = data["summary"], data["modes"]
+    got = summary["regime"]
+    basic, recompute = modes["basic"], modes["recompute"]
+    assert recompute["hit_rate"] == 0 and recompute["recompute_s_per_token"] > 0
+    assert (got["hit_rate_of"], got["recompute_s_of"]) == ("basic", "recompute")
+    assert got["hit_rate"] == pytest.approx(basic["hit_rate"]) and got["hit_rate"] > 0
+    computed = basic["prompt_tokens"] - basic["hit_tokens"]
+    assert got["hit_per_computed"] == pytest.approx(basic["hit_tokens"] / computed)
+    kv_bytes = load_spec(model_dir).kv_bytes_per_token("float32")
+    assert got["kv_bytes_per_token"] == kv_bytes
+    assert got["kappa"] == pytest.approx(kv_bytes / 50e6 / recompute["recompute_s_per_token"])
+    assert got["rho"] == pytest.approx(got["hit_per_computed"] * got["kappa"])
+    assert summary["recompute_vs_basic"] == pytest.approx(recompute["jct_s"] / basic["jct_s"])
+    assert got["line"] in render_table(result).title

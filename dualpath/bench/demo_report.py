@@ -8,18 +8,24 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from dualpath.bench.regime import recompute_s_per_token
 from dualpath.vocab import Role
+
+COUNTERS = ("read_bytes", "read_deadline_misses", "compute_s", "computed_tokens")
 
 
 def node_reads(metrics: dict[str, dict]) -> list[dict[str, Any]]:
-    """Per node (sorted by id): its role and the bytes its storage NIC read."""
+    """Per node (sorted by id): its role, the bytes its storage NIC read, and its prefill
+    engines' compute (forward time less the waits for layer loads and sends) and tokens."""
     nodes: dict[int, dict[str, Any]] = {}
     for m in metrics.values():
         node = nodes.setdefault(int(m["node_id"]), {"node_id": int(m["node_id"]),
-                                                    "role": m["role"], "read_bytes": 0,
-                                                    "read_deadline_misses": 0})
+                                                    "role": m["role"],
+                                                    **dict.fromkeys(COUNTERS, 0)})
         node["read_bytes"] += int(m.get("storage_snic_read_bytes", 0))
         node["read_deadline_misses"] += int(m.get("storage_read_deadline_misses", 0))
+        node["compute_s"] += m.get("forward_s_total", 0.0) - m.get("layer_wait_s_total", 0.0)
+        node["computed_tokens"] += int(m.get("num_computed_tokens", 0))
     return [nodes[k] for k in sorted(nodes)]
 
 
@@ -29,9 +35,13 @@ def summarize(row: dict[str, Any], read_cap_mb_s: float) -> dict[str, Any]:
     n = max(1, len(records))
     pe = [x["read_bytes"] for x in row["nodes"] if x["role"] == Role.PREFILL]
     de = [x["read_bytes"] for x in row["nodes"] if x["role"] == Role.DECODE]
+    compute_s = sum(x["compute_s"] for x in row["nodes"] if x["role"] == Role.PREFILL)
+    computed = sum(x["computed_tokens"] for x in row["nodes"] if x["role"] == Role.PREFILL)
     return {"jct_s": row["jct_s"], "mean_ttft_s": sum(r.ttft_s for r in records) / n,
             "mean_turn_latency_s": sum(r.latency_s for r in records) / n,
             "hit_rate": row["hit_tokens"] / max(1, row["prompt_tokens"]),
+            "hit_tokens": row["hit_tokens"], "prompt_tokens": row["prompt_tokens"],
+            "recompute_s_per_token": recompute_s_per_token(compute_s, computed),
             "pe_read_bytes": pe, "de_read_bytes": de,
             # bytes the busiest prefill-node NIC read / what its cap allows over the JCT
             "pe_snic_busy": max(pe, default=0) / (read_cap_mb_s * 1e6 * row["jct_s"]),
@@ -41,8 +51,7 @@ def summarize(row: dict[str, Any], read_cap_mb_s: float) -> dict[str, Any]:
 
 def minus_reads(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per-node counters of ``after`` less those of ``before`` (same nodes, same order)."""
-    return [{**a, "read_bytes": a["read_bytes"] - b["read_bytes"],
-             "read_deadline_misses": a["read_deadline_misses"] - b["read_deadline_misses"]}
+    return [{**a, **{k: a[k] - b[k] for k in COUNTERS}}
             for a, b in zip(after, before, strict=True)]
 
 
@@ -58,7 +67,9 @@ def render_table(result: dict[str, Any]) -> Table:
                   f"{w['turns']} timed (tokens / {w['scale']}), {result['model']} ("
                   f"{result['cluster']['dtype']}), 1 PE + 2 DE, storage NIC "
                   f"{result['caps_mb_s']['read']:g} MB/s per node; {m['cpu_model']}, "
-                  f"{m['cpus']} cores",
+                  f"{m['cpus']} cores\nregime: {result['summary']['regime']['line']} "
+                  "(h: hit rate; κ: loading a token over one storage NIC / recomputing it; "
+                  "ρ: Basic's storage demand / supply)",
                   caption="JCT: until the last agent's last turn. TTFT: submit to first token; "
                   "turn: submit to last token (means over turns). Hit: prompt tokens loaded "
                   "from storage. Read: MB through each node's storage NIC. PE busy: PE node "
