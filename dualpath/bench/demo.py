@@ -52,7 +52,7 @@ from dualpath.bench.demo_report import (
     summarize,
     warn_if_misleading,
 )
-from dualpath.bench.regime import load_s_per_token, regime
+from dualpath.bench.regime import ladder_regime
 from dualpath.bench.replay import run_turns
 from dualpath.bench.report import bar_chart, cpu_model, machine_profile, write_json
 from dualpath.commands.args import add_device_argument, names, optional
@@ -279,25 +279,6 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, 
     return result
 
 
-def demo_regime(modes: dict[str, dict[str, Any]], kv_bytes_per_token: int,
-                read_cap_mb_s: float) -> dict[str, Any]:
-    """The workload's regime on this testbed (``bench/regime.py``) and what it rests on: the
-    hit rate of the first mode that reuses KV, the storage cap, and the prefill engine's
-    seconds per computed token, measured in recompute when it ran (every token computed at
-    the workload's context lengths), else in the first mode that computed."""
-    reuse = next((m for m in modes if m != Mode.RECOMPUTE), None)
-    measured = sorted(modes, key=lambda m: m != Mode.RECOMPUTE)
-    compute_of = next((m for m in measured if modes[m]["recompute_s_per_token"]), None)
-    load_s = load_s_per_token(kv_bytes_per_token, read_cap_mb_s * 1e6)
-    recompute_s = modes[compute_of]["recompute_s_per_token"] if compute_of else None
-    hits = modes[reuse] if reuse else {"hit_tokens": 0, "prompt_tokens": 0}
-    figures = regime(hits["hit_tokens"], hits["prompt_tokens"], load_s, recompute_s)
-    return {**figures.as_dict(), "hit_rate_of": reuse, "recompute_s_of": compute_of,
-            "kv_bytes_per_token": kv_bytes_per_token, "snic_mb_s": read_cap_mb_s,
-            "load_s_per_token": load_s, "recompute_s_per_token": recompute_s,
-            "line": figures.describe()}
-
-
 def _result(options: DemoOptions, header: dict[str, Any], sessions: list[DemoSession],
             model: str, rows: list[dict[str, Any]], kv_bytes_per_token: int) -> dict[str, Any]:
     modes = {r["mode"]: summarize(r, options.read_cap_mb_s) for r in rows}
@@ -305,8 +286,8 @@ def _result(options: DemoOptions, header: dict[str, Any], sessions: list[DemoSes
     summary: dict[str, Any] = {"jct_s": jct,
                                "mean_ttft_s": {m: s["mean_ttft_s"] for m, s in modes.items()},
                                "hit_rate": {m: s["hit_rate"] for m, s in modes.items()},
-                               "regime": demo_regime(modes, kv_bytes_per_token,
-                                                     options.read_cap_mb_s)}
+                               "regime": ladder_regime(modes, kv_bytes_per_token,
+                                                       options.read_cap_mb_s)}
     if Mode.BASIC in jct and Mode.DUALPATH in jct:
         summary["dualpath_speedup"] = jct[Mode.BASIC] / jct[Mode.DUALPATH]
     if Mode.BASIC in jct and Mode.RECOMPUTE in jct:

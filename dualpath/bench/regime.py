@@ -20,7 +20,11 @@ Pure: no torch, sockets or clocks; the ladders, ``dualpath sim`` and the tests s
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
+
+from dualpath.vocab import Mode
 
 
 class RegimeError(ValueError):
@@ -86,3 +90,24 @@ def regime(hit_tokens: int, prompt_tokens: int, load_s: float | None = None,
     rho = hit_per_computed * kappa if hit_per_computed is not None and kappa is not None \
         else None
     return Regime(hit_tokens / max(1, prompt_tokens), hit_per_computed, kappa, rho)
+
+
+def ladder_regime(modes: Mapping[str, Mapping[str, Any]], kv_bytes_per_token: int,
+                  snic_mb_s: float) -> dict[str, Any]:
+    """A ladder's regime (``summary.regime``) from its modes' figures (each with
+    ``hit_tokens``, ``prompt_tokens`` and ``recompute_s_per_token``, the prefill engines'
+    seconds per computed token), and what it rests on: the hit rate of the first mode that
+    reuses KV; the seconds per computed token measured in ``recompute`` when it ran (every
+    prompt token computed, at the workload's context lengths), else in the first mode that
+    computed; loading over one node's storage NIC of ``snic_mb_s``."""
+    reuse = next((m for m in modes if m != Mode.RECOMPUTE), None)
+    by_preference = sorted(modes, key=lambda m: m != Mode.RECOMPUTE)
+    compute_of = next((m for m in by_preference if modes[m].get("recompute_s_per_token")), None)
+    load_s = load_s_per_token(kv_bytes_per_token, snic_mb_s * 1e6)
+    recompute_s = modes[compute_of]["recompute_s_per_token"] if compute_of else None
+    hit, prompt = (modes[reuse]["hit_tokens"], modes[reuse]["prompt_tokens"]) if reuse else (0, 0)
+    figures = regime(hit, prompt, load_s, recompute_s)
+    return {**figures.as_dict(), "hit_rate_of": reuse, "recompute_s_of": compute_of,
+            "kv_bytes_per_token": kv_bytes_per_token, "snic_mb_s": snic_mb_s,
+            "load_s_per_token": load_s, "recompute_s_per_token": recompute_s,
+            "line": figures.describe()}

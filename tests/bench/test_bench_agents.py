@@ -57,6 +57,27 @@ def test_every_mode_offline_and_an_online_search(tiny_llama_dir, tmp_path):
     assert data["offline"][0]["config"]["mode"] == "basic"  # the resolved config is kept
     assert data["offline"][1]["config"]["policy"] == "round_robin"
     assert out.with_suffix(".png").stat().st_size > 0
+    _check_regime(data, tiny_llama_dir)
+
+
+def _check_regime(data, model_dir):
+    """The regime: basic's hits; its prefill engine's compute (forwards less layer waits)
+    per computed token, there being no recompute row; the cap's load time per token."""
+    from dualpath.model.spec import load_spec
+
+    s, basic = data["summary"], data["modes"]["basic"]
+    got = s["regime"]
+    assert (got["hit_rate_of"], got["recompute_s_of"]) == ("basic", "basic")
+    assert got["hit_rate"] == pytest.approx(s["expected_hit_rate"])
+    computed = basic["prompt_tokens"] - basic["hit_tokens"]
+    assert got["hit_per_computed"] == pytest.approx(basic["hit_tokens"] / computed)
+    pe = s["prefill_time_s"]["basic"]
+    per_token_s = (pe["forwards_s"] - pe["layer_waits_s"]) / computed
+    assert got["recompute_s_per_token"] == pytest.approx(per_token_s)
+    kv_bytes = load_spec(model_dir).kv_bytes_per_token("float32")
+    load_s = kv_bytes / (s["read_cap_mb_s"] * 1e6)
+    assert got["kappa"] == pytest.approx(load_s / per_token_s)
+    assert got["rho"] == pytest.approx(got["hit_per_computed"] * got["kappa"])
 
 
 def _every_stored_block_is_its_tokens_kv(work, model_dir):

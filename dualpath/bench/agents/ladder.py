@@ -229,14 +229,18 @@ def seconds_spent(before: dict[str, dict[str, float]],
             for name, counters in after.items()}
 
 
-def timed_hit_bytes(workload: Any, options: AgentsOptions, model_dir: Path) -> int:
-    """Bytes of KV the timed run's hits read from storage (the same in every mode but oracle)."""
+def kv_bytes_per_token(options: AgentsOptions, model_dir: Path) -> int:
+    """Bytes of KV one token holds in the engines' (and the store's) layout."""
     from dualpath.model.spec import load_spec, resolve_dtype, resolve_kv_dtype
 
     spec = load_spec(model_dir)
-    kv_dtype = resolve_kv_dtype("auto", resolve_dtype(options.dtype, spec))
+    return spec.kv_bytes_per_token(resolve_kv_dtype("auto", resolve_dtype(options.dtype, spec)))
+
+
+def timed_hit_bytes(workload: Any, options: AgentsOptions, model_dir: Path) -> int:
+    """Bytes of KV the timed run's hits read from storage (the same in every mode but oracle)."""
     hits = sum(t.hit for traj in timed_sim_turns(workload, options) for t in traj)
-    return hits * spec.kv_bytes_per_token(kv_dtype)
+    return hits * kv_bytes_per_token(options, model_dir)
 
 
 def calibrated_cap_mb_s(hit_bytes: int, oracle_jct_s: float) -> float:
@@ -296,7 +300,8 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
     finally:
         if options.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    result = build_result(options, workload, model_dir.name, offline, online)
+    result = build_result(options, workload, model_dir.name, offline, online,
+                          kv_bytes_per_token(options, model_dir))
     result["summary"]["read_cap_mb_s"] = options.read_cap_mb_s
     result["summary"]["read_cap_calibration"] = calibration
     result["wall_s"] = time.perf_counter() - began

@@ -21,8 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from dualpath.bench.cluster import COMPUTE_PER_STORAGE
+from dualpath.bench.regime import ladder_regime, recompute_s_per_token
 from dualpath.bench.report import write_json
-from dualpath.vocab import Rung
+from dualpath.vocab import Mode, Rung
 
 BREAKDOWN = ("queue_s", "read_s", "prefill_s", "other_s", "transfer_s", "queue_router_s",
              "queue_pe_s", "read_pe_s")
@@ -46,6 +47,8 @@ def mode_figures(row: dict[str, Any]) -> dict[str, Any]:
         "mean_tpot_s": _mean([r["tpot_s"] for r in records]),
         "mean_latency_s": _mean([r["latency_s"] for r in records]),
         "hit_rate": sum(r["hit_tokens"] for r in records) / max(1, prompt),
+        "hit_tokens": sum(r["hit_tokens"] for r in records), "prompt_tokens": prompt,
+        "recompute_s_per_token": _recompute_s_per_token(row, records),
         "read_paths": dict(Counter(r.get("read_path", "?") for r in records)),
         "snic_read_mb": {n: v["snic_bytes"] / 1e6 for n, v in nodes.items()},
         "snic_busy": {n: v.get("snic_busy") for n, v in nodes.items()},
@@ -80,6 +83,18 @@ def prefill_time(row: dict[str, Any]) -> dict[str, float] | None:
             "waiting_for_core_s": sum(loops[e].get("loop_runqueue_wait_s", 0.0) for e in names),
             "loop_preemptions": sum(loops[e].get("loop_preemptions", 0.0) for e in names),
             "layer_waits_s": sum(loops[e].get("layer_wait_s_total", 0.0) for e in names)}
+
+
+def _recompute_s_per_token(row: dict[str, Any], records: list[dict[str, Any]]) -> float | None:
+    """The prefill engines' seconds per computed prompt token in the timed run: their forward
+    time less the waits for layer loads and sends, over the tokens they computed (None
+    without the counters, ``--via http``)."""
+    time_s = prefill_time(row)
+    if time_s is None:
+        return None
+    computed = sum(r["prompt_tokens"] - r["hit_tokens"] for r in records)
+    return recompute_s_per_token(max(0.0, time_s["forwards_s"] - time_s["layer_waits_s"]),
+                                 computed)
 
 
 def thread_wakeups(row: dict[str, Any]) -> float | None:
@@ -117,6 +132,8 @@ def _ratios(jct: dict[str, float], prefix: str = "") -> dict[str, float]:
         out[f"{prefix}speedup_dualpath_vs_basic"] = jct[Rung.BASIC] / jct[Rung.DUALPATH]
     if Rung.ORACLE in jct and Rung.DUALPATH in jct:
         out[f"{prefix}dualpath_vs_oracle"] = jct[Rung.ORACLE] / jct[Rung.DUALPATH]
+    if Rung.BASIC in jct and Mode.RECOMPUTE in jct:
+        out[f"{prefix}recompute_vs_basic"] = jct[Mode.RECOMPUTE] / jct[Rung.BASIC]
     return out
 
 
@@ -138,7 +155,7 @@ def aps_ratio(online: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def build_result(options: Any, workload: Any, model: str, offline: list[dict[str, Any]],
-                 online: list[dict[str, Any]]) -> dict[str, Any]:
+                 online: list[dict[str, Any]], kv_bytes_per_token: int) -> dict[str, Any]:
     """The result: options, workload, every mode's figures and records, online trials, the
     simulator's prediction, and the summary."""
     from dualpath.bench.agents.turns import expected_hit_rate, timed_sim_turns
@@ -149,6 +166,8 @@ def build_result(options: Any, workload: Any, model: str, offline: list[dict[str
                                "speedup_vs_basic": {m: jct[Rung.BASIC] / t for m, t in jct.items()}
                                if Rung.BASIC in jct else {},
                                "hit_rate": {m: f["hit_rate"] for m, f in modes.items()},
+                               "regime": ladder_regime(modes, kv_bytes_per_token,
+                                                       options.read_cap_mb_s),
                                "expected_hit_rate": expected_hit_rate(workload, options),
                                "snic_busy": {m: f["snic_busy"] for m, f in modes.items()},
                                "mean_ttft_s": {m: f["mean_ttft_s"] for m, f in modes.items()},
@@ -191,7 +210,9 @@ def offline_table(result: dict[str, Any]) -> Table:
                   title=f"[bold]bench agents, offline[/]: {w['name']}, {w['agents']} agents, "
                   f"{w['turns']} turns; {result['model']}; storage NIC "
                   f"{result['caps_mb_s']['read']:.1f} MB/s per node; {m['cpu_model']}, "
-                  f"{m['cpus']} cores",
+                  f"{m['cpus']} cores\nregime: {result['summary']['regime']['line']} (h: hit "
+                  "rate; κ: loading a token over one storage NIC / recomputing it; ρ: Basic's "
+                  "storage demand / supply)",
                   caption="TTFT parts (means): queue / read / prefill / other; then transfer "
                   "to decode. Read: MB each node's storage NIC read (PE node first). Busy: "
                   "bytes read / (cap x JCT).")
