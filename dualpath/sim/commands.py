@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from dualpath.sim.config import SimConfig
 from dualpath.sim.presets import DS660B, DS660B_QUOTA_ALL, run_preset
+from dualpath.sim.regime import sim_regime
 
 if TYPE_CHECKING:
     from argparse import ArgumentParser
@@ -203,6 +204,11 @@ def run_sim(options: SimOptions) -> dict[str, Any]:
             bar.update(tasks[label], completed=done)
 
         result = run_preset(options.preset, progress=progress, **kwargs)
+    result["regime"] = {"paper": sim_regime(DS660B)}
     _write(options.json, result)
-    _print(_console(), sim_tables(result), options.json)
+    console = _console()
+    _print(console, sim_tables(result), options.json)
+    console.print(f"regime of the paper's setting (DeepSeek-V3.2, 64K agents, Hopper nodes): "
+                  f"{result['regime']['paper']['line']} (h: hit rate; κ: loading a token over "
+                  "one storage NIC / recomputing it; ρ: Basic's storage demand / supply)")
     return result

@@ -1,0 +1,43 @@
+"""The regime (``bench/regime.py``: h, hit/computed, κ, ρ) of a simulated configuration, so
+that ``dualpath sim`` shows the paper's setting beside the testbed's.
+
+From the configuration alone, nothing simulated:
+
+- h and the prompt length come from the workload's trajectory (``workloads/presets.py``);
+- loading a token over one prefill node's storage NIC takes ``kv_bytes_per_token /
+  (snic_bps × storage_eff)``;
+- recomputing a token takes the prefill cost model's time for the mean prompt computed from
+  scratch, per token, divided by the node's GPUs (each prefills its own requests). For the
+  paper's hardware that model is dense peak FLOP/s × ``prefill_eff`` (0.236 in the presets,
+  chosen a priori); for a testbed it is the measured cost model at the testbed's core share.
+
+For DeepSeek-V3.2 on the paper's Hopper nodes and its 64K workload (the presets' DS660B: 48,068
+KV bytes per token, storage at 80% of a 50 GB/s NIC) this gives h 98.6% (71 hit tokens per
+computed one), κ 0.036 (about 1/28: a 33K-token prompt prefills at 30K tokens/s per node) and ρ
+2.5: loading costs a twenty-eighth of recomputing, and the hit rate is so high that Basic still
+needs 2.5 times the storage bandwidth a prefill node has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dualpath.bench.regime import load_s_per_token, regime
+from dualpath.sim.config import SimConfig
+from dualpath.workloads.presets import trajectory
+
+
+def sim_regime(cfg: SimConfig) -> dict[str, Any]:
+    """The regime of ``cfg``'s workload on ``cfg``'s hardware and model, with its inputs."""
+    turns = trajectory(cfg.workload)
+    hit = sum(t.hit for t in turns)
+    prompt = sum(t.hit + t.miss for t in turns)
+    mean_prompt = max(1, round(prompt / max(1, len(turns))))
+    hw, model = cfg.hw(), cfg.model_profile()
+    load_s = load_s_per_token(model.kv_bytes_per_token, hw.snic_bps * cfg.storage_eff)
+    per_gpu_s = cfg.prefill_cost().request_ms(0, mean_prompt) / 1e3 / mean_prompt
+    recompute_s = per_gpu_s / hw.gpus_per_node
+    figures = regime(hit, prompt, load_s, recompute_s)
+    return {**figures.as_dict(), "line": figures.describe(), "model": model.name,
+            "hardware": hw.name, "workload": cfg.workload.preset, "mean_prompt": mean_prompt,
+            "load_s_per_token": load_s, "recompute_s_per_token": recompute_s}
