@@ -70,15 +70,35 @@ def test_selection_skips_resumed_short_and_too_long_sessions():
     assert [s.trace for s in picked] == ["fresh"]
 
 
+def test_a_window_of_later_turns_starts_cold_and_keeps_the_sessions_start_rule():
+    """Turns 2-3 of a session that began at the system prompt: turn 2 is the window's cold
+    first turn (keeps nothing), turn 3 keeps it; a resumed session is still skipped."""
+    session = [Turn(prompt=16_000, hit=0, gen=100), Turn(prompt=17_000, hit=15_936, gen=100),
+               Turn(prompt=17_600, hit=17_088, gen=64)]
+    resumed = [Turn(prompt=71_000, hit=0, gen=100), *session[1:]]
+    (picked,) = select_sessions([("a/resumed.json", resumed), ("a/s.json", session)],
+                                count=2, turns=2, first_turn=2)
+    assert picked.trace == "s" and picked.turns == (
+        DemoTurn(prompt=531, keep=0, gen=3), DemoTurn(prompt=550, keep=534, gen=2))
+    assert select_sessions([("a/s.json", session)], turns=3, first_turn=2) == []  # too short
+    with pytest.raises(ValueError, match="first_turn"):
+        select_sessions([("a/s.json", session)], first_turn=0)
+
+
 def test_demo_runs_its_modes_and_reports_the_table_and_the_regime(tiny_chaotic_dir, tmp_path):
     out = tmp_path / "demo.json"
     result = run_demo(DemoOptions(model=str(tiny_chaotic_dir), sessions=2, turns=2,
                                   block_size=16, read_cap_mb_s=50.0, json_path=str(out),
-                                  modes=("basic", "dualpath", "recompute")))
+                                  modes=("basic", "dualpath", "recompute", "oracle")))
     data = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert set(data["modes"]) == {"basic", "dualpath", "recompute"}
+    assert set(data["modes"]) == {"basic", "dualpath", "recompute", "oracle"}
     _check_regime(data, result, tiny_chaotic_dir)
+    oracle = data["modes"].pop("oracle")  # its hits are its own record: it ran turn 1 too
+    basic = data["modes"]["basic"]  # (without turn 1 of its own, the oracle hit nothing)
+    one_block = 16 / basic["prompt_tokens"]  # the oracle's record ends a block early at times
+    assert abs(oracle["hit_rate"] - basic["hit_rate"]) <= 2 * one_block  # one per session
+    assert oracle["pe_read_bytes"] == [0] and oracle["de_read_bytes"] == [0, 0]
     del data["modes"]["recompute"]
     for mode, s in data["modes"].items():
         assert s["jct_s"] > 0 and 0 < s["mean_ttft_s"] <= s["mean_turn_latency_s"], mode
@@ -90,7 +110,7 @@ def test_demo_runs_its_modes_and_reports_the_table_and_the_regime(tiny_chaotic_d
     assert data["summary"]["dualpath_speedup"] == pytest.approx(basic["jct_s"] / dual["jct_s"])
     assert data["machine"]["cpu_model"] and data["summary"]["jct_s"]["basic"] > 0
     assert all(r["turns"] == 2 for r in data["rows"])  # 2 sessions x turn 2 (turn 1 untimed)
-    assert render_table(result).row_count == 3
+    assert render_table(result).row_count == 4
 
 
 def _check_regime(data: dict, result: dict, model_dir) -> None:

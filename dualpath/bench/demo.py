@@ -182,12 +182,16 @@ def _run_mode(cluster: LocalCluster, mode: str, agents: list[list[AgentTurn]],
     _empty(cluster, store)
     bar.update(task, description=f"{mode}: warming up")
     run_turns(cluster, warmup, mode, timeout_s=120.0, label="demo warm-up")
-    if primed is None:
+    if primed is None or mode == Mode.ORACLE:  # an oracle's hits are the router's record of
+        # earlier oracle requests, not the store: it runs the first turns itself (greedy: the
+        # same contexts)
         bar.update(task, description=f"{mode}: first turns (untimed)")
-        primed = run_turns(cluster, [a[:1] for a in agents], mode, timeout_s=options.timeout_s,
-                           label="demo first turns")["contexts"]
-        _wait_for_writes(cluster)
-        shutil.copytree(store, first_turns)
+        contexts = run_turns(cluster, [a[:1] for a in agents], mode,
+                             timeout_s=options.timeout_s, label="demo first turns")["contexts"]
+        if primed is None:
+            _wait_for_writes(cluster)
+            shutil.copytree(store, first_turns)
+            primed = contexts
     else:
         shutil.copytree(first_turns, store, dirs_exist_ok=True)
     before = node_reads(cluster.metrics())

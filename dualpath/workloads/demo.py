@@ -90,15 +90,20 @@ def scale_session(turns: list[Turn], scale: int = SCALE,
 
 def select_sessions(sessions: Iterable[tuple[str, list[Turn]]], count: int = SESSIONS,
                     turns: int = TURNS, scale: int = SCALE, max_context: int = MAX_CONTEXT,
-                    first_prompt_max: int = FIRST_PROMPT_MAX) -> list[DemoSession]:
+                    first_prompt_max: int = FIRST_PROMPT_MAX,
+                    first_turn: int = 1) -> list[DemoSession]:
     """The first ``count`` sessions that start at most ``first_prompt_max`` tokens long and
-    have ``turns`` turns that fit ``max_context`` once scaled (no more of ``sessions`` is read
-    once they are found)."""
+    whose ``turns`` turns from turn ``first_turn`` (1-based) on fit ``max_context`` once
+    scaled (no more of ``sessions`` is read once they are found). A window's first turn keeps
+    nothing: it is a cold prefill of that turn's whole prompt."""
+    if first_turn < 1:
+        raise ValueError(f"first_turn counts from 1, got {first_turn}")
     kept: list[DemoSession] = []
     for name, session in sessions:
-        if len(session) < turns or session[0].prompt > first_prompt_max:
+        window = session[first_turn - 1:first_turn - 1 + turns]
+        if len(window) < turns or session[0].prompt > first_prompt_max:
             continue
-        scaled = scale_session(session[:turns], scale)
+        scaled = scale_session(window, scale)
         if max(t.prompt + t.gen for t in scaled) <= max_context:
             kept.append(DemoSession(Path(name).stem, tuple(scaled)))
             if len(kept) == count:
@@ -147,8 +152,12 @@ def _manifest(folder: Path) -> dict[str, dict[str, str]]:
         return {row["file"]: row for row in csv.DictReader(f, delimiter="\t")}
 
 
-def write_demo_trace(out: Path | None = None, root: Path | None = None) -> Path:
-    """Remake the excerpt from ``shared/traces`` (or ``root``); returns the file written."""
+def write_demo_trace(out: Path | None = None, root: Path | None = None, first_turn: int = 1,
+                     turns: int = TURNS, scale: int = SCALE, count: int = SESSIONS,
+                     max_context: int = MAX_CONTEXT) -> Path:
+    """Remake the excerpt from ``shared/traces`` (or ``root``); returns the file written.
+    ``first_turn``: the top-level turn (1-based) each session's window starts at; its first
+    turn is then a cold prefill of that turn's whole prompt (untimed in the demo)."""
     from dualpath.workloads.sim_traces import chain_turns
     from dualpath.workloads.trace_files import trace_file
     from dualpath.workloads.weka import weka_members, weka_sessions
@@ -156,16 +165,17 @@ def write_demo_trace(out: Path | None = None, root: Path | None = None) -> Path:
     archive = trace_file("weka", root)
     manifest = _manifest(archive.parent)
     stream = weka_sessions(weka_members(archive), str(archive))
-    sessions = select_sessions((s.parent.name, chain_turns(s.parent.requests, s.parent.block))
-                               for s in stream)
+    sessions = select_sessions(
+        ((s.parent.name, chain_turns(s.parent.requests, s.parent.block)) for s in stream),
+        count=count, turns=turns, scale=scale, max_context=max_context, first_turn=first_turn)
     stream.close()
     out = out or Path(str(resources.files("dualpath.workloads.data").joinpath(DATA_FILE)))
     data = {
         "name": "weka-agentic-demo",
         "source": f"{UPSTREAM}, archive {archive.parent.name}/{archive.name}",
         "license": f"Apache-2.0; see {LICENSE_FILE}",
-        "scale": SCALE, "turns_per_session": TURNS, "max_context": MAX_CONTEXT,
-        "first_prompt_max": FIRST_PROMPT_MAX,
+        "scale": scale, "first_turn": first_turn, "turns_per_session": turns,
+        "max_context": max_context, "first_prompt_max": FIRST_PROMPT_MAX,
         "rule": "first sessions in archive order whose first request has at most "
                 "first_prompt_max tokens and whose first turns_per_session top-level turns "
                 "(sub-agents skipped) fit max_context after dividing token counts by scale; "
@@ -177,11 +187,12 @@ def write_demo_trace(out: Path | None = None, root: Path | None = None) -> Path:
     }
     out.write_text(json.dumps(data, indent=1) + "\n")
     upstream = (archive.parent / "LICENSE").read_text()
-    out.with_name(LICENSE_FILE).write_text(_notice(sessions) + "\n" + "-" * 80 + "\n\n" + upstream)
+    notice = _notice(sessions, first_turn, turns, scale)
+    out.with_name(LICENSE_FILE).write_text(notice + "\n" + "-" * 80 + "\n\n" + upstream)
     return out
 
 
-def _notice(sessions: list[DemoSession]) -> str:
+def _notice(sessions: list[DemoSession], first_turn: int, turns: int, scale: int) -> str:
     """Where the excerpt comes from and what was changed (Apache-2.0 §4(b))."""
     names = ", ".join(s.trace for s in sessions)
     paragraphs = [
@@ -189,10 +200,11 @@ def _notice(sessions: list[DemoSession]) -> str:
         f"{DATA_FILE} is derived from the Weka agentic coding traces ({names} of the dev set), "
         f"published by Callan Fox in {UPSTREAM} under the Apache License, Version 2.0, "
         "reproduced below.",
-        f"Changes made: only the first {TURNS} top-level requests of each of these sessions are "
-        "kept (sub-agent requests dropped); of each request only token counts are kept (input "
-        "and output lengths, and the shared-prefix length derived from the block hash ids), "
-        f"each divided by {SCALE} and rounded; hash ids, timings and every other field are "
+        f"Changes made: only {turns} top-level requests of each of these sessions are kept, "
+        f"from its request {first_turn} on (sub-agent requests dropped); of each request only "
+        "token counts are kept (input and output lengths, and the shared-prefix length derived "
+        f"from the block hash ids), each divided by {scale} and rounded; hash ids, timings and "
+        "every other field are "
         "dropped. The file is made from the upstream archive by dualpath/workloads/demo.py.",
     ]
     return "\n\n".join(textwrap.fill(p, 92, break_on_hyphens=False) for p in paragraphs) + "\n"
