@@ -5,9 +5,11 @@ storage into this engine's host buffer as soon as the request arrives (the node'
 so reads overlap the compute of earlier requests. Requests whose reads are done are batched
 in arrival order under the compute quota (``scheduler/batch.py``, docs/paper.md §5.5): whole
 requests while the predicted time fits, then the largest chunk of the next one; the rest of a
-chunked request goes into later batches. Without a cost model (no profile) each forward takes
-the first request's next ``max_num_batched_tokens`` (whole blocks), so no forward is longer than
-a step's budget of tokens and the heartbeat's progress moves at the pace of a chunk's layers.
+chunked request goes into later batches. Without a cost model (no profile) a forward takes the
+first request's next chunk of at most ``max_num_batched_tokens`` (whole blocks) and then whole
+later requests while the forward's tokens stay within that budget, as vLLM's scheduler does, so
+no forward is longer than a step's budget of tokens and the heartbeat's progress moves at the
+pace of a chunk's layers.
 The queue is in placement order (the router's wire ids: a DE-path request, which
 arrives once its DE buffer is filled, takes the place it was given), and a request still
 reading is passed over, not waited for, so a long read on this node's storage NIC does not
@@ -274,10 +276,10 @@ class PrefillWorker:
         return [ReadDone(job.msg.req_id, job.num_hit_blocks)]
 
     def _pick(self, ready: list[PrefillJob]) -> list[tuple[PrefillJob, int]]:
-        """(job, tokens to compute now) under the compute quota, FIFO; without a cost model the
-        first job's next chunk of at most ``max_num_batched_tokens``."""
+        """(job, tokens to compute now) under the compute quota, FIFO; without a cost model
+        under the token budget (:meth:`_budget_batch`)."""
         if self.cost_model is None:
-            return [(ready[0], self._chunk(ready[0]))]
+            return self._budget_batch(ready)
         fifo = [(i, self._cached(job), self._remaining(job)) for i, job in enumerate(ready)]
         chosen = build_prefill_batch(fifo, self.quota_ms, self.cost_model)
         batch = []
@@ -286,6 +288,22 @@ class PrefillWorker:
                 break  # no contiguous cache room: wait for earlier requests to finish
             batch.append((ready[i], bsz))
         return batch or [(ready[0], self._remaining(ready[0]))]
+
+    def _budget_batch(self, ready: list[PrefillJob]) -> list[tuple[PrefillJob, int]]:
+        """Without a cost model, vLLM's token budget: the first job's next chunk (at most
+        ``max_num_batched_tokens``), then whole later jobs in FIFO order while the batch's
+        tokens stay within it. A forward reads every weight once whatever its tokens, so the
+        short turns of agents (tens of new tokens on a cached context) share one."""
+        first = ready[0]
+        batch = [(first, self._chunk(first))]
+        budget = self.engine.config.max_num_batched_tokens - batch[0][1]
+        for job in ready[1:]:
+            need = self._remaining(job)
+            if need > budget or (job.seq is None and self._start(job) is None):
+                break  # FIFO: no later job jumps one that does not fit
+            batch.append((job, need))
+            budget -= need
+        return batch
 
     def _chunk(self, job: PrefillJob) -> int:
         """The job's next chunk: what remains, cut to ``max_num_batched_tokens`` rounded down

@@ -118,6 +118,27 @@ def test_without_a_cost_model_a_prompt_is_prefilled_in_chunks(tiny_llama_dir):
         [list(PROMPT)], SamplingParams(max_tokens=1))[0].output_ids[0]
 
 
+def test_without_a_cost_model_short_prompts_share_a_forward_within_the_token_budget(
+        tiny_llama_dir):
+    """Three 19-token prompts under a 45-token budget: the first two share a forward, the
+    third (which would make 57) takes the next; each gets its own first token."""
+    pair = Pair(tiny_llama_dir, max_num_batched_tokens=45)
+    prompts = {req_id: tuple(range(7 * req_id, 7 * req_id + BLOCK + 3)) for req_id in (1, 2, 3)}
+    for req_id, prompt in prompts.items():
+        (ready,) = pair.de.handle(AllocBuffer(req_id, prompt, 2, 0))
+        pair.pe.handle(Prefill(req_id, prompt, 0, "pe", pair.de_backend.endpoint,
+                               ready.buffer_addr, params=SamplingParams(max_tokens=2)))
+    firsts = {}
+    while pair.pe.held_requests():
+        firsts.update({m.req_id: m.first_token for m in pair.pe.work()
+                       if hasattr(m, "first_token")})
+    metrics = pair.pe.metrics()
+    assert metrics["num_prefilled"] == 3 and metrics["num_forwards"] == 2
+    reference = engine_of(tiny_llama_dir).generate([list(p) for p in prompts.values()],
+                                                   SamplingParams(max_tokens=1))
+    assert firsts == {r: out.output_ids[0] for r, out in zip(prompts, reference, strict=True)}
+
+
 def test_a_vllm_call_that_has_received_nothing_is_work_not_moving():
     worker = VllmPrefillWorker.__new__(VllmPrefillWorker)
     worker._calls, worker._s_per_token = {}, None
