@@ -132,3 +132,13 @@ def _check_regime(data: dict, result: dict, model_dir) -> None:
     assert got["rho"] == pytest.approx(got["hit_per_computed"] * got["kappa"])
     assert summary["recompute_vs_basic"] == pytest.approx(recompute["jct_s"] / basic["jct_s"])
     assert got["line"] in render_table(result).title
+
+
+def test_an_oracle_first_leaves_the_next_mode_its_first_turns(tiny_chaotic_dir, tmp_path):
+    """The oracle stores nothing: a mode after it runs the first turns itself and still hits."""
+    result = run_demo(DemoOptions(model=str(tiny_chaotic_dir), sessions=2, turns=2,
+                                  block_size=16, read_cap_mb_s=50.0, json_path=None,
+                                  modes=("oracle", "dualpath")))
+    oracle, dual = result["modes"]["oracle"], result["modes"]["dualpath"]
+    assert dual["hit_rate"] > 0.5 and sum(dual["pe_read_bytes"] + dual["de_read_bytes"]) > 0
+    assert abs(oracle["hit_rate"] - dual["hit_rate"]) <= 2 * 16 / dual["prompt_tokens"]

@@ -54,7 +54,13 @@ from dualpath.bench.demo_report import (
 )
 from dualpath.bench.regime import ladder_regime
 from dualpath.bench.replay import run_turns
-from dualpath.bench.report import bar_chart, cpu_model, machine_profile, write_json
+from dualpath.bench.report import (
+    bar_chart,
+    cpu_model,
+    kv_bytes_per_token,
+    machine_profile,
+    write_json,
+)
 from dualpath.commands.args import add_device_argument, names, optional
 from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
@@ -182,16 +188,17 @@ def _run_mode(cluster: LocalCluster, mode: str, agents: list[list[AgentTurn]],
     _empty(cluster, store)
     bar.update(task, description=f"{mode}: warming up")
     run_turns(cluster, warmup, mode, timeout_s=120.0, label="demo warm-up")
-    if primed is None or mode == Mode.ORACLE:  # an oracle's hits are the router's record of
-        # earlier oracle requests, not the store: it runs the first turns itself (greedy: the
-        # same contexts)
+    # An oracle's hits are the router's record of earlier oracle requests, not the store, and
+    # it stores nothing: it runs the first turns itself, as does the first mode that stores
+    # (greedy decoding: the same contexts in every mode)
+    if mode == Mode.ORACLE or not first_turns.exists():
         bar.update(task, description=f"{mode}: first turns (untimed)")
         contexts = run_turns(cluster, [a[:1] for a in agents], mode,
                              timeout_s=options.timeout_s, label="demo first turns")["contexts"]
-        if primed is None:
+        if mode != Mode.ORACLE:
             _wait_for_writes(cluster)
             shutil.copytree(store, first_turns)
-            primed = contexts
+        primed = primed or contexts
     else:
         shutil.copytree(first_turns, store, dirs_exist_ok=True)
     before = node_reads(cluster.metrics())
@@ -267,8 +274,8 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, 
     finally:
         for path in ([work] if options.work_dir is None else [work / "kv", work / "first-turns"]):
             shutil.rmtree(path, ignore_errors=True)
-    kv_bytes = load_spec(model_dir).kv_bytes_per_token(options.dtype)
-    result = _result(options, header, sessions, model_dir.name, rows, kv_bytes)
+    result = _result(options, header, sessions, model_dir.name, rows,
+                     kv_bytes_per_token(model_dir, options.dtype))
     result["wall_s"] = time.perf_counter() - began
     result["startup_s"] = startup_s
     console.print(render_table(result))

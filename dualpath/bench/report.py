@@ -77,6 +77,15 @@ def host_cpu_shares(before: dict[str, int], after: dict[str, int]) -> dict[str, 
     return {"busy_frac": busy / total, "steal_frac": delta.get("steal", 0) / total}
 
 
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """Bytes of KV one token holds in the engines' (and the store's) layout when they compute
+    in ``dtype`` (``auto``: the checkpoint's)."""
+    from dualpath.model.spec import load_spec, resolve_dtype, resolve_kv_dtype
+
+    spec = load_spec(model_dir)
+    return spec.kv_bytes_per_token(resolve_kv_dtype("auto", resolve_dtype(dtype, spec)))
+
+
 def write_json(path: str | Path, result: dict[str, Any]) -> Path:
     """Write ``result`` (must hold a ``summary``) as indented JSON; returns the path."""
     if "summary" not in result:

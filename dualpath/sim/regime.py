@@ -1,5 +1,5 @@
-"""The regime (``bench/regime.py``: h, hit/computed, κ, ρ) of a simulated configuration, so
-that ``dualpath sim`` shows the paper's setting beside the testbed's.
+"""The regime (``bench/regime.py``: h, hit/computed, κ, ρ) of a simulated configuration:
+``dualpath sim`` prints the paper's setting (a testbed profile's line is still to come).
 
 From the configuration alone, nothing simulated:
 

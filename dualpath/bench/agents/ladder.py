@@ -55,7 +55,12 @@ from dualpath.bench.agents.run import HttpRun, PythonRun
 from dualpath.bench.agents.turns import prime, timed_sim_turns
 from dualpath.bench.cluster import testbed_config
 from dualpath.bench.demo import warmup_turns
-from dualpath.bench.report import host_cpu_shares, host_cpu_ticks, machine_profile
+from dualpath.bench.report import (
+    host_cpu_shares,
+    host_cpu_ticks,
+    kv_bytes_per_token,
+    machine_profile,
+)
 from dualpath.config import ClusterConfig, VllmConfig
 from dualpath.vocab import EngineKind, Mode, Rung
 from dualpath.workloads.turns import AgentTurn
@@ -229,18 +234,10 @@ def seconds_spent(before: dict[str, dict[str, float]],
             for name, counters in after.items()}
 
 
-def kv_bytes_per_token(options: AgentsOptions, model_dir: Path) -> int:
-    """Bytes of KV one token holds in the engines' (and the store's) layout."""
-    from dualpath.model.spec import load_spec, resolve_dtype, resolve_kv_dtype
-
-    spec = load_spec(model_dir)
-    return spec.kv_bytes_per_token(resolve_kv_dtype("auto", resolve_dtype(options.dtype, spec)))
-
-
 def timed_hit_bytes(workload: Any, options: AgentsOptions, model_dir: Path) -> int:
     """Bytes of KV the timed run's hits read from storage (the same in every mode but oracle)."""
     hits = sum(t.hit for traj in timed_sim_turns(workload, options) for t in traj)
-    return hits * kv_bytes_per_token(options, model_dir)
+    return hits * kv_bytes_per_token(model_dir, options.dtype)
 
 
 def calibrated_cap_mb_s(hit_bytes: int, oracle_jct_s: float) -> float:
@@ -301,7 +298,7 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
         if options.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     result = build_result(options, workload, model_dir.name, offline, online,
-                          kv_bytes_per_token(options, model_dir))
+                          kv_bytes_per_token(model_dir, options.dtype))
     result["summary"]["read_cap_mb_s"] = options.read_cap_mb_s
     result["summary"]["read_cap_calibration"] = calibration
     result["wall_s"] = time.perf_counter() - began
