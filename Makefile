@@ -54,8 +54,8 @@ $(STAMP): requirements.lock requirements-$(FLAVOUR).lock pyproject.toml
 model: $(STAMP)
 	$(BIN)/dualpath prepare-model
 
-# Replays real agent sessions on a local 1 PE + 2 DE cluster in basic and dualpath mode and
-# prints one table (JCT, TTFT, hit rate, bytes read per node, speed-up); results/demo.json.
+# Replays real agent sessions (turns 21-25, h 98%) on a local 1 PE + 2 DE cluster in basic,
+# dualpath, oracle and recompute mode and prints one table (JCT, TTFT, hit rate, bytes read per node, speed-up); results/demo.json.
 demo: setup
 	$(BIN)/dualpath demo
 

@@ -26,9 +26,12 @@ def test_excerpt_ships_in_the_package_with_its_license():
     assert data.joinpath(DATA_FILE).is_file() and data.joinpath(LICENSE_FILE).is_file()
     text = license_text()
     assert "Apache License" in text and "Version 2.0" in text
-    assert "callanjfox/kv-cache-tester" in text and "divided by 32" in text
+    words = " ".join(text.split())
+    assert "callanjfox/kv-cache-tester" in words and "divided by 96" in words
+    assert "from its request 21 on" in words
     sessions, header = load_demo_trace()
-    assert header["scale"] == 32 and "Apache-2.0" in header["license"]
+    assert header["scale"] == 96 and header["first_turn"] == 21
+    assert "Apache-2.0" in header["license"]
     assert len(sessions) == 8 and all(len(s.turns) == 5 for s in sessions)
     for s in sessions:
         assert s.trace in text  # every session is named in the NOTICE
@@ -66,7 +69,7 @@ def test_selection_skips_resumed_short_and_too_long_sessions():
     huge = [Turn(prompt=16_000, hit=0, gen=100), Turn(prompt=200_000, hit=15_936, gen=100)]
     picked = select_sessions([("a/resumed.json", resumed), ("a/short.json", fresh[:1]),
                               ("a/huge.json", huge), ("a/fresh.json", fresh),
-                              ("a/never-read.json", fresh)], count=1, turns=2)
+                              ("a/never-read.json", fresh)], count=1, turns=2, scale=32)
     assert [s.trace for s in picked] == ["fresh"]
 
 
@@ -77,7 +80,7 @@ def test_a_window_of_later_turns_starts_cold_and_keeps_the_sessions_start_rule()
                Turn(prompt=17_600, hit=17_088, gen=64)]
     resumed = [Turn(prompt=71_000, hit=0, gen=100), *session[1:]]
     (picked,) = select_sessions([("a/resumed.json", resumed), ("a/s.json", session)],
-                                count=2, turns=2, first_turn=2)
+                                count=2, turns=2, first_turn=2, scale=32)
     assert picked.trace == "s" and picked.turns == (
         DemoTurn(prompt=531, keep=0, gen=3), DemoTurn(prompt=550, keep=534, gen=2))
     assert select_sessions([("a/s.json", session)], turns=3, first_turn=2) == []  # too short

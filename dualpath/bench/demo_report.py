@@ -11,7 +11,7 @@ from rich.table import Table
 from dualpath.bench.regime import recompute_s_per_token
 from dualpath.vocab import Role
 
-COUNTERS = ("read_bytes", "read_deadline_misses", "compute_s", "computed_tokens")
+COUNTERS = ("read_bytes", "read_deadline_misses", "compute_s", "computed_tokens", "forwards")
 
 
 def node_reads(metrics: dict[str, dict]) -> list[dict[str, Any]]:
@@ -26,6 +26,7 @@ def node_reads(metrics: dict[str, dict]) -> list[dict[str, Any]]:
         node["read_deadline_misses"] += int(m.get("storage_read_deadline_misses", 0))
         node["compute_s"] += m.get("forward_s_total", 0.0) - m.get("layer_wait_s_total", 0.0)
         node["computed_tokens"] += int(m.get("num_computed_tokens", 0))
+        node["forwards"] += int(m.get("num_forwards", 0))
     return [nodes[k] for k in sorted(nodes)]
 
 

@@ -34,10 +34,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from dualpath.workloads.notices import with_notice
 from dualpath.workloads.turns import Turn
 
-SCALE = 32  # divide the trace's token counts by this
-TURNS = 5  # leading top-level turns kept per session
+SCALE = 96  # divide the trace's token counts by this
+# The window of top-level turns kept starts here (1-based): past the early turns, whose hit rate
+# against the previous turn is the traces' lowest (95.2% for turns 2-5, 97.5% for 21-50), so
+# the demo reloads what an agent in its stride reloads (h 98% at 16-token blocks).
+FIRST_TURN = 21
+TURNS = 5  # top-level turns kept per session, from FIRST_TURN on
 SESSIONS = 8  # sessions kept
 MAX_CONTEXT = 3584  # tokens (prompt + generated) a kept turn may reach after scaling
 # Raw tokens of a session's first request: sessions that begin at the agent's ~15K-token
@@ -152,7 +157,8 @@ def _manifest(folder: Path) -> dict[str, dict[str, str]]:
         return {row["file"]: row for row in csv.DictReader(f, delimiter="\t")}
 
 
-def write_demo_trace(out: Path | None = None, root: Path | None = None, first_turn: int = 1,
+def write_demo_trace(out: Path | None = None, root: Path | None = None,
+                     first_turn: int = FIRST_TURN,
                      turns: int = TURNS, scale: int = SCALE, count: int = SESSIONS,
                      max_context: int = MAX_CONTEXT) -> Path:
     """Remake the excerpt from ``shared/traces`` (or ``root``); returns the file written.
@@ -187,8 +193,9 @@ def write_demo_trace(out: Path | None = None, root: Path | None = None, first_tu
     }
     out.write_text(json.dumps(data, indent=1) + "\n")
     upstream = (archive.parent / "LICENSE").read_text()
-    notice = _notice(sessions, first_turn, turns, scale)
-    out.with_name(LICENSE_FILE).write_text(notice + "\n" + "-" * 80 + "\n\n" + upstream)
+    license_path = out.with_name(LICENSE_FILE)  # the sample's NOTICE is kept there
+    license_path.write_text(with_notice(license_path, _notice(sessions, first_turn, turns, scale),
+                                        upstream))
     return out
 
 
