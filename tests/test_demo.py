@@ -97,6 +97,7 @@ def test_demo_runs_its_modes_and_reports_the_table_and_the_regime(tiny_chaotic_d
     assert out.with_suffix(".png").stat().st_size > 0
     assert set(data["modes"]) == {"basic", "dualpath", "recompute", "oracle"}
     _check_regime(data, result, tiny_chaotic_dir)
+    modes_before = dict(data["modes"])
     oracle = data["modes"].pop("oracle")  # its hits are its own record: it ran turn 1 too
     basic = data["modes"]["basic"]  # (without turn 1 of its own, the oracle hit nothing)
     one_block = 16 / basic["prompt_tokens"]  # the oracle's record ends a block early at times
@@ -107,6 +108,11 @@ def test_demo_runs_its_modes_and_reports_the_table_and_the_regime(tiny_chaotic_d
         assert s["jct_s"] > 0 and 0 < s["mean_ttft_s"] <= s["mean_turn_latency_s"], mode
         assert len(s["pe_read_bytes"]) == 1 and len(s["de_read_bytes"]) == 2
         assert s["read_deadline_misses"] == 0 and s["retried_turns"] == 0
+    for row in data["rows"]:  # every engine process worked in every timed part
+        assert set(row["cpu_s"]) == {"prefill", "decode"} and min(row["cpu_s"].values()) > 0
+        s = modes_before[row["mode"]]
+        cores = data["machine"]["cpus"]
+        assert s["cores_busy"] == pytest.approx(sum(row["cpu_s"].values()) / cores / s["jct_s"])
     dual, basic = data["modes"]["dualpath"], data["modes"]["basic"]
     assert dual["hit_rate"] > 0 and dual["hit_rate"] == basic["hit_rate"]  # turn 2 reloads
     assert sum(basic["de_read_bytes"]) == 0 and basic["pe_read_bytes"][0] > 0

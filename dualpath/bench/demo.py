@@ -209,11 +209,15 @@ def _run_mode(cluster: LocalCluster, mode: str, agents: list[list[AgentTurn]],
         primed = primed or contexts
     else:
         shutil.copytree(first_turns, store, dirs_exist_ok=True)
-    before = node_reads(cluster.metrics())
+    before, cpu_before = node_reads(cluster.metrics()), cluster.engine_cpu_s()
     bar.update(task, description=f"{mode}: replaying turns 2+")
     row = run_turns(cluster, [a[1:] for a in agents], mode, lambda: bar.advance(task),
                     options.timeout_s, label="demo", contexts=primed)
     row["nodes"] = minus_reads(node_reads(cluster.metrics()), before)
+    # the engines' CPU-seconds over the timed turns, by role: on a small host every mode
+    # shares its cores, and moving KV costs CPU there (docs/results.md, "The regime")
+    row["cpu_s"] = {role: s - cpu_before.get(role, 0.0)
+                    for role, s in cluster.engine_cpu_s().items()}
     assert cluster.router is not None
     row["router"] = cluster.router.counters()
     row["untimed_s"] = time.perf_counter() - began - row["jct_s"]  # store, warm-up, first turns
@@ -300,7 +304,8 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, 
 
 def _result(options: DemoOptions, header: dict[str, Any], sessions: list[DemoSession],
             model: str, rows: list[dict[str, Any]], kv_bytes_per_token: int) -> dict[str, Any]:
-    modes = {r["mode"]: summarize(r, options.read_cap_mb_s) for r in rows}
+    cores = machine_profile()["cpus"] or 1
+    modes = {r["mode"]: summarize(r, options.read_cap_mb_s, cores) for r in rows}
     jct = {m: s["jct_s"] for m, s in modes.items()}
     summary: dict[str, Any] = {"jct_s": jct,
                                "mean_ttft_s": {m: s["mean_ttft_s"] for m, s in modes.items()},

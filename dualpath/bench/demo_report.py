@@ -30,8 +30,9 @@ def node_reads(metrics: dict[str, dict]) -> list[dict[str, Any]]:
     return [nodes[k] for k in sorted(nodes)]
 
 
-def summarize(row: dict[str, Any], read_cap_mb_s: float) -> dict[str, Any]:
-    """The table's figures of one mode's run (``run_turns`` output plus ``nodes``)."""
+def summarize(row: dict[str, Any], read_cap_mb_s: float, cores: int) -> dict[str, Any]:
+    """The table's figures of one mode's run (``run_turns`` output plus ``nodes`` and the
+    engines' ``cpu_s`` by role) on a host of ``cores`` CPUs."""
     records = [r for recs in row["records"] for r in recs]
     n = max(1, len(records))
     pe = [x["read_bytes"] for x in row["nodes"] if x["role"] == Role.PREFILL]
@@ -47,7 +48,11 @@ def summarize(row: dict[str, Any], read_cap_mb_s: float) -> dict[str, Any]:
             # bytes the busiest prefill-node NIC read / what its cap allows over the JCT
             "pe_snic_busy": max(pe, default=0) / (read_cap_mb_s * 1e6 * row["jct_s"]),
             "read_deadline_misses": sum(x["read_deadline_misses"] for x in row["nodes"]),
-            "retried_turns": sum(r.attempts > 1 for r in records)}
+            "retried_turns": sum(r.attempts > 1 for r in records),
+            "engine_cpu_s": sum(row.get("cpu_s", {}).values()),
+            # the engines' CPU-seconds / what the host's cores give over the JCT: near 100%,
+            # the mode is CPU-bound whatever its NICs could carry
+            "cores_busy": sum(row.get("cpu_s", {}).values()) / (max(1, cores) * row["jct_s"])}
 
 
 def minus_reads(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -74,9 +79,10 @@ def render_table(result: dict[str, Any]) -> Table:
                   caption="JCT: until the last agent's last turn. TTFT: submit to first token; "
                   "turn: submit to last token (means over turns). Hit: prompt tokens loaded "
                   "from storage. Read: MB through each node's storage NIC. PE busy: PE node "
-                  "reads / (cap x JCT). Speed-up: basic JCT / JCT.")
+                  "reads / (cap x JCT). Cores busy: the engines' CPU-seconds / (cores x JCT). "
+                  "Speed-up: basic JCT / JCT.")
     for col in ("mode", "JCT\n(s)", "TTFT\n(s)", "turn\n(s)", "hit\nrate", "read PE\n(MB)",
-                "read DEs\n(MB)", "PE\nbusy", "speed-\nup"):
+                "read DEs\n(MB)", "PE\nbusy", "cores\nbusy", "speed-\nup"):
         table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     base = result["summary"]["jct_s"].get("basic")
     for mode, s in result["modes"].items():
@@ -84,7 +90,7 @@ def render_table(result: dict[str, Any]) -> Table:
         table.add_row(mode, f"{s['jct_s']:.1f}", f"{s['mean_ttft_s']:.2f}",
                       f"{s['mean_turn_latency_s']:.2f}", f"{s['hit_rate']:.1%}",
                       _mb(s["pe_read_bytes"]), _mb(s["de_read_bytes"]),
-                      f"{s['pe_snic_busy']:.0%}", speedup)
+                      f"{s['pe_snic_busy']:.0%}", f"{s['cores_busy']:.0%}", speedup)
     return table
 
 

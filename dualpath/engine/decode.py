@@ -34,6 +34,7 @@ from dualpath.engine.futures import all_of
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.errors import OutOfBlocksError
 from dualpath.kv.host_pool import HostPool
+from dualpath.kv.runs import paired_runs
 from dualpath.protocol import (
     Abort,
     Aborted,
@@ -213,12 +214,13 @@ class DecodeWorker(DecodeStorage):
 
     def _copy_in(self, slots: list[int], table: list[int]) -> list[Future[None]]:
         """Host buffer -> device cache, every block in one submission, on the NIC's KV-load
-        lane."""
+        lane: a copy per run of consecutive cache blocks (``kv/runs.py``)."""
         data = self.engine.runner.cache.data
         layer_major = self._layer_major(slots).view(data.dtype)
         layer_major = layer_major.view(data.shape[0], len(slots), *data.shape[2:])
-        pairs = [(data[:, block], layer_major[:, b])
-                 for b, block in enumerate(table[: len(slots)])]  # the table has room to grow
+        table = table[: len(slots)]  # the table has room to grow
+        pairs = [(data[:, block : block + n], layer_major[:, b : b + n])
+                 for block, b, n in paired_runs(table, range(len(table)))]
         return [self.traffic.submit_copies(pairs, Lane.KV_LOAD)]
 
     def _end_copies(self) -> list[Message]:

@@ -42,6 +42,7 @@ from dualpath.engine.cuda_events import EventWatcher, shared_watcher, stream_wai
 from dualpath.engine.futures import all_of
 from dualpath.kv.cache import PagedKVCache
 from dualpath.kv.host_pool import HostPool
+from dualpath.kv.runs import paired_runs
 from dualpath.model.hooks import LayerHooks
 from dualpath.traffic.copies import CopyIssue
 from dualpath.traffic.lanes import Lane
@@ -265,8 +266,7 @@ class PrefillHooks(LayerHooks):
         host = plan.host_loads()
         if host:  # PE host buffer -> device (CNIC-assisted copies, one submission a layer)
             assert self.host_pool is not None
-            pairs = [(self._cache_view(layer_idx, plan.pe_blocks[j]),
-                      self._host_view(plan.pe_slots[j], layer_idx)) for j in host]
+            pairs = self._host_pairs(layer_idx, host)
             if self._on_cuda:  # the compute stream waits for the copy stream's events
                 issue = CopyIssue()
                 copied = self.traffic.submit_copies(pairs, Lane.KV_LOAD, "h2d", after=after,
@@ -297,10 +297,17 @@ class PrefillHooks(LayerHooks):
         return self.traffic.submit("write", plan.de_endpoint, segments, Lane.KV_FORWARD,
                                    after=computed)
 
-    def _cache_view(self, layer_idx: int, block: int) -> torch.Tensor:
-        return self.cache.layer(layer_idx)[block].view(-1).view(torch.uint8)
-
-    def _host_view(self, slot: int, layer_idx: int) -> torch.Tensor:
+    def _host_pairs(self, layer_idx: int, host: range) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cache, host) views of layer ``layer_idx`` of the ``host`` prompt blocks, one pair
+        per run of consecutive cache blocks in consecutive slots (``[n, layer block bytes]``)."""
         assert self.host_pool is not None
-        return self.host_pool.tensor(slot)[layer_idx * self.lb : (layer_idx + 1) * self.lb]
+        plan, layer = self.plan, self.cache.layer(layer_idx)
+        blocks = [plan.pe_blocks[j] for j in host]
+        slots = [plan.pe_slots[j] for j in host]
+        runs = [(layer[block : block + n].view(n, -1).view(torch.uint8),
+                 self.host_pool.columns(slot, n, layer_idx * self.lb, self.lb))
+                for block, slot, n in paired_runs(blocks, slots)]
+        if self._on_cuda:  # a strided pinned source would be staged by torch: block by block
+            return [(dst[i], src[i]) for dst, src in runs for i in range(len(dst))]
+        return runs
 

@@ -146,6 +146,7 @@ class HostPool:
         if count > self._num_free:
             raise self._exhausted(count, "")
         slots = [i for i in range(self.num_slots - 1, -1, -1) if self._is_free[i]][:count]
+        slots.sort()  # ascending: consecutive blocks land in consecutive slots (kv/runs.py)
         self._take(slots)
         return slots
 
@@ -186,6 +187,18 @@ class HostPool:
             raise IndexError(f"slots [{first_slot}, {first_slot + count}) out of range")
         start = first_slot * self.slot_bytes
         return self.slab[start : start + count * self.slot_bytes]
+
+    def columns(self, first_slot: int, count: int, start_byte: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[start_byte, start_byte + nbytes)`` of each of ``count`` consecutive slots
+        from ``first_slot``: a ``[count, nbytes]`` uint8 view (no copy), e.g. one layer of a
+        run of blocks."""
+        if first_slot < 0 or first_slot + count > self.num_slots:
+            raise IndexError(f"slots [{first_slot}, {first_slot + count}) out of range")
+        if start_byte < 0 or start_byte + nbytes > self.payload_bytes:
+            raise IndexError(f"bytes [{start_byte}, {start_byte + nbytes}) outside a "
+                             f"{self.payload_bytes}-byte payload")
+        rows = self.slab.view(self.num_slots, self.slot_bytes)[first_slot : first_slot + count]
+        return rows[:, start_byte : start_byte + nbytes]
 
     def tensor(self, slot: int) -> torch.Tensor:
         """The slot's payload as a uint8 tensor view (no copy)."""

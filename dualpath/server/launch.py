@@ -235,6 +235,15 @@ class LocalCluster(ClusterBase):
         """The OS process of engine ``name`` (e.g. to stop it in a failure test)."""
         return self._names[name]
 
+    def engine_cpu_s(self) -> dict[str, float]:
+        """CPU-seconds (user + system) the engine processes and their children (a vLLM
+        instance) have used so far, summed by role; an engine that has exited counts 0."""
+        roles = {name: role for name, role, _ in engine_roles(self.config)}
+        out: dict[str, float] = {}
+        for name, proc in self._names.items():
+            out[roles[name]] = out.get(roles[name], 0.0) + _tree_cpu_s(proc.pid)
+        return out
+
     def _stop_engines(self) -> None:
         """Wait for each engine process (``ENGINE_STOP_S``, plus a vLLM instance's grace for
         vLLM engines, which stop their instance first), kill stragglers, then sweep what killed
@@ -397,3 +406,22 @@ class ExternalCluster(ClusterBase):
 
     def _stop_engines(self) -> None:
         """Nothing to reap: joined engines exit when the router tells them (or falls silent)."""
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """User + system CPU-seconds of process ``pid`` and its live descendants (0 if gone)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total

@@ -196,8 +196,10 @@ class RecordingTraffic(TrafficManager):
                       after: Future[None] | None = None) -> Future[None]:
         if lane is not Lane.KV_LOAD:
             return super().submit_copies(pairs, lane, direction, after=after)
+        rows = [(d, s) for dst, src in pairs  # a run of blocks is [blocks, layer block bytes]
+                for d, s in (zip(dst, src, strict=True) if dst.dim() > 1 else [(dst, src)])]
         touched = set().union(*(self.layers.host_copy(dst.data_ptr(), src.data_ptr(), dst.nbytes)
-                                for dst, src in pairs))
+                                for dst, src in rows))
         (layer,) = {layer for layer, _ in touched}  # one submission moves one layer
         self._issue("load", layer, {block for _, block in touched}, 0)
         inner = super().submit_copies(pairs, lane, direction,

@@ -168,3 +168,24 @@ def test_a_cuda_pinned_pool_unpins():
     assert pool.pinned and pool.slab.is_pinned()
     pool.close()
     assert not pool.slab.is_pinned()
+
+
+def test_columns_view_one_byte_range_of_consecutive_slots():
+    pool = HostPool(5000, 4, pin=False)
+    for slot in range(4):
+        pool.tensor(slot).copy_(torch.arange(5000, dtype=torch.int64).add(slot * 7) % 251)
+    cols = pool.columns(1, 2, 100, 30)
+    assert cols.shape == (2, 30)
+    for row, slot in enumerate((1, 2)):
+        assert torch.equal(cols[row], pool.tensor(slot)[100:130])
+    cols.fill_(0)  # a view: writes land in the slots
+    assert int(pool.tensor(2)[100:130].sum()) == 0 and int(pool.tensor(3)[100:130].sum()) > 0
+    with pytest.raises(IndexError, match="slots"):
+        pool.columns(3, 2, 0, 10)
+    with pytest.raises(IndexError, match="payload"):
+        pool.columns(0, 1, 4990, 20)  # past the payload, inside the slot's padding
+
+
+def test_alloc_hands_out_ascending_slots():
+    pool = HostPool(64, 8, pin=False)
+    assert pool.alloc(3) == [5, 6, 7]  # from the top, in order: a run maps onto a run
