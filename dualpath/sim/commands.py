@@ -1,5 +1,12 @@
 """``dualpath sim``: run a preset, print tables and, with ``--json``, write the full result (and
-a PNG figure beside it). ``dualpath plan`` (``sim/plan_command.py``) shares the printing."""
+a PNG figure beside it). ``dualpath plan`` (``sim/plan_command.py``) shares the printing.
+
+Every run ends with the regime of the paper's setting and, when a ``dualpath demo`` result is
+at hand (``--demo PATH``, by default ``results/demo.json`` where it exists), the testbed's
+beside it, with the testbed's own configuration simulated (``sim/shared_cores.py``): each
+mode's predicted JCT beside the measured one, and the basic/dualpath ratio flagged when it
+misses the measured one by more than 15%. ``dualpath sim --demo PATH`` without a preset
+prints only that."""
 
 from __future__ import annotations
 
@@ -10,8 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dualpath.sim.config import SimConfig
+from dualpath.sim.demo_run import load_demo_run
 from dualpath.sim.presets import DS660B, DS660B_QUOTA_ALL, run_preset
-from dualpath.sim.regime import sim_regime
+from dualpath.sim.regime import demo_regime, sim_regime
+from dualpath.sim.shared_cores import describe, predict
+
+DEFAULT_DEMO = "results/demo.json"  # what make demo writes
 
 if TYPE_CHECKING:
     from argparse import ArgumentParser
@@ -25,7 +36,7 @@ PRESETS = ("paper-fig7", "paper-ablation", "paper-scale", "paper-online", "testb
 class SimOptions:
     """The ``dualpath sim`` command line (see :func:`add_arguments`)."""
 
-    preset: str
+    preset: str | None = None  # None: only the regimes (with --demo)
     json: str | None = None
     agents: str | None = None
     aps: str | None = None
@@ -39,11 +50,17 @@ class SimOptions:
     storage_eff: float | None = None
     basic_prefetch: bool = False
     lengths: str | None = None
+    demo: str | None = None  # a dualpath demo JSON (None: results/demo.json where it exists)
 
 
 def add_arguments(parser: ArgumentParser) -> None:
     """The options of :class:`SimOptions`."""
-    parser.add_argument("--preset", required=True, choices=PRESETS)
+    parser.add_argument("--preset", default=None, choices=PRESETS,
+                        help="the experiment to run (required unless --demo is given)")
+    parser.add_argument("--demo", default=None,
+                        help="a dualpath demo result: print the testbed's regime beside the "
+                        "paper's and the testbed's own configuration simulated against it "
+                        f"(default: {DEFAULT_DEMO} where it exists)")
     parser.add_argument("--json", default=None,
                         help="write the full result as JSON here, a PNG figure beside it "
                         "(the terminal gets tables of the main numbers)")
@@ -164,12 +181,70 @@ def _paper_base(options: SimOptions) -> SimConfig | None:
 
 
 def run_sim(options: SimOptions) -> dict[str, Any]:
-    """Run ``options.preset`` with a rich progress bar; print its tables and, with ``--json``,
-    write the result."""
-    from rich.progress import Progress
-
+    """Run ``options.preset`` with a rich progress bar (if given); print its tables, the
+    regimes and the testbed's prediction; with ``--json``, write the result."""
     from dualpath.sim.report import sim_tables
 
+    if options.preset is None:
+        if options.demo is None:
+            raise ValueError("--preset is required (or --demo PATH alone: the regimes only)")
+        given = [f for f in ("agents", "aps", "workload", "testbed", "real", *PAPER_OPTIONS)
+                 if getattr(options, f) not in (None, False)]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise ValueError(f"{flags}: these options go with a --preset")
+    testbed, testbed_lines = _testbed(options.demo)  # a bad --demo fails before any run
+    result = _run_preset(options) if options.preset else {"preset": None}
+    result["regime"] = {"paper": sim_regime(DS660B)}
+    if testbed is not None:
+        result["regime"]["testbed"] = testbed
+    if options.preset:
+        _write(options.json, result)
+    elif options.json:
+        Path(options.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(options.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    console = _console()
+    if options.preset:
+        _print(console, sim_tables(result), options.json)
+    for line in (_paper_line(result), *testbed_lines):
+        console.print(line)
+    return result
+
+
+def _testbed(demo: str | None) -> tuple[dict[str, Any] | None, list[str]]:
+    """The testbed's regime and prediction (``result.regime.testbed``) from ``--demo``
+    (ValueError when it cannot be read), else from :data:`DEFAULT_DEMO` where it exists and
+    reads, and the lines to print (else None and a line saying why)."""
+    path = demo or DEFAULT_DEMO
+    if not Path(path).is_file():
+        if demo is not None:
+            raise ValueError(f"--demo {demo}: no such file")
+        return None, [f"[dim]regime of the testbed: no {DEFAULT_DEMO} here (make demo writes "
+                      "it; --demo PATH reads another)[/]"]
+    try:
+        run = load_demo_run(path)
+        regime, prediction = demo_regime(run), predict(run)
+    except ValueError as exc:
+        if demo is not None:
+            raise
+        return None, [f"[yellow]regime of the testbed: {exc}[/]"]
+    return {**regime, "prediction": prediction.as_dict()}, [
+        f"regime of the testbed ({run.path}: {run.describe()}; {run.cpu_model}): "
+        f"{regime['line']}", *describe(prediction)]
+
+
+def _paper_line(result: dict[str, Any]) -> str:
+    """The paper's regime, as printed."""
+    return (f"regime of the paper's setting (DeepSeek-V3.2, 64K agents, Hopper nodes): "
+            f"{result['regime']['paper']['line']} (h: hit rate; κ: loading a token over one "
+            "storage NIC / recomputing it; ρ: Basic's storage demand / supply)")
+
+
+def _run_preset(options: SimOptions) -> dict[str, Any]:
+    """Run ``options.preset`` (its options checked) with a rich progress bar."""
+    from rich.progress import Progress
+
+    assert options.preset is not None
     kwargs: dict[str, Any] = {}
     if options.workload:
         kwargs["workload"] = options.workload
@@ -203,12 +278,4 @@ def run_sim(options: SimOptions) -> dict[str, Any]:
                 tasks[label] = bar.add_task(label, total=total)
             bar.update(tasks[label], completed=done)
 
-        result = run_preset(options.preset, progress=progress, **kwargs)
-    result["regime"] = {"paper": sim_regime(DS660B)}
-    _write(options.json, result)
-    console = _console()
-    _print(console, sim_tables(result), options.json)
-    console.print(f"regime of the paper's setting (DeepSeek-V3.2, 64K agents, Hopper nodes): "
-                  f"{result['regime']['paper']['line']} (h: hit rate; κ: loading a token over "
-                  "one storage NIC / recomputing it; ρ: Basic's storage demand / supply)")
-    return result
+        return run_preset(options.preset, progress=progress, **kwargs)

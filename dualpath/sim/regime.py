@@ -1,7 +1,12 @@
-"""The regime (``bench/regime.py``: h, hit/computed, κ, ρ) of a simulated configuration:
-``dualpath sim`` prints the paper's setting (a testbed profile's line is still to come).
+"""The regime (``bench/regime.py``: h, hit/computed, κ, ρ) of the paper's setting and of the
+testbed: ``dualpath sim`` prints both, so that the mapping between them is visible.
 
-From the configuration alone, nothing simulated:
+The testbed's (:func:`demo_regime`) is what its ``dualpath demo`` run measured, computed as
+the demo computes it (``bench/regime.py::ladder_regime``): the first reusing mode's hit rate;
+loading a token over one node's storage NIC at the read cap; recomputing it at the recompute
+mode's prefill compute per computed token (else the first mode that computed).
+
+The paper's (:func:`sim_regime`) comes from the configuration alone, nothing simulated:
 
 - h and the prompt length come from the workload's trajectory (``workloads/presets.py``);
 - loading a token over one prefill node's storage NIC takes ``kv_bytes_per_token /
@@ -22,8 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dualpath.bench.regime import load_s_per_token, regime
+from dualpath.bench.regime import ladder_regime, load_s_per_token, regime
 from dualpath.sim.config import SimConfig
+from dualpath.sim.demo_run import DemoRun
 from dualpath.workloads.presets import trajectory
 
 
@@ -41,3 +47,10 @@ def sim_regime(cfg: SimConfig) -> dict[str, Any]:
     return {**figures.as_dict(), "line": figures.describe(), "model": model.name,
             "hardware": hw.name, "workload": cfg.workload.preset, "mean_prompt": mean_prompt,
             "load_s_per_token": load_s, "recompute_s_per_token": recompute_s}
+
+
+def demo_regime(run: DemoRun) -> dict[str, Any]:
+    """The regime a ``dualpath demo`` run measured (as its own header shows it), with what it
+    rests on and the testbed it ran on."""
+    figures = ladder_regime(run.raw_modes, run.kv_bytes_per_token, run.read_cap_mb_s)
+    return {**figures, "source": run.path, "testbed": run.describe(), "cpu_model": run.cpu_model}

@@ -9,7 +9,8 @@ import pytest
 MODULES = ["dualpath.sim", "dualpath.sim.cluster", "dualpath.sim.presets",
            "dualpath.sim.commands", "dualpath.sim.planner", "dualpath.sim.profiles",
            "dualpath.sim.online", "dualpath.sim.hops", "dualpath.sim.links",
-           "dualpath.sim.reads", "dualpath.sim.plan_command"]
+           "dualpath.sim.reads", "dualpath.sim.plan_command", "dualpath.sim.regime",
+           "dualpath.sim.demo_run", "dualpath.sim.shared_cores"]
 ENGINE = ("torch", "dualpath.engine", "dualpath.model")
 
 
