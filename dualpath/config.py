@@ -182,20 +182,35 @@ class VllmConfig:
     # the peers' python that has vLLM ("": $DUALPATH_VLLM_PYTHON, else .venv-peers/bin/python
     # in the project checkout)
     python: str = ""
-    kv_cache_gb: float = 1.0  # each CPU instance's KV cache (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gb: float = 1.0  # each instance's device KV cache, GiB (--kv-cache-memory-bytes)
+    # the same, byte-exact; overrides kv_cache_gb when set (vLLM rounds it down to whole blocks)
+    kv_cache_bytes: int | None = None
     max_model_len: int = 4096
     start_timeout_s: float = 300.0  # a `vllm serve` not healthy by then fails the engine
     request_timeout_s: float = 600.0  # one HTTP call to an instance
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. ("--enforce-eager",)
-    # vLLM's own prefix cache in each instance. Off: every hit comes through dualpath's store
-    # and read paths, as with our engines (whose device memory keeps no prefix across requests)
-    prefix_caching: bool = False
+    # vLLM's own prefix cache in each instance, with dualpath's store as the tier below it:
+    # what the device holds is a local hit, the rest comes through the store and read paths.
+    # Off: every hit comes through the store, as with our engines (whose device memory keeps
+    # no prefix across requests)
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_gb <= 0 or self.max_model_len < 1:
             raise ValueError("vllm.kv_cache_gb and vllm.max_model_len must be positive")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"vllm.kv_cache_bytes must be > 0 (or unset), got "
+                             f"{self.kv_cache_bytes}")
         if self.start_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("vllm timeouts must be positive")
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        """Each instance's device KV budget in bytes: ``kv_cache_bytes``, else
+        ``kv_cache_gb`` GiB."""
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
+        return int(self.kv_cache_gb * 2**30)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ loading, command-line values, decoded messages) parse strings into them.
 
 The ablation ladder (docs/design.md §7) is one table, :data:`LADDER`: each :class:`Rung` names the
 serving :class:`Mode` it runs and the scheduler :class:`Policy` it places with. ``round_robin``
-is a rung, not a mode (DualPath's mode with the round-robin policy); ``recompute`` is a mode,
-not a rung (no cache at all: a serving option, never part of the ablation).
+is a rung, not a mode (DualPath's mode with the round-robin policy); ``recompute`` (no KV reuse
+at all: every prompt token computed) is the ladder's bottom rung, what a cache tier is worth
+against. The simulator models the reuse rungs only (:attr:`Rung.reuses_kv`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class PrefillMode(StrEnum):
 class Rung(StrEnum):
     """A step of the ablation ladder, in its order; :data:`LADDER` says what each runs."""
 
+    RECOMPUTE = "recompute"
     BASIC = "basic"
     LAYERWISE = "layerwise"
     ROUND_ROBIN = "round_robin"
@@ -108,6 +110,11 @@ class Rung(StrEnum):
         """The scheduler policy this rung places with."""
         return LADDER[self].policy
 
+    @property
+    def reuses_kv(self) -> bool:
+        """Whether this rung serves hits from stored KV (every rung but ``recompute``)."""
+        return self.mode != Mode.RECOMPUTE
+
 
 @dataclass(frozen=True)
 class RungSpec:
@@ -118,6 +125,7 @@ class RungSpec:
 
 
 LADDER: Mapping[Rung, RungSpec] = {
+    Rung.RECOMPUTE: RungSpec(Mode.RECOMPUTE, Policy.DUALPATH),
     Rung.BASIC: RungSpec(Mode.BASIC, Policy.DUALPATH),
     Rung.LAYERWISE: RungSpec(Mode.LAYERWISE, Policy.DUALPATH),
     Rung.ROUND_ROBIN: RungSpec(Mode.DUALPATH, Policy.ROUND_ROBIN),

@@ -17,10 +17,12 @@ from dualpath.vocab import LADDER, Mode, Policy, PrefillMode, ReadPath, Role, Ru
 
 def test_the_ladder_names_a_mode_and_a_policy_for_every_rung_in_order():
     assert list(LADDER) == list(Rung)
-    assert [str(r) for r in Rung] == ["basic", "layerwise", "round_robin", "dualpath", "oracle"]
+    assert [str(r) for r in Rung] == ["recompute", "basic", "layerwise", "round_robin",
+                                      "dualpath", "oracle"]
     assert (Rung.ROUND_ROBIN.mode, Rung.ROUND_ROBIN.policy) == (Mode.DUALPATH, Policy.ROUND_ROBIN)
     assert all(r.policy == Policy.DUALPATH for r in Rung if r != Rung.ROUND_ROBIN)
-    assert Mode.RECOMPUTE not in {r.mode for r in Rung}  # a serving option, not a rung
+    assert Rung.RECOMPUTE.mode == Mode.RECOMPUTE  # the bottom rung: no KV reuse at all
+    assert [r for r in Rung if not r.reuses_kv] == [Rung.RECOMPUTE]
 
 
 def test_every_policy_has_one_entry_in_the_scheduler_table():

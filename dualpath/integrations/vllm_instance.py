@@ -18,7 +18,11 @@ host pool (the decode side's shared), the instance and its role's worker.
 
 ``launch_plan`` builds the command line and environment without starting anything: the
 ``--kv-transfer-config`` is ``vllm_launch.transfer_config`` for the role, the store, the traffic
-caps, the checkpoint's model id and the engine's advertised host; the python is
+caps, the checkpoint's model id and the engine's advertised host; the device KV budget is
+``--kv-cache-memory-bytes`` (byte-exact, ``VllmConfig.kv_cache_memory_bytes``), never
+``VLLM_CPU_KVCACHE_SPACE``: that variable takes whole GiB and, when set, vLLM-CPU's platform
+overrides the flag with it (``platforms/cpu.py``), so the plan removes it from the environment;
+vLLM's prefix cache is on unless ``VllmConfig.prefix_caching`` is off; the python is
 ``VllmConfig.python``, else ``$DUALPATH_VLLM_PYTHON``, else ``.venv-peers/bin/python`` in the
 project checkout (``make peers``).
 """
@@ -65,6 +69,8 @@ PYTHON_ENV = "DUALPATH_VLLM_PYTHON"
 # vLLM's OpenAI server module: `vllm serve` (vllm.entrypoints.cli.main) asks for the version
 # of a distribution named "vllm", and the peers' is "vllm_cpu" (PackageNotFoundError)
 ENTRY = ("-m", "vllm.entrypoints.openai.api_server")
+# vLLM-CPU's legacy KV size (integer GiB); when set it replaces --kv-cache-memory-bytes
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 # SIGTERM to SIGKILL. A clean stop of a vLLM-CPU instance's group (API server, engine core,
 # resource trackers) took 1.5-2.9 s here alone (SmolLM2, 2 cores; the API server exits in
 # 0.4-1 s, the engine core 1-2 s later) and 0.9-5.8 s for the three instances of a 1 PE + 2 DE
@@ -149,14 +155,15 @@ def launch_plan(model_dir: str | Path, config: ClusterConfig, role: Role, host: 
     command = (str(python), *ENTRY, "--model", str(model_dir), "--port", str(port),
                "--host", "127.0.0.1", "--block-size", str(engine.block_size), "--dtype", dtype,
                "--max-model-len", str(vllm.max_model_len), "--enable-prompt-tokens-details",
+               "--kv-cache-memory-bytes", str(vllm.kv_cache_memory_bytes),
                *(() if plain else ("--kv-transfer-config", json.dumps(kv_config))),
                "--enable-prefix-caching" if vllm.prefix_caching or plain
                else "--no-enable-prefix-caching", *vllm.extra_args)
     python_path = os.pathsep.join(filter(None, [str(root), environ.get("PYTHONPATH")]))
     api_key = "" if plain else secrets.token_urlsafe(32)
-    env = {**instance_environ(environ, api_key),
-           "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(vllm.kv_cache_gb))),
-           "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
+    env = {**instance_environ(environ, api_key), "PYTHONPATH": python_path,
+           "PYTHONUNBUFFERED": "1"}
+    env.pop(KV_SPACE_ENV, None)  # whole GiB, and it would override --kv-cache-memory-bytes
     env.setdefault("OMP_NUM_THREADS", str(max(1, engine.threads)))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # engines share the host's cores
     # vLLM-CPU runs its one worker inside the engine core (the "uni" executor, as vLLM does on

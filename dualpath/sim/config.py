@@ -81,6 +81,8 @@ class SimConfig:
         if self.mode not in tuple(Rung):
             raise ValueError(f"mode must be one of {tuple(map(str, Rung))}, got {self.mode!r}")
         object.__setattr__(self, "mode", Rung(self.mode))
+        if not self.mode.reuses_kv:
+            raise ValueError(f"the simulator models the rungs that reuse KV, not {self.mode}")
         if self.prefill_nodes <= 0 or self.decode_nodes <= 0:
             raise ValueError("need at least one prefill and one decode node")
         if not 0 < self.prefill_eff <= 1 or not 0 < self.decode_eff <= 1 or not (

@@ -12,7 +12,7 @@ from typing import Any
 
 from dualpath.vocab import Rung
 
-MODE_ORDER = tuple(Rung)  # the ladder's order
+MODE_ORDER = tuple(r for r in Rung if r.reuses_kv)  # the ladder's order, as simulated
 PAPER_MARKER: dict[str, Any] = {"marker": "x", "color": "black", "s": 45, "linewidths": 1.6,
                                 "zorder": 4}
 LOG_SPAN = 8.0  # auto log y when max / min of the plotted values exceeds this

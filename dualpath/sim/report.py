@@ -16,7 +16,7 @@ from rich.table import Table
 
 from dualpath.vocab import Rung
 
-MODE_ORDER = tuple(Rung)  # the ladder's order
+MODE_ORDER = tuple(r for r in Rung if r.reuses_kv)  # the ladder's order, as simulated
 DASH = "–"
 
 

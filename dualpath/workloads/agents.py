@@ -12,7 +12,10 @@ as :class:`~dualpath.workloads.turns.Turn` lists. **Hit rule** (:func:`agent_sim
 or ``$DUALPATH_TRACES_DIR``): a hash block of B trace tokens becomes ``round(B / scale)`` tokens
 seeded by (agent scope, hash id), a turn keeps its common prefix with the previous prompt,
 ``max_context`` ends a trajectory, Weka sub-agents only with ``subagents=True``
-(:mod:`dualpath.workloads.trace_tokens`, :mod:`dualpath.workloads.sample`).
+(:mod:`dualpath.workloads.trace_tokens`, :mod:`dualpath.workloads.sample`). **Primers**: each
+agent has one turn stored untimed before its timed turns (:attr:`Workload.primers`): its first
+turn itself, or with ``first_turn`` k > 1 (traces) the request before the window, so the first
+timed turn hits what the trace says it shares with that request (:func:`primed_hit`).
 
 Derivation (hit rule, preset shapes and hit rates, trace token ids; docs/design.md §3.6):
 docs/derivations.md, 'workloads/agents.py'.
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from dualpath.workloads.sample import read_sample
 from dualpath.workloads.trace_files import traces_folder
 from dualpath.workloads.trace_tokens import (
     FIRST_TOKEN,
+    TraceAgents,
     WorkloadOptions,
     mooncake_agents,
     weka_agents,
@@ -50,16 +54,30 @@ DEFAULT_SCALE: dict[str, float] = {"32k": 8, "48k": 8, "64k": 8, "weka": 32, "we
 @dataclass(frozen=True)
 class Workload:
     """Agents' token-level turns, the engine block size the hits are for, and how they were
-    made (``info``: source, scale, sessions used, skipped and cut, sub-agents, totals)."""
+    made (``info``: source, scale, sessions used, skipped and cut, sub-agents, totals).
+    ``primers``: one turn per agent, stored untimed before its turns (empty: each agent's
+    first turn); each has ``keep`` 0 or None, as has each agent's first turn."""
 
     name: str
     agents: list[list[AgentTurn]]
     block_size: int
     info: dict[str, Any] = field(default_factory=dict)
+    primers: list[AgentTurn] = field(default_factory=list)
 
-    def sim_turns(self) -> list[list[Turn]]:
-        """Every agent's turns as simulator turns (prompt, hit, gen: the module doc's rule)."""
-        return [agent_sim_turns(turns, self.block_size) for turns in self.agents]
+    def primer_turns(self) -> list[AgentTurn]:
+        """Each agent's primer: :attr:`primers`, or (none given) its first turn."""
+        return self.primers or [turns[0] for turns in self.agents]
+
+    def sim_turns(self, primed: bool = False) -> list[list[Turn]]:
+        """Every agent's turns as simulator turns (prompt, hit, gen: the module doc's rule);
+        ``primed``: with each agent's primer stored beforehand, the first turn hits what it
+        shares with it (:func:`primed_hit`) rather than nothing."""
+        out = [agent_sim_turns(turns, self.block_size) for turns in self.agents]
+        if primed:
+            for sims, primer, turns in zip(out, self.primer_turns(), self.agents, strict=True):
+                if sims:
+                    sims[0] = replace(sims[0], hit=primed_hit(primer, turns[0], self.block_size))
+        return out
 
     def expected_hit_rate(self) -> float:
         """Hit tokens over prompt tokens of :meth:`sim_turns` (0 for an empty workload)."""
@@ -92,18 +110,40 @@ def agent_sim_turns(turns: Sequence[AgentTurn], block_size: int) -> list[Turn]:
     return out
 
 
+def primed_hit(primer: AgentTurn, first: AgentTurn, block_size: int) -> int:
+    """The hit of an agent's first turn once its primer ran: the leading full blocks the two
+    prompts share, within the primer's stored KV (prompt + generated tokens but the last),
+    leaving at least one prompt token to compute. Both turns must start afresh (``keep`` 0 or
+    None).
+
+    Raises ``ValueError`` for a turn that keeps a context or a block size below 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if primer.keep or first.keep:
+        raise ValueError("a primer and a first turn keep no context "
+                         f"(keep {primer.keep} and {first.keep})")
+    stored, prompt = primer.new, first.new
+    shared = next((i for i, (a, b) in enumerate(zip(stored, prompt, strict=False)) if a != b),
+                  min(len(stored), len(prompt)))
+    served = min(shared, len(stored) + primer.gen - 1)
+    return min(served // block_size, (len(prompt) - 1) // block_size) * block_size
+
+
 def load_workload(name: str, *, vocab_size: int, block_size: int = 64,
                   scale: float | None = None, agents: int | None = None,
                   turns: int | None = None, max_context: int = 8192,
                   trace_dir: Path | str | None = None, seed: int = 0,
-                  subagents: bool = False) -> Workload:
+                  subagents: bool = False, first_turn: int = 1) -> Workload:
     """Workload ``name`` (:data:`NAMES`) with token ids in ``[3, vocab_size − 1)``.
 
     ``scale`` divides every length (default :data:`DEFAULT_SCALE`); ``agents`` is the copies of
     a preset (default 1) or the sessions of a trace (default all); ``turns`` keeps each agent's
     first turns; ``max_context`` cuts a trajectory before a turn whose prompt + gen exceeds it;
     ``trace_dir`` (default ``$DUALPATH_TRACES_DIR``) is needed by ``weka`` and ``mooncake``;
-    ``subagents`` makes Weka sub-agents agents of their own (module doc).
+    ``subagents`` makes Weka sub-agents agents of their own; ``first_turn`` (traces: the
+    top-level request a window of ``turns`` starts at, 1-based) makes the request before it
+    each agent's primer (module doc).
 
     Raises ``ValueError`` for an unknown name, a bad option, a missing traces folder or file,
     malformed trace data, or when no trajectory fits ``max_context``.
@@ -111,32 +151,40 @@ def load_workload(name: str, *, vocab_size: int, block_size: int = 64,
     if name not in NAMES:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(NAMES)}")
     o = WorkloadOptions(vocab_size, block_size, DEFAULT_SCALE[name] if scale is None else scale,
-                        agents, turns, max_context, seed, subagents)
+                        agents, turns, max_context, seed, subagents, first_turn)
     if name in PRESET_NAMES:
+        if first_turn != 1:
+            raise ValueError(f"first_turn applies to traces, not preset {name!r} "
+                             f"(got {first_turn})")
         agent_turns, info = _preset(name, o)
+        made = TraceAgents(agent_turns, [], info)
     elif name == "weka-sample":
         sessions, header = read_sample()
-        agent_turns, info = weka_agents(sessions, "dualpath/workloads/data/weka_sample.json", o)
-        info["sample"] = header
+        made = weka_agents(sessions, "dualpath/workloads/data/weka_sample.json", o)
+        made.info["sample"] = header
     elif name == "weka":
         source, sessions = weka_source(traces_folder(name, trace_dir))
-        agent_turns, info = weka_agents(sessions, source, o)
+        made = weka_agents(sessions, source, o)
     else:
-        agent_turns, info = mooncake_agents(mooncake_file(traces_folder(name, trace_dir)), o)
-    workload = Workload(name, agent_turns, block_size, {"workload": name, **info})
+        made = mooncake_agents(mooncake_file(traces_folder(name, trace_dir)), o)
+    workload = Workload(name, made.agents, block_size, {"workload": name, **made.info},
+                        made.primers)
     workload.info.update(_totals(workload))
     return workload
 
 
 def _totals(workload: Workload) -> dict[str, Any]:
-    """Counts of a workload: agents, turns, prompt, new, generated and hit tokens, hit rate."""
+    """Counts of a workload: agents, turns, prompt, new, generated and hit tokens, hit rate
+    (the first turns cold), and the hit rate with the primers stored first."""
     sims = [t for agent in workload.sim_turns() for t in agent]
+    primed = [t for agent in workload.sim_turns(primed=True) for t in agent]
     prompt = sum(t.prompt for t in sims)
     hit = sum(t.hit for t in sims)
     return {"block_size": workload.block_size, "agents": len(workload.agents),
             "turns": len(sims), "prompt_tokens": prompt, "hit_tokens": hit,
             "new_tokens": sum(len(t.new) for a in workload.agents for t in a),
-            "gen_tokens": sum(t.gen for t in sims), "expected_hit_rate": hit / max(1, prompt)}
+            "gen_tokens": sum(t.gen for t in sims), "expected_hit_rate": hit / max(1, prompt),
+            "primed_hit_rate": sum(t.hit for t in primed) / max(1, prompt)}
 
 
 # -- presets ------------------------------------------------------------------------------------

@@ -7,10 +7,14 @@ the license and NOTICE are in ``dualpath/workloads/data/LICENSE-weka``). Unlike
 ids, so :mod:`dualpath.workloads.agents` turns it into token ids exactly as it turns the full
 archive.
 
-What it holds (:func:`reduce_session`): the first :data:`SESSIONS` sessions in archive order; of
-each, the first :data:`TURNS` top-level requests and the sub-agent entries listed before the
-next top-level request, every sub-agent cut to its first :data:`TURNS` requests. Of a request
-only ``type``, ``in``, ``out`` and the hash ids are kept (``agent_id`` for a sub-agent entry).
+What it holds (:func:`reduce_session`): the first :data:`SESSIONS` sessions in archive order
+that reach top-level request :data:`FIRST_TURN` (the one ``dualpath bench agents`` times from:
+an agent in its stride, whose turns reload 98% of their context, where a session's early turns
+reload less); of each, its top-level requests up to request ``FIRST_TURN - 1 + TURNS`` (the
+earlier ones too, so that every request gets the token ids the full archive gives it) and the
+sub-agent entries listed from request ``FIRST_TURN - 1`` on before the next top-level request,
+every sub-agent cut to its first :data:`TURNS` requests. Of a request only ``type``, ``in``,
+``out`` and the hash ids are kept (``agent_id`` for a sub-agent entry).
 
 Compact ids (:func:`renumber`, :func:`encode_ids`): a session's hash ids are relabelled 1, 2, …
 in order of first appearance over the whole file (parent first, sub-agents where they are
@@ -35,15 +39,17 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dualpath.workloads.notices import with_notice
+
 if TYPE_CHECKING:
     from argparse import ArgumentParser
 
-SESSIONS = 16  # leading sessions of the archive kept
-TURNS = 12  # leading top-level requests kept per session (and requests per sub-agent)
+SESSIONS = 16  # leading sessions of the archive that reach FIRST_TURN, kept
+FIRST_TURN = 21  # the top-level request (1-based) a timed window starts at by default
+TURNS = 8  # top-level requests kept from FIRST_TURN on (and requests per sub-agent)
 SAMPLE_FILE = "weka_sample.json"
 LICENSE_FILE = "LICENSE-weka"
 UPSTREAM = "https://github.com/callanjfox/kv-cache-tester (folder traces/)"
-_SEPARATOR = "-" * 80
 
 
 def renumber(data: dict[str, Any]) -> dict[str, Any]:
@@ -87,16 +93,24 @@ def decode_ids(runs: Sequence[int]) -> list[int]:
             for k in range(n)]
 
 
-def reduce_session(data: dict[str, Any], turns: int = TURNS) -> dict[str, Any]:
-    """The first ``turns`` top-level requests of a Weka session and the sub-agent entries
-    listed before the next one, each sub-agent cut to ``turns`` requests; of every request
-    only ``type``, ``in``, ``out``, ``hash_ids`` (and a sub-agent's ``agent_id``)."""
-    kept, top = [], 0
+def top_level_requests(data: dict[str, Any]) -> int:
+    """How many top-level requests a Weka session has."""
+    return sum(r.get("type") != "subagent" for r in data["requests"])
+
+
+def reduce_session(data: dict[str, Any], first_turn: int = FIRST_TURN,
+                   turns: int = TURNS) -> dict[str, Any]:
+    """The top-level requests of a Weka session up to request ``first_turn - 1 + turns``
+    (1-based) and the sub-agent entries listed from request ``first_turn - 1`` on before the
+    next one, each sub-agent cut to ``turns`` requests; of every request only ``type``,
+    ``in``, ``out``, ``hash_ids`` (and a sub-agent's ``agent_id``)."""
+    kept, top, last = [], 0, first_turn - 1 + turns
     for r in data["requests"]:
         if r.get("type") == "subagent":
-            kept.append({"type": "subagent", "agent_id": r.get("agent_id"),
-                         "requests": [_slim(q) for q in r["requests"][:turns]]})
-        elif top < turns:
+            if top >= first_turn - 1:
+                kept.append({"type": "subagent", "agent_id": r.get("agent_id"),
+                             "requests": [_slim(q) for q in r["requests"][:turns]]})
+        elif top < last:
             kept.append(_slim(r))
             top += 1
         else:
@@ -163,16 +177,21 @@ def _manifest(folder: Path) -> dict[str, dict[str, str]]:
         return {row["file"]: row for row in csv.DictReader(f, delimiter="\t")}
 
 
-def _first_sessions(archive: Path, count: int) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The first ``count`` members of a Weka archive (the rest is not read)."""
+def _first_sessions(archive: Path, count: int,
+                    first_turn: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The first ``count`` members of a Weka archive with at least ``first_turn`` top-level
+    requests (the rest is not read)."""
     from dualpath.workloads.weka import weka_members
 
     members = weka_members(archive)
+    found = 0
     try:
-        for i, (name, data) in enumerate(members):
-            if i == count:
+        for name, data in members:
+            if found == count:
                 break
-            yield Path(name).stem, data
+            if top_level_requests(data) >= first_turn:
+                found += 1
+                yield Path(name).stem, data
     finally:
         members.close()
 
@@ -185,7 +204,7 @@ def write_sample(out: Path | None = None, root: Path | None = None) -> Path:
     archive = trace_file("weka", root)
     manifest = _manifest(archive.parent)
     sessions = []
-    for name, data in _first_sessions(archive, SESSIONS):
+    for name, data in _first_sessions(archive, SESSIONS, FIRST_TURN):
         small = renumber(reduce_session(data))
         sessions.append({"trace": name,
                          "sha256": manifest.get(f"{name}.json", {}).get("sha256"),
@@ -196,18 +215,20 @@ def write_sample(out: Path | None = None, root: Path | None = None) -> Path:
         "name": "weka-sample",
         "source": f"{UPSTREAM}, archive {archive.parent.name}/{archive.name}",
         "license": f"Apache-2.0; see {LICENSE_FILE}",
-        "sessions_kept": SESSIONS, "turns_per_session": TURNS,
-        "rule": "first sessions_kept sessions in archive order; of each, the first "
-                "turns_per_session top-level requests and the sub-agent entries listed before "
-                "the next one (each cut to turns_per_session requests); hash ids relabelled "
-                "1, 2, ... by first appearance in the file and stored as [start, count] runs",
+        "sessions_kept": SESSIONS, "first_turn": FIRST_TURN, "turns_per_session": TURNS,
+        "rule": "first sessions_kept sessions in archive order with at least first_turn "
+                "top-level requests; of each, its top-level requests up to request "
+                "first_turn - 1 + turns_per_session and the sub-agent entries listed from "
+                "request first_turn - 1 on before the next one (each cut to turns_per_session "
+                "requests); hash ids relabelled 1, 2, ... by first appearance in the file and "
+                "stored as [start, count] runs",
         "made_by": "python -m dualpath.workloads.sample",
     }
     out.write_text(_dump(header, sessions))
     license_path = out.with_name(LICENSE_FILE)
     upstream = (archive.parent / "LICENSE").read_text()
-    license_path.write_text(_with_notice(license_path, _notice([s["trace"] for s in sessions]),
-                                         upstream))
+    license_path.write_text(with_notice(license_path, _notice([s["trace"] for s in sessions]),
+                                        upstream))
     return out
 
 
@@ -232,29 +253,18 @@ def _notice(names: list[str]) -> str:
         f"{SAMPLE_FILE} is derived from the Weka agentic coding traces ({', '.join(names)} of "
         f"the dev set), published by Callan Fox in {UPSTREAM} under the Apache License, "
         "Version 2.0, reproduced below.",
-        f"Changes made: only the first {TURNS} top-level requests of each of these sessions are "
-        f"kept, with the sub-agent entries listed among them (each cut to its first {TURNS} "
-        "requests); of each request only its type, input and output token counts and its "
+        f"Changes made: only the first {FIRST_TURN - 1 + TURNS} top-level requests of each of "
+        f"these sessions (the first {SESSIONS} of the archive with at least {FIRST_TURN} top-level "
+        "requests) are "
+        f"kept, with the sub-agent entries listed from request {FIRST_TURN - 1} on among them "
+        f"(each cut to its first {TURNS} requests); of each request only its type, input and "
+        "output token counts and its "
         "block hash ids are kept (and a sub-agent's agent id), the hash ids relabelled 1, 2, ... "
         "in order of first appearance within each file and stored as runs of consecutive ids; "
         "timings, models, content types and every other field are dropped. The file is made "
         "from the upstream archive by dualpath/workloads/sample.py.",
     ]
     return "\n\n".join(textwrap.fill(p, 92, break_on_hyphens=False) for p in paragraphs) + "\n"
-
-
-def _with_notice(path: Path, notice: str, upstream: str) -> str:
-    """``LICENSE-weka`` with the sample's NOTICE in place: the other NOTICEs (the demo's) and
-    the upstream license already there are kept; a previous sample NOTICE is replaced."""
-    text = path.read_text() if path.is_file() else ""
-    head, sep, tail = text.partition("\n" + _SEPARATOR + "\n")
-    if not sep:
-        head, tail = "", "\n" + upstream
-    start = head.find(notice.splitlines()[0])
-    if start >= 0:
-        head = head[:start]
-    head = head.rstrip("\n")
-    return (head + "\n\n" if head else "") + notice + "\n" + _SEPARATOR + "\n" + tail
 
 
 @dataclass(frozen=True)

@@ -61,10 +61,12 @@ class Session:
     parent: Trajectory
     subagents: tuple[SubAgent, ...] = ()
 
-    def subagents_within(self, parent_turns: int) -> list[Trajectory]:
+    def subagents_within(self, parent_turns: int, first_listed: int = 0) -> list[Trajectory]:
         """The sub-agents listed before top-level request ``parent_turns`` (the first one a
-        workload dropped): the ones that ran while the kept part of the parent did."""
-        return [s.trajectory for s in self.subagents if s.listed_after <= parent_turns]
+        workload dropped) and after the first ``first_listed`` (those a window of the parent
+        starts past): the ones that ran while the kept part of the parent did."""
+        return [s.trajectory for s in self.subagents
+                if first_listed <= s.listed_after <= parent_turns]
 
 
 @dataclass(frozen=True)

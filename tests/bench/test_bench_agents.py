@@ -204,23 +204,37 @@ def test_host_cpu_shares_count_busy_and_stolen_ticks(tmp_path):
     assert host_cpu_shares({}, before) is None  # no first reading: no figure
 
 
-def test_vllm_engines_run_their_rungs_offline_and_calibrate_on_plain_vllm(tmp_path):
-    """``--engine vllm``: basic, layerwise and dualpath on vLLM engines (the oracle and round
-    robin need ours), no online search, the cap calibrated on the plain vLLM row."""
+def test_vllm_engines_run_their_rungs_and_the_oracle_offline(tmp_path):
+    """``--engine vllm``: basic, layerwise, dualpath and the oracle (plain vLLM with an
+    unbounded prefix cache) by default; round robin needs our engines; no online search; the
+    instances keep vLLM's prefix cache on under the budget the run resolved."""
+    from dataclasses import replace
+
     from dualpath.bench.agents.command import AgentsCommandOptions, options_from
     from dualpath.bench.agents.ladder import VLLM_RUNGS, AgentsOptions, cluster_config
-    from dualpath.vocab import EngineKind
+    from dualpath.vocab import EngineKind, Rung
 
     options = options_from(AgentsCommandOptions(engine="vllm"))
-    assert options.modes == VLLM_RUNGS and options.online_modes == ()
-    assert options.read_cap_mb_s is None  # calibrated on plain vLLM: no oracle needed
+    assert options.modes == VLLM_RUNGS and Rung.ORACLE in options.modes
+    assert options.online_modes == ()
+    assert options.block_size % 32 == 0  # vLLM's CPU attention takes multiples of 32 only
+    assert options.host_pool_blocks * options.block_size == (
+        options_from(AgentsCommandOptions()).host_pool_blocks * 16)  # the same bytes
+    assert options.read_cap_mb_s is None  # calibrated on the oracle (else plain vLLM)
     config = cluster_config(options, "dualpath", tmp_path)
-    assert config.engine_kind == EngineKind.VLLM
-    assert config.vllm.max_model_len == options.max_context
+    assert config.engine_kind == EngineKind.VLLM and config.vllm.prefix_caching
+    assert config.vllm.max_model_len == options.max_context  # until run_bench bounds it
+    bounded = cluster_config(replace(options, vllm_kv_cache_bytes=17_694_720,
+                                     vllm_max_model_len=320), "basic", tmp_path)
+    assert bounded.vllm.kv_cache_memory_bytes == 17_694_720
+    assert bounded.vllm.max_model_len == 320
     assert cluster_config(AgentsOptions(), "dualpath", tmp_path).engine_kind == \
         EngineKind.DUALPATH
-    for bad in ({"modes": ("oracle",)}, {"modes": ("round_robin",)},
-                {"online_modes": ("basic",)}):
+    AgentsOptions(engine="vllm", modes=("oracle",), online_modes=())  # the oracle runs
+    for bad in ({"modes": ("round_robin",)}, {"online_modes": ("basic",)}):
         with pytest.raises(ValueError, match="vLLM engines"):
             AgentsOptions(engine="vllm", **{"modes": VLLM_RUNGS, "online_modes": (), **bad})
+    with pytest.raises(ValueError, match="min-working-set-over-budget"):
+        AgentsOptions(engine="vllm", modes=VLLM_RUNGS, online_modes=(),
+                      min_working_set_over_budget=0)
     assert options_from(AgentsCommandOptions()).modes == AgentsOptions().modes

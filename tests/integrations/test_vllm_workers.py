@@ -560,7 +560,8 @@ def test_launch_plan_builds_the_serve_command_and_environment(tmp_path):
     model = fake_model(tmp_path)
     plan = launch_plan(model, config, "decode", "10.1.2.3", "de0", port=8123,
                        log_path=tmp_path / "de0.vllm.log", root=Path("/proj"),
-                       environ={"PYTHONPATH": "/x", "OMP_NUM_THREADS": "3"})
+                       environ={"PYTHONPATH": "/x", "OMP_NUM_THREADS": "3",
+                                "VLLM_CPU_KVCACHE_SPACE": "4"})
     cmd = list(plan.command)
     assert cmd[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
@@ -573,10 +574,37 @@ def test_launch_plan_builds_the_serve_command_and_environment(tmp_path):
     extra = kv["kv_connector_extra_config"]
     assert extra["role"] == "decode" and extra["root"] == "/kv" and extra["host"] == "10.1.2.3"
     assert extra["model_id"].startswith("SmolTest")
-    assert plan.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    # the budget byte-exact (2.5 GiB, not the whole GiB VLLM_CPU_KVCACHE_SPACE takes), and no
+    # inherited VLLM_CPU_KVCACHE_SPACE: vLLM-CPU would replace the flag with it
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(int(2.5 * 2**30))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in plan.env
+    assert "--enable-prefix-caching" in cmd and "--no-enable-prefix-caching" not in cmd
     assert plan.env["PYTHONPATH"].split(":") == ["/proj", "/x"]
     assert plan.env["OMP_NUM_THREADS"] == "3"  # the caller's kept
     assert plan.url == "http://127.0.0.1:8123"
+
+
+def test_launch_plan_carries_a_bounded_budget_and_the_prefix_cache_switch(tmp_path):
+    """``kv_cache_bytes`` reaches vLLM byte for byte (the bench's bounded budget); vLLM's
+    prefix cache is on by default, with or without the connector, and off when asked."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    model = fake_model(tmp_path)
+
+    def command(plain: bool = False, **vllm: object) -> list[str]:
+        config = ClusterConfig(vllm=VllmConfig(python=str(python), **vllm))
+        return list(launch_plan(model, config, "prefill", "127.0.0.1", port=8124, plain=plain,
+                                log_path=tmp_path / "pe.log", environ={}).command)
+
+    bounded = command(kv_cache_bytes=17_694_720, kv_cache_gb=3)
+    assert bounded[bounded.index("--kv-cache-memory-bytes") + 1] == "17694720"
+    assert "--enable-prefix-caching" in bounded and "--kv-transfer-config" in bounded
+    off = command(prefix_caching=False)
+    assert "--no-enable-prefix-caching" in off and "--enable-prefix-caching" not in off
+    assert "--enable-prefix-caching" in command(plain=True, prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        VllmConfig(kv_cache_bytes=0)
 
 
 def test_missing_peers_python_names_make_peers(tmp_path):

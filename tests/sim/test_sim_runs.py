@@ -53,6 +53,8 @@ def test_deterministic():
 def test_bad_mode():
     with pytest.raises(ValueError):
         SimConfig(mode="fast")
+    with pytest.raises(ValueError, match="reuse KV, not recompute"):  # not modelled: refused
+        SimConfig(mode="recompute")
 
 
 def test_preset_summary_keys():

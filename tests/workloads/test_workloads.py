@@ -194,12 +194,14 @@ def test_preset_max_context_cuts_and_reports():
 def test_weka_sample_loads_without_any_traces_folder(monkeypatch):
     monkeypatch.delenv(ENV_DIR, raising=False)
     w = load_workload("weka-sample", vocab_size=VOCAB)
-    assert len(w.agents) == 16 and w.info["copies"] == 0
-    assert w.info["sessions"][0] == "trace_0001" and w.info["skipped_count"] == 0
+    assert len(w.agents) == 15 and w.info["copies"] == 0 and w.info["first_turn"] == 1
+    assert w.info["sessions"][0] == "trace_0001"  # trace_0033 starts past 8K tokens x 32
+    assert w.info["skipped"] == {"trace_0033": "first turn exceeds max_context 8192"}
     sessions, header = read_sample()
     assert header["sessions_kept"] == 16 and len(sessions) == 16
+    assert header["first_turn"] == 21 and header["turns_per_session"] == 8
     reqs = [[Request(r["in"], r["out"], tuple(r["hash_ids"])) for r in s["requests"]
-             if r["type"] != "subagent"] for _, s in sessions]
+             if r["type"] != "subagent"] for name, s in sessions if name in w.info["sessions"]]
     sims = [t for r in reqs for t in chain_turns(r, 64)]
     hash_rate = sum(t.hit for t in sims) / sum(t.prompt for t in sims)
     assert w.info["hash_hit_rate"] == pytest.approx(hash_rate)
@@ -246,6 +248,37 @@ def test_subagents_are_skipped_or_agents_of_their_own(tmp_path):
     assert [len(a) for a in cut2.agents] == [2, 2, 1]
 
 
+def test_a_window_primes_with_the_request_before_it(tmp_path):
+    folder = _write_json_folder(tmp_path / "weka", [SESSION_A, SESSION_D])
+    whole = load_workload("weka", vocab_size=VOCAB, trace_dir=folder, block_size=4)
+    w = load_workload("weka", vocab_size=VOCAB, trace_dir=folder, block_size=4, first_turn=2)
+    chain = _prompts(whole.agents[0])
+    primer = w.primers[0]
+    assert primer.prompt([]) == chain[0] and primer.gen == 1  # stored untimed, its prompt only
+    assert _prompts(w.agents[0]) == chain[1:]  # the same tokens, the first turn carries them all
+    assert w.agents[0][0].keep == 0 and w.agents[0][1:] == whole.agents[0][2:]
+    assert _prompts(w.agents[1]) == _prompts(whole.agents[1])[1:]
+    for turns, primer, sims in zip(w.agents, w.primers, w.sim_turns(primed=True), strict=True):
+        assert [t.hit for t in sims] == _store_hits([primer, *turns], 4)[1:]
+    assert w.sim_turns()[0][0].hit == 0 and w.sim_turns(primed=True)[0][0].hit == 20
+    requests = [Request(r["in"], r["out"], tuple(r["hash_ids"])) for r in SESSION_A["requests"]
+                if r["type"] != "subagent"]
+    trace = chain_turns(requests, 64)[1:] + chain_turns([Request(680, 32, tuple(range(10)))] * 2,
+                                                        64)[1:]
+    assert w.info["hash_hit_rate"] == pytest.approx(sum(t.hit for t in trace)
+                                                    / sum(t.prompt for t in trace))
+    # sub-agents listed before the primer ran before the window: dropped
+    late = load_workload("weka", vocab_size=VOCAB, trace_dir=folder, first_turn=4,
+                         subagents=True, agents=1)
+    assert len(late.agents) == 2 and late.primers[1] == late.agents[1][0]  # agent_003: itself
+    short = load_workload("weka", vocab_size=VOCAB, trace_dir=folder, first_turn=3)
+    assert short.info["skipped"] == {"trace_0002": "2 requests, none from request 3 on"}
+    with pytest.raises(ValueError, match="from request 5 on"):
+        load_workload("weka", vocab_size=VOCAB, trace_dir=folder, first_turn=5)
+    with pytest.raises(ValueError, match="first_turn applies to traces"):
+        load_workload("64k", vocab_size=VOCAB, first_turn=2)
+
+
 def test_max_context_cuts_skips_and_copies_are_reported(tmp_path):
     archive = _write_archive(tmp_path / "weka_traces_dev.tar.xz",
                              [SESSION_B, SESSION_C, SESSION_A])
@@ -270,11 +303,13 @@ def test_max_context_cuts_skips_and_copies_are_reported(tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_WEKA, reason=f"no Weka archive under {SHARED}")
-def test_weka_sample_is_the_archive_s_first_turns(tmp_path):
-    sample = load_workload("weka-sample", vocab_size=VOCAB, subagents=True)
-    full = load_workload("weka", vocab_size=VOCAB, trace_dir=SHARED, agents=16, turns=12,
-                         subagents=True)
-    assert full.agents == sample.agents
+def test_weka_sample_is_the_archive_s_window(tmp_path):
+    window = {"first_turn": 21, "turns": 8, "scale": 64, "subagents": True}
+    sample = load_workload("weka-sample", vocab_size=VOCAB, **window)
+    full = load_workload("weka", vocab_size=VOCAB, trace_dir=SHARED, agents=16, **window)
+    assert full.agents == sample.agents and full.primers == sample.primers
+    assert full.info["sessions"] == sample.info["sessions"]
+    assert sample.info["hash_hit_rate"] == full.info["hash_hit_rate"]
     out = write_sample(tmp_path / "weka_sample.json", SHARED)
     shipped = Path(__file__).parents[2] / "dualpath" / "workloads" / "data"
     assert out.read_text() == (shipped / "weka_sample.json").read_text()

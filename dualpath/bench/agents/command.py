@@ -27,6 +27,7 @@ class AgentsCommandOptions:
     via: str = "python"
     agents: int | None = None
     turns: int | None = None
+    first_turn: int | None = None
     scale: float | None = None
     trace_dir: str | None = None
     read_cap_mb_s: float | None = None
@@ -42,6 +43,7 @@ class AgentsCommandOptions:
     json: str = "results/agents.json"
     dir: str | None = None
     engine: str = "dualpath"
+    min_working_set_over_budget: float | None = None
 
 
 def add_arguments(p: ArgumentParser) -> None:
@@ -51,13 +53,17 @@ def add_arguments(p: ArgumentParser) -> None:
                    "64k (the paper's Table 2, scaled), mooncake (--trace-dir)")
     p.add_argument("--modes", type=names, default=None,
                    help=f"offline modes, in order, each on a fresh cluster (default "
-                   f"{','.join(Rung)}; with --engine vllm basic,layerwise,dualpath)")
+                   f"{','.join(Rung)}; with --engine vllm basic,layerwise,dualpath,oracle)")
     p.add_argument("--online-modes", type=names, default=None,
                    help="modes whose online capacity is searched ('' for none; default "
                    "basic,dualpath, none with --engine vllm)")
     p.add_argument("--engine", default="dualpath", choices=tuple(EngineKind),
                    help="the engines: dualpath's, or vLLM instances with dualpath's KV "
                    "connector (`make peers`), plain vLLM reported beside them")
+    p.add_argument("--min-working-set-over-budget", type=float, default=None,
+                   help="with --engine vllm: the workload's working set over the device KV "
+                   "of every vLLM instance together, at least (default 5; a workload too "
+                   "small for it is refused)")
     p.add_argument("--offline-off", action="store_true", help="skip the offline runs")
     p.add_argument("--split-read", action="store_true",
                    help="dualpath and round_robin read one hit partly on each side "
@@ -69,7 +75,11 @@ def add_arguments(p: ArgumentParser) -> None:
                    help="the cluster API in this process, or a dualpath serve and its "
                    "streaming OpenAI API")
     p.add_argument("--agents", type=int, default=None, help="agents (sessions or copies)")
-    p.add_argument("--turns", type=int, default=None, help="leading turns per agent")
+    p.add_argument("--turns", type=int, default=None, help="turns per agent, from --first-turn")
+    p.add_argument("--first-turn", type=int, default=None,
+                   help="traces: the top-level request each agent's timed turns start at; the "
+                   "one before it is stored untimed first (default 21 for weka and "
+                   "weka-sample, else 1)")
     p.add_argument("--scale", type=float, default=None, help="divide token counts by this")
     p.add_argument("--trace-dir", default=None,
                    help="traces folder (default: $DUALPATH_TRACES_DIR)")
@@ -86,7 +96,8 @@ def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="the engines' device: cpu, cuda, cuda:N or auto (default auto: cuda "
                    "where this host has a GPU, each engine on its own GPU round robin)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (64)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default 16; 32 with --engine vllm)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", default="results/agents.json",
                    help="where to write the results (a PNG beside it; '' for none)")
@@ -109,11 +120,16 @@ def options_from(options: AgentsCommandOptions) -> AgentsOptions:
     vllm = o.engine == EngineKind.VLLM
     modes = o.modes if o.modes is not None else (VLLM_RUNGS if vllm else None)
     online = o.online_modes if o.online_modes is not None else (() if vllm else None)
+    # the base resolves the engine-kind defaults (block size, host buffers) for this engine
+    base = AgentsOptions(engine=o.engine, modes=VLLM_RUNGS, online_modes=()) if vllm \
+        else AgentsOptions()
     return with_overrides(
-        AgentsOptions(), workload=o.workload, modes=modes, online_modes=online, engine=o.engine,
-        offline=not o.offline_off, via=o.via, agents=o.agents, turns=o.turns, scale=o.scale,
+        base, workload=o.workload, modes=modes, online_modes=online, engine=o.engine,
+        offline=not o.offline_off, via=o.via, agents=o.agents, turns=o.turns,
+        first_turn=o.first_turn, scale=o.scale,
         trace_dir=o.trace_dir, read_cap_mb_s=o.read_cap_mb_s, compute_cap_mb_s=o.compute_cap_mb_s,
         online_trials=o.online_trials, prime_first_turns=not o.cold_start,
         ttft_slo_s=o.ttft_slo_s, profile=o.profile, model=o.model, dtype=o.dtype,
         device=o.device, block_size=o.block_size, split_read=o.split_read or None, seed=o.seed,
-        json_path=o.json or "", work_dir=o.dir)
+        json_path=o.json or "", work_dir=o.dir,
+        min_working_set_over_budget=o.min_working_set_over_budget)

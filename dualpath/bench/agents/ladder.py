@@ -2,13 +2,16 @@
 
 Workloads (``bench/workloads.py``): the paper's Table 2 presets scaled to the model's context,
 the Weka agentic traces (a shipped sample, or any folder in the Weka format), Mooncake's trace
-format. Every mode (``basic``, ``layerwise``, ``round_robin``, ``dualpath``, ``oracle``) runs
-on a fresh cluster (1 prefill + 2 decode engine processes by default) over an empty store,
-after a short untimed warm-up that shares nothing with the workload, through the Python cluster
-API (``--via python``) or a ``dualpath serve`` process and its streaming OpenAI API
-(``--via http``). Each agent's first prompt (its system and tool prompt, which deployments keep
-cached) is stored untimed before a timed run (``prime_first_turns``; ``--cold-start`` times
-it): computed once, its blocks are copied into later modes' and trials' stores.
+format. Every mode (``recompute``: no KV reuse at all, ``basic``, ``layerwise``,
+``round_robin``, ``dualpath``, ``oracle``) runs on a fresh cluster (1 prefill + 2 decode engine
+processes by default) over an empty store, after a short untimed warm-up that shares nothing
+with the workload, through the Python cluster API (``--via python``) or a ``dualpath serve``
+process and its streaming OpenAI API (``--via http``). Each agent's primer is stored untimed
+before a timed run (``prime_first_turns``; ``--cold-start`` times the first turns cold): the
+request before its window of turns (``--first-turn``: by default the Weka traces' turns 21-24,
+where an agent reloads 98% of its context each turn), or its first prompt (the system and tool
+prompt, which deployments keep cached); computed once, its blocks are copied into later modes'
+and trials' stores.
 
 * **Offline** (the paper's rule): every agent starts at once, zero tool latency; JCT is the
   time to the last agent's last turn.
@@ -28,6 +31,15 @@ result (JSON with a top-level ``summary``, the resolved cluster config of every 
 turn's record) and its plots are written by ``bench/agents_report.py``; the same workload is
 also run through the simulator (the testbed preset's settings, the very same trajectories)
 when a ``dualpath profile`` is given (``--profile``).
+
+With ``--engine vllm`` the rungs run on vLLM instances that carry our KV connector, with vLLM's
+prefix cache on and our store as the tier below it, beside plain vLLM on the same hardware
+(``bench/agents/plain_vllm.py``): as many plain instances as the cluster has engines, sessions
+pinned to them. Every instance, ours or plain, gets the same device-KV budget, bounded so that
+the workload's working set is at least 5x what they hold together (``bench/agents/kv_budget.py``;
+a workload too small for that is refused). The ladder's ``oracle`` on vLLM is plain vLLM with an
+unbounded prefix cache (every hit free); it calibrates the storage cap when it runs, else the
+plain vLLM row does.
 """
 
 from __future__ import annotations
@@ -50,9 +62,10 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from dualpath.bench.agents.kv_budget import MIN_WORKING_SET_OVER_BUDGET, PLAIN_ROW, KvBudget
 from dualpath.bench.agents.nics import utilization
 from dualpath.bench.agents.run import HttpRun, PythonRun
-from dualpath.bench.agents.turns import prime, timed_sim_turns
+from dualpath.bench.agents.turns import load_bench_workload, prime, timed_sim_turns
 from dualpath.bench.cluster import testbed_config
 from dualpath.bench.demo import warmup_turns
 from dualpath.bench.report import (
@@ -63,6 +76,7 @@ from dualpath.bench.report import (
 )
 from dualpath.config import ClusterConfig, VllmConfig
 from dualpath.vocab import EngineKind, Mode, Rung
+from dualpath.workloads.sample import FIRST_TURN as SAMPLE_FIRST_TURN
 from dualpath.workloads.turns import AgentTurn
 
 # A calibrated storage cap lets the prefill node's NIC alone read the timed run's hits in this
@@ -73,8 +87,13 @@ STORAGE_BOUND = 2.0
 # The oracle moves no KV, so its caps do not matter; it runs under this one while calibrating.
 NOMINAL_CAP_MB_S = 1000.0
 VIAS = ("python", "http")
-# The rungs vLLM engines run (the oracle and round robin need our engines; docs/vllm-connector.md)
-VLLM_RUNGS = (Rung.BASIC, Rung.LAYERWISE, Rung.DUALPATH)
+BLOCK_SIZE = 16  # tokens per KV block, our engines
+VLLM_BLOCK_SIZE = 32  # vLLM's CPU attention kernels take multiples of 32
+HOST_POOL_TOKENS = 24_576  # each engine's DRAM buffer (384 blocks of 64 tokens)
+SAVE_STAGING_TOKENS = 4096  # of those, what a DE keeps for persisting blocks
+# The rungs vLLM engines run (round robin needs our engines; docs/vllm-connector.md); their
+# oracle is plain vLLM with an unbounded prefix cache (bench/agents/plain_vllm.py)
+VLLM_RUNGS = (Rung.BASIC, Rung.LAYERWISE, Rung.DUALPATH, Rung.ORACLE)
 
 
 @dataclass(frozen=True)
@@ -84,12 +103,16 @@ class AgentsOptions:
     workload: str = "weka-sample"
     modes: tuple[Rung, ...] = tuple(Rung)  # the ladder (vocab.LADDER), in its order
     via: str = "python"
-    # 16 agents x 4 turns, token counts / 64 (one token per 64-token trace block): the sample's
-    # 16 sessions, as many turns as keep the whole default run within 15 minutes on 2 cores
-    # (None: the workload's own default)
-    agents: int | None = 16
+    # 8 agents x 4 turns, token counts / 64 (one token per 64-token trace block): the sample's
+    # first 8 sessions, turns 21-24 (first_turn), h 98.2% at 16-token blocks against the
+    # trace's own 98.6%, 46K prompt tokens: recompute reads none of them (None: the
+    # workload's own default)
+    agents: int | None = 8
     turns: int | None = 4
     scale: float | None = 64
+    # The top-level request each agent's timed window starts at (traces; the request before
+    # it is stored untimed first). None: the sample's FIRST_TURN for Weka, else 1.
+    first_turn: int | None = None
     trace_dir: str | None = None  # the traces folder (else $DUALPATH_TRACES_DIR)
     max_context: int = 8192
     model: str | None = None
@@ -102,9 +125,14 @@ class AgentsOptions:
     # The engines' device: auto is cuda where this host has a GPU (each engine on its own,
     # round robin: LocalCluster), else cpu; run_bench resolves it before the first cluster.
     device: str = "auto"
-    block_size: int = 64
-    host_pool_blocks: int = 384
-    save_staging_blocks: int = 64  # agent turns add many blocks and generate few (demo.py)
+    # None: 16 tokens (a turn loses its partial last block from the hit: 16-token blocks keep
+    # the workload's hit rate within 0.5 points of the trace's), 32 with vLLM engines (its CPU
+    # attention takes multiples of 32)
+    block_size: int | None = None
+    # None: HOST_POOL_TOKENS and SAVE_STAGING_TOKENS in blocks (agent turns add many blocks
+    # and generate few: demo.py)
+    host_pool_blocks: int | None = None
+    save_staging_blocks: int | None = None
     read_deadline_s: float = 600.0  # a read given up is recomputed: basic must not recompute
     prefill: int = 1
     decode: int = 2
@@ -124,8 +152,15 @@ class AgentsOptions:
     work_dir: str | None = None
     profile: str | None = None  # a `dualpath profile` JSON: also predict with the simulator
     # What computes behind the engine processes; with vLLM, plain vLLM (its own prefix cache,
-    # no storage tier) runs first as the ``vllm`` row and calibrates the storage cap
+    # no storage tier) runs first as the ``vllm`` row (and calibrates the storage cap when the
+    # oracle does not run)
     engine: EngineKind = EngineKind.DUALPATH
+    # vLLM engines: the working set over every instance's device KV together (kv_budget.py)
+    min_working_set_over_budget: float = MIN_WORKING_SET_OVER_BUDGET
+    # vLLM engines, resolved by run_bench from the workload: each instance's device KV (bytes)
+    # and max_model_len (None: VllmConfig's default budget, max_context)
+    vllm_kv_cache_bytes: int | None = None
+    vllm_max_model_len: int | None = None
 
     @property
     def applied_read_cap_mb_s(self) -> float:
@@ -133,7 +168,27 @@ class AgentsOptions:
         calibration run, which moves no KV) :data:`NOMINAL_CAP_MB_S`."""
         return self.read_cap_mb_s or NOMINAL_CAP_MB_S
 
+    @property
+    def window_first_turn(self) -> int:
+        """The first turn of each agent's timed window (``first_turn`` or its default)."""
+        if self.first_turn is not None:
+            return self.first_turn
+        return SAMPLE_FIRST_TURN if self.workload in ("weka", "weka-sample") else 1
+
+    def _resolve_blocks(self) -> None:
+        """Block size and host-pool slots where left None (see their comments)."""
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", VLLM_BLOCK_SIZE
+                               if self.engine == EngineKind.VLLM else BLOCK_SIZE)
+        if self.host_pool_blocks is None:
+            object.__setattr__(self, "host_pool_blocks", HOST_POOL_TOKENS // self.block_size)
+        if self.save_staging_blocks is None:
+            object.__setattr__(self, "save_staging_blocks",
+                               SAVE_STAGING_TOKENS // self.block_size)
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", EngineKind(self.engine))
+        self._resolve_blocks()
         unknown = [m for m in self.modes + self.online_modes if m not in tuple(Rung)]
         if unknown:
             raise ValueError(f"unknown modes {unknown}; known: {', '.join(Rung)}")
@@ -143,7 +198,9 @@ class AgentsOptions:
             raise ValueError(f"--via must be one of {VIAS}, got {self.via!r}")
         if self.read_cap_mb_s is not None and not self.read_cap_mb_s > 0:
             raise ValueError(f"--read-cap-mb-s must be > 0, got {self.read_cap_mb_s}")
-        object.__setattr__(self, "engine", EngineKind(self.engine))
+        if not self.min_working_set_over_budget > 0:
+            raise ValueError(f"--min-working-set-over-budget must be > 0, got "
+                             f"{self.min_working_set_over_budget}")
         if self.engine == EngineKind.VLLM:
             unsupported = [m for m in self.modes + self.online_modes if m not in VLLM_RUNGS]
             if unsupported or self.online_modes or not self.offline:
@@ -172,7 +229,9 @@ def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterCon
     if options.engine != EngineKind.VLLM:
         return config
     return replace(config, engine_kind=EngineKind.VLLM, vllm=VllmConfig(
-        max_model_len=options.max_context, extra_args=("--enforce-eager",)))
+        max_model_len=options.vllm_max_model_len or options.max_context,
+        kv_cache_bytes=options.vllm_kv_cache_bytes, prefix_caching=True,
+        extra_args=("--enforce-eager",)))
 
 
 def _open(options: AgentsOptions, model_dir: Path, mode: str, work: Path) -> Any:
@@ -188,28 +247,36 @@ def _open(options: AgentsOptions, model_dir: Path, mode: str, work: Path) -> Any
 
 def run_mode(options: AgentsOptions, model_dir: Path, mode: str,
              agents: list[list[AgentTurn]], warmup: list[list[AgentTurn]], work: Path,
-             bar: Progress) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+             bar: Progress, primers: list[AgentTurn] | None = None,
+             ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """One mode on a fresh cluster: offline (if asked), then the online search (if asked) on
-    the same cluster, the store emptied in between; the offline row and the online result."""
+    the same cluster, the store emptied in between, ``primers`` stored before each (by
+    default each agent's first turn); the offline row and the online result."""
     from dualpath.bench.agents.online import search_capacity
 
+    if options.engine == EngineKind.VLLM and mode == Rung.ORACLE:
+        return _plain_vllm(options, model_dir, agents, warmup, work, bar, Rung.ORACLE,
+                           primers), None
     with _open(options, model_dir, mode, work) as run:
-        row = offline_run(run, options, mode, agents, warmup, work, bar) if (
+        row = offline_run(run, options, mode, agents, warmup, work, bar, primers) if (
             options.offline and mode in options.modes) else None
         if mode not in options.online_modes:
             return row, None
         if row is None:
             run.run(warmup, None, lambda: None, 300.0)
-        return row, search_capacity(run, mode, agents, options, row, bar)
+        return row, search_capacity(run, mode, agents, options, row, bar, primers)
 
 
 def offline_run(run: Any, options: AgentsOptions, mode: str, agents: list[list[AgentTurn]],
-                warmup: list[list[AgentTurn]], work: Path, bar: Progress) -> dict[str, Any]:
-    """Offline: all agents at once, after a warm-up and the priming; JCT, records, NICs."""
+                warmup: list[list[AgentTurn]], work: Path, bar: Progress,
+                primers: list[AgentTurn] | None = None) -> dict[str, Any]:
+    """Offline: all agents at once, after a warm-up and the priming (``primers``, by default
+    each agent's first turn); JCT, records, NICs."""
     task = bar.add_task(f"{mode}: warming up", total=sum(map(len, agents)))
     run.run(warmup, None, lambda: None, 300.0)
     run.empty()
-    prime(run, options, agents, bar, task, mode)
+    prime(run, options, [a[0] for a in agents] if primers is None else primers, bar, task,
+          mode)
     bar.update(task, description=f"{mode}: offline")
     sampler = run.sampler().start()
     busy_before, ticks_before = run.busy_s(), host_cpu_ticks()
@@ -254,20 +321,21 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec
     from dualpath.server.launch import resolve_local_device
-    from dualpath.workloads.agents import load_workload
 
     console = console or Console()
     began = time.perf_counter()
     options = replace(options, device=resolve_local_device(options.device))
     model_dir = resolve_model(options.model)
     vocab = load_spec(model_dir).vocab_size
-    kwargs = {k: v for k, v in (("agents", options.agents), ("turns", options.turns),
-                                ("scale", options.scale)) if v is not None}
-    workload = load_workload(options.workload, vocab_size=vocab, block_size=options.block_size,
-                             max_context=options.max_context, trace_dir=options.trace_dir,
-                             seed=options.seed, **kwargs)
+    workload = load_bench_workload(options, vocab)
     warmup = warmup_turns(vocab, options.block_size, options.seed)
+    budget: KvBudget | None = None
+    if options.engine == EngineKind.VLLM:
+        options, budget = _vllm_budget(options, workload.agents, warmup, model_dir,
+                                       workload.primer_turns())
     console.print(_headline(options, workload, model_dir))
+    if budget is not None:
+        console.print(f"plain vLLM and the ladder's vLLM instances: {budget.line()}")
     work = Path(options.work_dir or tempfile.mkdtemp(prefix="dualpath-bench-agents-"))
     offline, online = [], []
     calibration: dict[str, float] | None = None
@@ -276,9 +344,10 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
                       MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
             calibrate = options.read_cap_mb_s is None
             if options.engine == EngineKind.VLLM:
-                row = _plain_vllm(options, model_dir, workload.agents, warmup, work, bar)
+                row = _plain_vllm(options, model_dir, workload.agents, warmup, work, bar,
+                                  primers=workload.primer_turns())
                 offline.append(row)
-                if calibrate:
+                if calibrate and Rung.ORACLE not in options.modes:
                     options, calibration = _calibrate(options, workload, model_dir,
                                                       row["jct_s"], console, "plain vLLM")
                     calibrate = False
@@ -288,7 +357,7 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
                 modes = [Rung.ORACLE, *(m for m in modes if m != Rung.ORACLE)]
             for mode in modes:
                 row, searched = run_mode(options, model_dir, mode, workload.agents, warmup,
-                                         work, bar)
+                                         work, bar, workload.primer_turns())
                 offline += [row] if row else []
                 online += [searched] if searched else []
                 if calibrate and mode == Rung.ORACLE and row:
@@ -301,6 +370,8 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
                           kv_bytes_per_token(model_dir, options.dtype))
     result["summary"]["read_cap_mb_s"] = options.read_cap_mb_s
     result["summary"]["read_cap_calibration"] = calibration
+    if budget is not None:
+        result["summary"]["plain_vllm"] = budget.summary()
     result["wall_s"] = time.perf_counter() - began
     result["date"] = datetime.date.today().isoformat()
     result["machine"] = machine_profile()
@@ -312,13 +383,49 @@ def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[st
 
 
 def _plain_vllm(options: AgentsOptions, model_dir: Path, agents: list[list[AgentTurn]],
-                warmup: list[list[AgentTurn]], work: Path, bar: Progress) -> dict[str, Any]:
-    """The plain vLLM row (``bench/agents/plain_vllm.py``)."""
+                warmup: list[list[AgentTurn]], work: Path, bar: Progress,
+                row: str = PLAIN_ROW, primers: list[AgentTurn] | None = None) -> dict[str, Any]:
+    """The plain vLLM row, or (``row`` oracle) the vLLM ladder's oracle: plain vLLM with an
+    unbounded prefix cache (``bench/agents/plain_vllm.py``); ``primers`` (default each
+    agent's first turn) go into the prefix caches first, untimed."""
+    from dualpath.bench.agents.kv_budget import unbounded_kv_bytes
     from dualpath.bench.agents.plain_vllm import plain_row
 
-    config = cluster_config(options, Rung.BASIC, work / "plain" / "kv")
-    return plain_row(config, model_dir, agents, warmup, options.prime_first_turns,
-                     options.timeout_s, work / "plain", bar)
+    config = cluster_config(options, Rung.BASIC, work / row / "kv")
+    instances = options.prefill + options.decode
+    kv_bytes = config.vllm.kv_cache_memory_bytes
+    primers = [a[0] for a in agents] if primers is None else primers
+    if row == Rung.ORACLE:
+        block_bytes = kv_bytes_per_token(model_dir, options.dtype) * options.block_size
+        kv_bytes = unbounded_kv_bytes(agents, warmup, instances, options.block_size,
+                                      block_bytes, config.vllm.max_model_len, primers)
+    return plain_row(config, model_dir, agents, warmup,
+                     primers if options.prime_first_turns else None, options.timeout_s,
+                     work / row, bar, instances, kv_bytes, row)
+
+
+def _vllm_budget(options: AgentsOptions, agents: list[list[AgentTurn]],
+                 warmup: list[list[AgentTurn]], model_dir: Path,
+                 primers: list[AgentTurn] | None = None) -> tuple[AgentsOptions, KvBudget]:
+    """``options`` with every vLLM instance's device KV and ``max_model_len`` bounded for the
+    workload, its ``primers`` and ``warmup`` (``bench/agents/kv_budget.py``; ``KvBudgetError``
+    when it is too small)."""
+    from dualpath.bench.agents.kv_budget import (
+        bounded_kv_budget,
+        longest_request_tokens,
+        max_model_len_for,
+        working_set_tokens,
+    )
+
+    bs, per_token = options.block_size, kv_bytes_per_token(model_dir, options.dtype)
+    longest = max(longest_request_tokens(agents, bs), longest_request_tokens(warmup, bs),
+                  longest_request_tokens([[p] for p in primers or []], bs))
+    budget = bounded_kv_budget(working_set_tokens(agents, bs) * per_token,
+                               options.prefill + options.decode, per_token * bs,
+                               max_model_len_for(longest, bs), bs,
+                               options.min_working_set_over_budget)
+    return replace(options, vllm_kv_cache_bytes=budget.kv_budget_bytes_each,
+                   vllm_max_model_len=budget.max_model_len), budget
 
 
 def _calibrate(options: AgentsOptions, workload: Any, model_dir: Path, oracle_jct_s: float,
@@ -337,7 +444,8 @@ def _calibrate(options: AgentsOptions, workload: Any, model_dir: Path, oracle_jc
 def _headline(options: AgentsOptions, workload: Any, model_dir: Path) -> str:
     n = len(workload.agents)
     turns = sum(map(len, workload.agents))
-    reference = "plain vLLM" if options.engine == EngineKind.VLLM else "the oracle"
+    reference = ("plain vLLM" if options.engine == EngineKind.VLLM
+                 and Rung.ORACLE not in options.modes else "the oracle")
     caps = (f"{options.read_cap_mb_s:g} MB/s per node" if options.read_cap_mb_s else
             f"calibrated on {reference} ({STORAGE_BOUND:g} x its JCT to read the hits on one)")
     return (f"[bold]dualpath bench agents[/]: {workload.name}, {n} agents, {turns} turns, via "

@@ -74,9 +74,11 @@ def _next_aps(trials: list[dict[str, Any]]) -> float:
 
 
 def search_capacity(run: Any, mode: str, agents: list[list[AgentTurn]], options: Any,
-                    offline: dict[str, Any] | None, bar: Any) -> dict[str, Any]:
+                    offline: dict[str, Any] | None, bar: Any,
+                    primers: list[AgentTurn] | None = None) -> dict[str, Any]:
     """Trials at rising or falling APS on ``run`` (a warm cluster, the store emptied and the
-    first prompts stored before each); the trials and the capacity under the SLO."""
+    ``primers`` stored before each: by default each agent's first turn); the trials and the
+    capacity under the SLO."""
     from dualpath.bench.agents.turns import poisson_offsets, prime
 
     slo = options.ttft_slo_s or TTFT_SLO_S
@@ -85,7 +87,8 @@ def search_capacity(run: Any, mode: str, agents: list[list[AgentTurn]], options:
     trials = []
     for i in range(options.online_trials):
         run.empty()
-        prime(run, options, agents, bar, task, mode)
+        prime(run, options, [a[0] for a in agents] if primers is None else primers, bar, task,
+              mode)
         offsets = poisson_offsets(len(agents), aps, options.seed + i)
         bar.update(task, description=f"{mode}: online at {aps:.3f} APS")
         records, span = run.run(agents, offsets, lambda: bar.advance(task), options.timeout_s,

@@ -2,7 +2,10 @@
 the simulator's prediction of the same workload.
 
 The summary's ratios: ``speedup_dualpath_vs_basic`` (basic JCT / dualpath JCT),
-``dualpath_vs_oracle`` (oracle JCT / dualpath JCT), ``aps_ratio_dualpath_vs_basic`` (online
+``dualpath_vs_oracle`` (oracle JCT / dualpath JCT), ``recompute_vs_basic`` (recompute JCT /
+basic JCT: what reusing KV is worth), ``speedup_dualpath_vs_plain_vllm`` (with
+vLLM engines: the plain vLLM row's JCT / dualpath JCT, at the same device KV; the budget and the
+working set are ``summary.plain_vllm``), ``aps_ratio_dualpath_vs_basic`` (online
 capacities; ``..._at_least`` where basic met the SLO at no APS tried), the measured hit rate
 beside the workload's expected one, and each node's storage-NIC busy fraction
 (bytes read / (cap × JCT)) per mode.
@@ -20,6 +23,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from dualpath.bench.agents.kv_budget import PLAIN_ROW
 from dualpath.bench.cluster import COMPUTE_PER_STORAGE
 from dualpath.bench.regime import ladder_regime, recompute_s_per_token
 from dualpath.bench.report import write_json
@@ -109,7 +113,8 @@ def thread_wakeups(row: dict[str, Any]) -> float | None:
 def simulate_same(profile: str, sim_turns: list[list[Any]], modes: tuple[str, ...],
                   prefill: int, decode: int) -> dict[str, float]:
     """The simulator's JCT per mode for the very same trajectories on the profiled testbed
-    (the ``testbed`` preset's settings: one engine per node, FIFO reads per node)."""
+    (the ``testbed`` preset's settings: one engine per node, FIFO reads per node); the
+    simulator models the rungs that reuse KV, so ``recompute`` has none."""
     from dataclasses import replace
 
     from dualpath.sim.cluster import simulate
@@ -120,7 +125,7 @@ def simulate_same(profile: str, sim_turns: list[list[Any]], modes: tuple[str, ..
                      decode_nodes=decode, ep_lockstep=False, basic_prefetch=True,
                      read_streams=1)
     out = {}
-    for mode in (m for m in modes if m in tuple(Rung)):
+    for mode in (m for m in modes if m in tuple(Rung) and Rung(m).reuses_kv):
         cfg = replace(base, mode=mode, workload=replace(base.workload, agents=len(sim_turns)))
         out[mode] = float(simulate(cfg, trajectories=sim_turns)["jct_s"])
     return out
@@ -132,6 +137,8 @@ def _ratios(jct: dict[str, float], prefix: str = "") -> dict[str, float]:
         out[f"{prefix}speedup_dualpath_vs_basic"] = jct[Rung.BASIC] / jct[Rung.DUALPATH]
     if Rung.ORACLE in jct and Rung.DUALPATH in jct:
         out[f"{prefix}dualpath_vs_oracle"] = jct[Rung.ORACLE] / jct[Rung.DUALPATH]
+    if PLAIN_ROW in jct and Rung.DUALPATH in jct:
+        out[f"{prefix}speedup_dualpath_vs_plain_vllm"] = jct[PLAIN_ROW] / jct[Rung.DUALPATH]
     if Rung.BASIC in jct and Mode.RECOMPUTE in jct:
         out[f"{prefix}recompute_vs_basic"] = jct[Mode.RECOMPUTE] / jct[Rung.BASIC]
     return out
@@ -166,7 +173,9 @@ def build_result(options: Any, workload: Any, model: str, offline: list[dict[str
                                "speedup_vs_basic": {m: jct[Rung.BASIC] / t for m, t in jct.items()}
                                if Rung.BASIC in jct else {},
                                "hit_rate": {m: f["hit_rate"] for m, f in modes.items()},
-                               "regime": ladder_regime(modes, kv_bytes_per_token,
+                               # of the ladder's rungs: plain vLLM's hits are its device's
+                               "regime": ladder_regime({m: f for m, f in modes.items()
+                                                        if m != PLAIN_ROW}, kv_bytes_per_token,
                                                        options.read_cap_mb_s),
                                "expected_hit_rate": expected_hit_rate(workload, options),
                                "snic_busy": {m: f["snic_busy"] for m, f in modes.items()},
@@ -212,7 +221,7 @@ def offline_table(result: dict[str, Any]) -> Table:
                   f"{result['caps_mb_s']['read']:.1f} MB/s per node; {m['cpu_model']}, "
                   f"{m['cpus']} cores\nregime: {result['summary']['regime']['line']} (h: hit "
                   "rate; κ: loading a token over one storage NIC / recomputing it; ρ: Basic's "
-                  "storage demand / supply)",
+                  "storage demand / supply)" + _plain_vllm_line(result),
                   caption="TTFT parts (means): queue / read / prefill / other; then transfer "
                   "to decode. Read: MB each node's storage NIC read (PE node first). Busy: "
                   "bytes read / (cap x JCT).")
@@ -230,6 +239,18 @@ def offline_table(result: dict[str, Any]) -> Table:
                       _fmt(f["mean_ttft_s"], ".2f"), parts, _fmt(b.get("transfer_s"), ".2f"),
                       _fmt(tpot, ".0f"), f"{f['hit_rate']:.1%}", reads, busy)
     return table
+
+
+def _plain_vllm_line(result: dict[str, Any]) -> str:
+    """The title's line on the vLLM instances' device KV and the working set ("" without)."""
+    plain = result["summary"].get("plain_vllm")
+    if not plain:
+        return ""
+    return (f"\nvLLM instances (plain and ours): {plain['instances']} x "
+            f"{plain['kv_budget_bytes_each'] / 1e6:,.1f} MB device KV "
+            f"({plain['kv_budget_blocks_each']} blocks each); working set "
+            f"{plain['working_set_bytes'] / 1e6:,.1f} MB = "
+            f"{plain['working_set_over_budget']:.1f}x their total; sessions sticky")
 
 
 def online_table(result: dict[str, Any]) -> Table:
@@ -258,6 +279,8 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     if result["online"]:
         console.print(online_table(result))
     lines = [f"{k}: {s[k]:.2f}" for k in ("speedup_dualpath_vs_basic", "dualpath_vs_oracle",
+                                          "recompute_vs_basic",
+                                          "speedup_dualpath_vs_plain_vllm",
                                           "aps_ratio_dualpath_vs_basic",
                                           "aps_ratio_dualpath_vs_basic_at_least") if k in s]
     lines.append(f"hit rate measured {', '.join(f'{m} {v:.1%}' for m, v in s['hit_rate'].items())}"
