@@ -10,17 +10,13 @@ recorded with its status and message, and its agent stops.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import uvicorn
-from fastapi import FastAPI
+from app_serving import serving
 
 from dualpath.bench.agents.http import HttpTurnRecord, run_agents_http
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
@@ -49,26 +45,6 @@ def _tiny_model(model_dir: Path) -> ModelInfo:
                      lambda messages: encode("".join(m["content"] for m in messages)))
 
 
-@contextlib.contextmanager
-def _serving(app: FastAPI) -> Iterator[str]:
-    """``app`` on a free loopback port (uvicorn on a thread); yields its root URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
-
-
 @pytest.fixture(scope="module")
 def served(tiny_chaotic_dir, tmp_path_factory) -> Iterator[tuple[str, LocalCluster]]:
     tmp = tmp_path_factory.mktemp("agents-http")
@@ -80,7 +56,7 @@ def served(tiny_chaotic_dir, tmp_path_factory) -> Iterator[tuple[str, LocalClust
         router = cluster.router
         app = build_app(router, _tiny_model(tiny_chaotic_dir), ServeConfig(),
                         ServeMetrics(router))
-        with _serving(app) as url:
+        with serving(app) as url:
             yield url, cluster
 
 

@@ -10,14 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
-import uvicorn
+from app_serving import serving
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
@@ -58,26 +55,6 @@ def fake_vllm(seen: list[tuple[int, int]]) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     return app
-
-
-@contextlib.contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """``app`` on a free loopback port (uvicorn on a thread); its root URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
 
 
 def marked_agents(count: int, turns: int) -> list[list[AgentTurn]]:
