@@ -108,8 +108,10 @@ def test_demo_runs_its_modes_and_reports_the_table_and_the_regime(tiny_chaotic_d
         assert s["jct_s"] > 0 and 0 < s["mean_ttft_s"] <= s["mean_turn_latency_s"], mode
         assert len(s["pe_read_bytes"]) == 1 and len(s["de_read_bytes"]) == 2
         assert s["read_deadline_misses"] == 0 and s["retried_turns"] == 0
-    for row in data["rows"]:  # every engine process worked in every timed part
-        assert set(row["cpu_s"]) == {"prefill", "decode"} and min(row["cpu_s"].values()) > 0
+    for row in data["rows"]:  # the engines worked in every timed part (a tiny model's part
+        # can be shorter than one 10 ms clock tick of one role's process: only the sum is > 0)
+        assert set(row["cpu_s"]) == {"prefill", "decode"} and min(row["cpu_s"].values()) >= 0
+        assert sum(row["cpu_s"].values()) > 0
         s = modes_before[row["mode"]]
         cores = data["machine"]["cpus"]
         assert s["cores_busy"] == pytest.approx(sum(row["cpu_s"].values()) / cores / s["jct_s"])
