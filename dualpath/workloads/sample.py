@@ -44,7 +44,7 @@ from dualpath.workloads.notices import with_notice
 if TYPE_CHECKING:
     from argparse import ArgumentParser
 
-SESSIONS = 16  # leading sessions of the archive that reach FIRST_TURN, kept
+SESSIONS = 32  # leading sessions of the archive that reach FIRST_TURN, kept
 FIRST_TURN = 21  # the top-level request (1-based) a timed window starts at by default
 TURNS = 8  # top-level requests kept from FIRST_TURN on (and requests per sub-agent)
 SAMPLE_FILE = "weka_sample.json"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from dualpath.bench.agents.ladder import AgentsOptions
+from dualpath.bench.agents.ladder import VLLM_RUNGS, AgentsOptions
 from dualpath.bench.agents.turns import expected_hit_rate, load_bench_workload
 from dualpath.workloads.agents import Workload
 from dualpath.workloads.sample import read_sample
@@ -111,8 +111,12 @@ def _bench(options: AgentsOptions) -> tuple[Workload, Hits, Hits]:
             trace_hits(workload, options.window_first_turn))
 
 
-def test_the_default_workload_hits_what_the_trace_records():
-    options = AgentsOptions()
+@pytest.mark.parametrize("engine", ["dualpath", "vllm"])
+def test_the_default_workload_hits_what_the_trace_records(engine):
+    """Both engine kinds' defaults: ours (8 sessions, 16-token blocks) and vLLM's (28
+    sessions, 32-token blocks)."""
+    options = AgentsOptions(engine=engine, modes=VLLM_RUNGS, online_modes=()) if (
+        engine == "vllm") else AgentsOptions()
     workload, bench, trace = _bench(options)
     assert options.workload == "weka-sample" and options.prime_first_turns
     assert bench.rate >= 0.95, f"h {bench.rate:.2%}"

@@ -205,9 +205,11 @@ def test_host_cpu_shares_count_busy_and_stolen_ticks(tmp_path):
 
 
 def test_vllm_engines_run_their_rungs_and_the_oracle_offline(tmp_path):
-    """``--engine vllm``: basic, layerwise, dualpath and the oracle (plain vLLM with an
-    unbounded prefix cache) by default; round robin needs our engines; no online search; the
-    instances keep vLLM's prefix cache on under the budget the run resolved."""
+    """``--engine vllm``: recompute, basic, layerwise, dualpath and the oracle (plain vLLM
+    with an unbounded prefix cache) by default, on a workload of its own (28 agents x 2 turns,
+    / 32: vLLM's floor needs more sessions for the 5x regime); round robin needs our engines;
+    no online search; the instances keep vLLM's prefix cache on under the budget the run
+    resolved, but recompute's, which reuse no KV at all."""
     from dataclasses import replace
 
     from dualpath.bench.agents.command import AgentsCommandOptions, options_from
@@ -223,6 +225,12 @@ def test_vllm_engines_run_their_rungs_and_the_oracle_offline(tmp_path):
     assert options.read_cap_mb_s is None  # calibrated on the oracle (else plain vLLM)
     config = cluster_config(options, "dualpath", tmp_path)
     assert config.engine_kind == EngineKind.VLLM and config.vllm.prefix_caching
+    assert not cluster_config(options, "recompute", tmp_path).vllm.prefix_caching
+    assert Rung.RECOMPUTE in options.modes
+    assert (options.agents, options.turns, options.scale) == (28, 2, 32)
+    native = options_from(AgentsCommandOptions())
+    assert (native.agents, native.turns, native.scale) == (8, 4, 64)
+    assert options_from(AgentsCommandOptions(engine="vllm", agents=5)).agents == 5
     assert config.vllm.max_model_len == options.max_context  # until run_bench bounds it
     bounded = cluster_config(replace(options, vllm_kv_cache_bytes=17_694_720,
                                      vllm_max_model_len=320), "basic", tmp_path)

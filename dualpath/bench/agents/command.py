@@ -53,7 +53,8 @@ def add_arguments(p: ArgumentParser) -> None:
                    "64k (the paper's Table 2, scaled), mooncake (--trace-dir)")
     p.add_argument("--modes", type=names, default=None,
                    help=f"offline modes, in order, each on a fresh cluster (default "
-                   f"{','.join(Rung)}; with --engine vllm basic,layerwise,dualpath,oracle)")
+                   f"{','.join(Rung)}; with --engine vllm recompute,basic,layerwise,dualpath,"
+                   "oracle)")
     p.add_argument("--online-modes", type=names, default=None,
                    help="modes whose online capacity is searched ('' for none; default "
                    "basic,dualpath, none with --engine vllm)")
@@ -74,13 +75,16 @@ def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("--via", default="python", choices=("python", "http"),
                    help="the cluster API in this process, or a dualpath serve and its "
                    "streaming OpenAI API")
-    p.add_argument("--agents", type=int, default=None, help="agents (sessions or copies)")
-    p.add_argument("--turns", type=int, default=None, help="turns per agent, from --first-turn")
+    p.add_argument("--agents", type=int, default=None,
+                   help="agents (sessions or copies; default 8, 28 with --engine vllm)")
+    p.add_argument("--turns", type=int, default=None,
+                   help="turns per agent, from --first-turn (default 4, 2 with --engine vllm)")
     p.add_argument("--first-turn", type=int, default=None,
                    help="traces: the top-level request each agent's timed turns start at; the "
                    "one before it is stored untimed first (default 21 for weka and "
                    "weka-sample, else 1)")
-    p.add_argument("--scale", type=float, default=None, help="divide token counts by this")
+    p.add_argument("--scale", type=float, default=None,
+                   help="divide token counts by this (default 64, 32 with --engine vllm)")
     p.add_argument("--trace-dir", default=None,
                    help="traces folder (default: $DUALPATH_TRACES_DIR)")
     p.add_argument("--read-cap-mb-s", type=float, default=None,

@@ -92,8 +92,16 @@ VLLM_BLOCK_SIZE = 32  # vLLM's CPU attention kernels take multiples of 32
 HOST_POOL_TOKENS = 24_576  # each engine's DRAM buffer (384 blocks of 64 tokens)
 SAVE_STAGING_TOKENS = 4096  # of those, what a DE keeps for persisting blocks
 # The rungs vLLM engines run (round robin needs our engines; docs/vllm-connector.md); their
-# oracle is plain vLLM with an unbounded prefix cache (bench/agents/plain_vllm.py)
-VLLM_RUNGS = (Rung.BASIC, Rung.LAYERWISE, Rung.DUALPATH, Rung.ORACLE)
+# recompute keeps vLLM's prefix cache off too, their oracle is plain vLLM with an unbounded
+# prefix cache (bench/agents/plain_vllm.py)
+VLLM_RUNGS = (Rung.RECOMPUTE, Rung.BASIC, Rung.LAYERWISE, Rung.DUALPATH, Rung.ORACLE)
+# The default workload, (agents, turns, scale), by engine kind. Ours: 8 Weka sessions, turns
+# 21-24, token counts / 64 (h 98.2% at 16-token blocks against the trace's own 98.6%, 46K
+# prompt tokens; recompute reads none of them). vLLM's: the device KV of its 3 instances must
+# hold the longest request each (vLLM's floor) and still be <= 1/5 of the working set, so 28
+# sessions (the sample's 32 less those whose request 20 exceeds max_context), turns 21-22,
+# / 32 (h 97.6% at 32-token blocks, working set 5.15x the floor's total, 161K prompt tokens).
+DEFAULT_WORKLOAD = {EngineKind.DUALPATH: (8, 4, 64.0), EngineKind.VLLM: (28, 2, 32.0)}
 
 
 @dataclass(frozen=True)
@@ -103,13 +111,11 @@ class AgentsOptions:
     workload: str = "weka-sample"
     modes: tuple[Rung, ...] = tuple(Rung)  # the ladder (vocab.LADDER), in its order
     via: str = "python"
-    # 8 agents x 4 turns, token counts / 64 (one token per 64-token trace block): the sample's
-    # first 8 sessions, turns 21-24 (first_turn), h 98.2% at 16-token blocks against the
-    # trace's own 98.6%, 46K prompt tokens: recompute reads none of them (None: the
-    # workload's own default)
-    agents: int | None = 8
-    turns: int | None = 4
-    scale: float | None = 64
+    # Agents, turns each and the token-count divisor; None: DEFAULT_WORKLOAD's for the engine
+    # kind
+    agents: int | None = None
+    turns: int | None = None
+    scale: float | None = None
     # The top-level request each agent's timed window starts at (traces; the request before
     # it is stored untimed first). None: the sample's FIRST_TURN for Weka, else 1.
     first_turn: int | None = None
@@ -175,8 +181,13 @@ class AgentsOptions:
             return self.first_turn
         return SAMPLE_FIRST_TURN if self.workload in ("weka", "weka-sample") else 1
 
-    def _resolve_blocks(self) -> None:
-        """Block size and host-pool slots where left None (see their comments)."""
+    def _resolve_defaults(self) -> None:
+        """The workload, block size and host-pool slots where left None (see their
+        comments)."""
+        for name, value in zip(("agents", "turns", "scale"), DEFAULT_WORKLOAD[self.engine],
+                               strict=True):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.block_size is None:
             object.__setattr__(self, "block_size", VLLM_BLOCK_SIZE
                                if self.engine == EngineKind.VLLM else BLOCK_SIZE)
@@ -188,7 +199,7 @@ class AgentsOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", EngineKind(self.engine))
-        self._resolve_blocks()
+        self._resolve_defaults()
         unknown = [m for m in self.modes + self.online_modes if m not in tuple(Rung)]
         if unknown:
             raise ValueError(f"unknown modes {unknown}; known: {', '.join(Rung)}")
@@ -230,7 +241,7 @@ def cluster_config(options: AgentsOptions, mode: str, store: Path) -> ClusterCon
         return config
     return replace(config, engine_kind=EngineKind.VLLM, vllm=VllmConfig(
         max_model_len=options.vllm_max_model_len or options.max_context,
-        kv_cache_bytes=options.vllm_kv_cache_bytes, prefix_caching=True,
+        kv_cache_bytes=options.vllm_kv_cache_bytes, prefix_caching=rung.mode != Mode.RECOMPUTE,
         extra_args=("--enforce-eager",)))
 
 
