@@ -27,9 +27,9 @@ FORBIDDEN = frozenset(
 )
 
 REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/model/spec.py",
-                 "dualpath/server/router_state.py", "dualpath/server/router_types.py",
-                 "dualpath/server/router_ledger.py", "dualpath/server/router_placement.py",
-                 "dualpath/server/router_endings.py", "dualpath/vocab.py",
+                 "dualpath/server/router/state.py", "dualpath/server/router/types.py",
+                 "dualpath/server/router/ledger.py", "dualpath/server/router/placement.py",
+                 "dualpath/server/router/endings.py", "dualpath/vocab.py",
                  "dualpath/bench/regime.py")
 OPTIONAL_PURE = ("dualpath/traffic/lanes.py", "dualpath/traffic/token_bucket.py",
                  "dualpath/kv/layout.py")
@@ -229,7 +229,8 @@ def test_importing_pure_modules_loads_no_torch():
 # Optional extras: the package (top-level import name) -> the only modules that may import it.
 # Everything else, `import dualpath` and the local launcher included, must work without them.
 OPTIONAL_EXTRAS = {"ray": ("dualpath/server/launch_ray.py",),
-                   "vllm": ("dualpath/integrations/vllm.py", "dualpath/integrations/vllm_setup.py",
+                   "vllm": ("dualpath/integrations/vllm/connector.py",
+                            "dualpath/integrations/vllm/setup.py",
                             "dualpath/bench/engine/peer_vllm.py")}
 
 

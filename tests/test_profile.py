@@ -7,7 +7,7 @@ import json
 from dualpath.cli import main
 from dualpath.config import ClusterConfig, StorageConfig
 from dualpath.scheduler.batch import AttentionCostModel
-from dualpath.server.router_setup import scheduler_params
+from dualpath.server.router.setup import scheduler_params
 
 
 def test_profile_writes_cost_model_and_thresholds(tiny_llama_dir, tmp_path):

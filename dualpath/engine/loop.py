@@ -76,7 +76,7 @@ from dualpath.traffic.manager import TrafficManager
 from dualpath.vocab import EngineKind, Role
 
 if TYPE_CHECKING:
-    from dualpath.integrations.vllm_instance import VllmInstance
+    from dualpath.integrations.vllm.engines.instance import VllmInstance
 
 log = logging.getLogger("dualpath.engine")
 IDLE_POLL_MS = 20
@@ -164,9 +164,9 @@ class EngineProcess:
                    cluster_id: str, vllm_url: str | None, key: EngineKey | None = None) -> None:
         """The vLLM engine: storage client, transfer backend, traffic manager and (decode) a
         shared host pool as an engine of ours has, a vLLM instance instead of a model, and its
-        role's adapter worker (``integrations/vllm_workers.py``). No EP traffic: vLLM runs the
-        steps."""
-        from dualpath.integrations.vllm_instance import vllm_engine_parts
+        role's adapter worker (``integrations/vllm/engines/prefill.py``). No EP traffic: vLLM
+        runs the steps."""
+        from dualpath.integrations.vllm.engines.instance import vllm_engine_parts
 
         identity = self.identity
         parts = vllm_engine_parts(model_dir, config, identity.role, identity.name)

@@ -1,6 +1,6 @@
 """How an engine's work shows it moves: when a layer last finished, and how long the layer under
 way should take (the heartbeat reports both; the router judges "no progress" against the
-second, so a legitimately long layer is never taken for a hang: ``server/router_state.py``).
+second, so a legitimately long layer is never taken for a hang: ``server/router/state.py``).
 
 A layer's expected time is the previous layer's of the same forward (the layers of a decoder
 are alike); a forward's first layer is predicted from its floating-point work at the rate the

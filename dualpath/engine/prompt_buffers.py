@@ -2,13 +2,13 @@
 read from storage on the DE read path (layer-major: every block's file scattered straight into
 its layer slices by one vectored read). Both decode workers mix it in: ours
 (``engine/decode.py``) and the one that drives a vLLM instance
-(``integrations/vllm_decode_worker.py``); each sets up the state named below in its
+(``integrations/vllm/engines/decode.py``); each sets up the state named below in its
 ``__init__`` and says how a finished read reaches its loop (``_read_io_done``).
 
 Nothing waits for room: an ``AllocBuffer`` that finds no contiguous run waits (FIFO) until
 earlier buffers are freed. A buffer a PE may still write into (``Abort(fenced=True)``) is
 fenced: kept out of the pool until the router's ``Unfence`` says its writer stopped — never
-freed on a timer (``server/router_endings.py``).
+freed on a timer (``server/router/endings.py``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ process that is killed:
 - a vLLM decode engine's host pool, ``dualpath-NAME-PID`` (``HostPool(shm_path=...)`` at
   ``vllm_instance.shm_path_for``: GBs for a large model), which its vLLM instance maps
   read-only, and any file named the same way by the process that made it (a vLLM prefill
-  engine's fence table, ``dualpath-fence-NAME-PID``, ``vllm_fence.py``);
+  engine's fence table, ``dualpath-fence-NAME-PID``, ``vllm/fence.py``);
 - what Python's ``multiprocessing`` leaves in a vLLM instance's processes: shared-memory
   segments ``psm_XXXXXXXX`` (vLLM's message queues between its API server and engine core) and
   named semaphores ``sem.mp-XXXXXXXX``. A clean exit unlinks them; a SIGKILL does not.

@@ -36,7 +36,7 @@ from dualpath.devices import DevicePlan, plan_devices, resolve_device, visible_g
 from dualpath.errors import DualPathError
 from dualpath.kv.shm_files import orphaned_pool_files, sweep_dead, wait_unheld
 from dualpath.request import SamplingParams
-from dualpath.server.router import ClusterOutput, RequestFuture, Router
+from dualpath.server.router.client import ClusterOutput, RequestFuture, Router
 from dualpath.storage.node_nic import remove_dead_accounts
 from dualpath.vocab import EngineKind
 
@@ -267,7 +267,7 @@ class LocalCluster(ClusterBase):
         """How long a vLLM engine may take to stop its instance (0 for our engines)."""
         if self.config.engine_kind != EngineKind.VLLM:
             return 0.0
-        from dualpath.integrations.vllm_instance import STOP_GRACE_S
+        from dualpath.integrations.vllm.engines.instance import STOP_GRACE_S
 
         return STOP_GRACE_S
 

@@ -36,10 +36,10 @@ from dualpath.config_file import API_KEY_ENV, AppConfig, config_to_json, load_co
 from dualpath.model.default_model import cache_dir, resolve_model
 from dualpath.model.spec import load_spec
 from dualpath.model.tokenizer import Tokenizer
-from dualpath.server.api import ModelInfo, build_app
+from dualpath.server.api.app import ModelInfo, build_app
 from dualpath.server.launch import ClusterBase, ExternalCluster, LocalCluster
 from dualpath.server.metrics import ServeMetrics
-from dualpath.server.router import Router
+from dualpath.server.router.client import Router
 from dualpath.storage.fs_capacity import pid_alive, stored_bytes
 from dualpath.vocab import EngineKind, Launcher
 

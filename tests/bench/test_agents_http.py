@@ -23,7 +23,7 @@ from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.config_file import ServeConfig
 from dualpath.model.spec import load_spec
 from dualpath.request import SamplingParams
-from dualpath.server.api import ModelInfo, build_app
+from dualpath.server.api.app import ModelInfo, build_app
 from dualpath.server.launch import LocalCluster
 from dualpath.server.metrics import ServeMetrics
 from dualpath.workloads.turns import AgentTurn

@@ -163,7 +163,7 @@ def test_run_bench_bounds_every_instance_and_the_launch_plan_carries_it(tiny_lla
     ones the same byte-exact budget and prefix caching on; the oracle gets an unbounded one."""
     from dualpath.bench.agents import ladder, plain_vllm
     from dualpath.bench.report import kv_bytes_per_token
-    from dualpath.integrations.vllm_instance import launch_plan
+    from dualpath.integrations.vllm.engines.instance import launch_plan
     from dualpath.vocab import Role
 
     agents = [[AgentTurn(list(range(10 + i, 300 + i)), 4), AgentTurn([9] * 40, 4)]

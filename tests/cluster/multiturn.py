@@ -14,7 +14,7 @@ from dualpath.config import EngineConfig
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
-from dualpath.server.router import ClusterOutput
+from dualpath.server.router.client import ClusterOutput
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, TrafficC
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
-from dualpath.server.router import RequestFailed
+from dualpath.server.router.client import RequestFailed
 
 ENGINE = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=256)
 EP_BYTES = 48 << 10  # the testbed value ep_traffic.py derives (per 200 MB/s of compute cap)

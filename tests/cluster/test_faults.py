@@ -29,7 +29,7 @@ from dualpath.engine.loop import FAULT_HANG_ENV, ROUTER_GONE_EXIT
 from dualpath.errors import RequestError
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
-from dualpath.server.router import RequestAborted
+from dualpath.server.router.client import RequestAborted
 from dualpath.storage.block_file import HEADER_BYTES
 
 pytestmark = pytest.mark.faults

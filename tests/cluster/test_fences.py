@@ -27,7 +27,7 @@ from dualpath.engine.faults import FAULT_HANG_ENV
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.request import SamplingParams
 from dualpath.server.launch import LocalCluster
-from dualpath.server.router import RequestAborted, RequestFailed
+from dualpath.server.router.client import RequestAborted, RequestFailed
 
 pytestmark = pytest.mark.faults
 

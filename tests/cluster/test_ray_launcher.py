@@ -28,7 +28,7 @@ from dualpath.engine.llm_engine import LLMEngine
 from dualpath.errors import DualPathError
 from dualpath.request import SamplingParams
 from dualpath.server.launch import engine_command, engine_roles
-from dualpath.server.router import ClusterOutput
+from dualpath.server.router.client import ClusterOutput
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402

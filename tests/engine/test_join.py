@@ -20,7 +20,7 @@ from dualpath.engine.join import (
     router_host,
 )
 from dualpath.errors import DualPathError
-from dualpath.server.router import Router
+from dualpath.server.router.client import Router
 
 
 def _free_port() -> int:

@@ -14,7 +14,7 @@ from dualpath.config import EngineConfig
 from dualpath.engine.decode import DecodeWorker
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillWorker
-from dualpath.integrations.vllm_workers import PRIOR_S_PER_TOKEN, VllmPrefillWorker
+from dualpath.integrations.vllm.engines.prefill import PRIOR_S_PER_TOKEN, VllmPrefillWorker
 from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import Abort, Aborted, AllocBuffer, BufferReady, Failed, Prefill, Unfence
 from dualpath.request import SamplingParams

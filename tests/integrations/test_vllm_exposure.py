@@ -20,8 +20,8 @@ import pytest
 import requests
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, VllmConfig
-from dualpath.integrations.vllm_instance import VllmInstance, launch_plan
-from dualpath.integrations.vllm_plan import vllm_salt
+from dualpath.integrations.vllm.engines.instance import VllmInstance, launch_plan
+from dualpath.integrations.vllm.plan import vllm_salt
 from dualpath.transfer.listeners import process_tree
 from dualpath.vocab import Role
 from tests.integrations.test_vllm_env import peers_python

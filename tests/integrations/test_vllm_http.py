@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dualpath.integrations.vllm_http import HttpCall, VllmHttp, VllmStatusError
+from dualpath.integrations.vllm.engines.http import HttpCall, VllmHttp, VllmStatusError
 
 DELAY_S = 0.3
 

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from dualpath.config import ClusterConfig, VllmConfig
-from dualpath.integrations import vllm_instance
-from dualpath.integrations.vllm_instance import VllmInstance, group_members, launch_plan
+from dualpath.integrations.vllm.engines import instance as vllm_instance
+from dualpath.integrations.vllm.engines.instance import VllmInstance, group_members, launch_plan
 from tests.integrations.test_vllm_workers import fake_model, fake_python
 
 # The engine core: a segment, SIGTERM handled by a shutdown of CORE_STOP_S (or ignored).

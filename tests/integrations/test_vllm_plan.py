@@ -1,4 +1,4 @@
-"""The vLLM connector's per-step plan (``dualpath.integrations.vllm_plan``, no vLLM needed):
+"""The vLLM connector's per-step plan (``dualpath.integrations.vllm.plan``, no vLLM needed):
 which blocks a prefill loads, pulls and pushes, the seal, and what a request's parameters may
 not make the connector do."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.integrations.vllm_plan import (
+from dualpath.integrations.vllm.plan import (
     SEAL_BYTES,
     Bounds,
     DecodeParams,

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath.integrations.vllm_moves import Moves
-from dualpath.integrations.vllm_plan import SEAL_BYTES, Remote
+from dualpath.integrations.vllm.moves import Moves
+from dualpath.integrations.vllm.plan import SEAL_BYTES, Remote
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.shm_files import ShmFileError
 

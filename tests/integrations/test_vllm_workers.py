@@ -15,22 +15,22 @@ from typing import Any
 import pytest
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, VllmConfig
-from dualpath.integrations.vllm_decode_worker import VllmDecodeWorker
-from dualpath.integrations.vllm_fence import WorkerFence
-from dualpath.integrations.vllm_http import (
+from dualpath.integrations.vllm.engines.decode import VllmDecodeWorker
+from dualpath.integrations.vllm.engines.http import (
     VllmHttp,
     VllmResponseError,
     VllmStatusError,
     parse_kv_cache_stats,
 )
-from dualpath.integrations.vllm_instance import (
+from dualpath.integrations.vllm.engines.instance import (
     PYTHON_ENV,
     VllmInstanceError,
     launch_plan,
     vllm_python,
 )
-from dualpath.integrations.vllm_plan import SEAL_BYTES, seal_offset, vllm_salt
-from dualpath.integrations.vllm_workers import VllmPrefillWorker
+from dualpath.integrations.vllm.engines.prefill import VllmPrefillWorker
+from dualpath.integrations.vllm.fence import WorkerFence
+from dualpath.integrations.vllm.plan import SEAL_BYTES, seal_offset, vllm_salt
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
@@ -676,7 +676,7 @@ def fake_python(tmp_path: Path, body: str) -> Path:
 
 
 def started(tmp_path: Path, body: str, timeout_s: float = 20) -> Any:
-    from dualpath.integrations.vllm_instance import VllmInstance
+    from dualpath.integrations.vllm.engines.instance import VllmInstance
 
     vllm = VllmConfig(python=str(fake_python(tmp_path, body)), start_timeout_s=timeout_s)
     plan = launch_plan(fake_model(tmp_path), ClusterConfig(vllm=vllm), "prefill", "127.0.0.1",
@@ -712,7 +712,7 @@ def test_the_engine_exits_when_its_vllm_child_dies(fake, tmp_path, monkeypatch):
 
     from dualpath.control_keys import ClusterKeys
     from dualpath.engine import loop
-    from dualpath.integrations.vllm_instance import VllmInstance
+    from dualpath.integrations.vllm.engines.instance import VllmInstance
     from dualpath.vocab import EngineKind
 
     config = ClusterConfig(engine=EngineConfig(block_size=BS),

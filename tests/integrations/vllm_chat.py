@@ -42,7 +42,7 @@ def main() -> None:
 
     extra: dict = {}
     if args.store:
-        from dualpath.integrations.vllm_setup import transfer_config
+        from dualpath.integrations.vllm.setup import transfer_config
 
         extra["kv_transfer_config"] = transfer_config(args.store)
     llm = LLM(model=args.model, dtype="bfloat16", enforce_eager=True, max_model_len=1024,

@@ -62,7 +62,7 @@ class PDHarness:
         from vllm import LLM
 
         from dualpath.config import StorageConfig, TrafficConfig
-        from dualpath.integrations.vllm_launch import transfer_config
+        from dualpath.integrations.vllm.engines.launch import transfer_config
         from dualpath.kv.hashing import KeySpace
         from dualpath.kv.layout import KVLayout
         from dualpath.model.spec import load_spec, model_id
@@ -121,7 +121,7 @@ class PDHarness:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from dualpath.integrations.vllm_plan import SEAL_BYTES, seal_of, seal_offset
+        from dualpath.integrations.vllm.plan import SEAL_BYTES, seal_of, seal_offset
 
         read_path, hit = ("pe", 0) if name == "miss" else (name, self.args.hit_blocks)
         num_blocks = -(-len(prompt) // BLOCK_SIZE)

@@ -26,10 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.config_file import ServeConfig
 from dualpath.model.spec import load_spec
-from dualpath.server.api import ModelInfo, build_app
+from dualpath.server.api.app import ModelInfo, build_app
 from dualpath.server.launch import LocalCluster
 from dualpath.server.metrics import ServeMetrics
-from dualpath.server.router import Router
+from dualpath.server.router.client import Router
 
 MODEL = "tiny"
 KEY = "sk-test"

@@ -1,6 +1,6 @@
 """Fuzzing the OpenAI-compatible API: over a thousand generated requests, not one 5xx.
 
-Bodies are generated from the request schemas (``api_schema.py``): mostly structurally
+Bodies are generated from the request schemas (``api/schema.py``): mostly structurally
 plausible completions and chat requests whose fields are now valid, now mistyped or out of
 range (lone surrogates, NaN, huge integers, unknown modes, unknown keys …), plus raw junk bodies
 and a few GET endpoints. Every answer is either a 2xx with a well-formed body (whole or SSE) or
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dualpath.config_file import ServeConfig
-from dualpath.server.api import build_app
+from dualpath.server.api.app import build_app
 from dualpath.server.launch import LocalCluster
 from dualpath.server.metrics import ServeMetrics
 

@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dualpath.config_file import ServeConfig
-from dualpath.server.api import ModelInfo, build_app
+from dualpath.server.api.app import ModelInfo, build_app
 from dualpath.server.launch import LocalCluster
 from dualpath.server.metrics import ServeMetrics
 

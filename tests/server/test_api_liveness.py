@@ -18,8 +18,8 @@ import httpx2 as httpx
 import pytest
 
 from dualpath.config_file import ServeConfig
-from dualpath.server.api import build_app
-from dualpath.server.api_health import HEALTH_TIMEOUT_S
+from dualpath.server.api.app import build_app
+from dualpath.server.api.health import HEALTH_TIMEOUT_S
 from dualpath.server.launch import LocalCluster
 from dualpath.server.metrics import ServeMetrics
 from dualpath.server.serve import RouterWatch

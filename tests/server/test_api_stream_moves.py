@@ -22,7 +22,7 @@ from dualpath.config import ClusterConfig, EngineConfig, StorageConfig
 from dualpath.config_file import ServeConfig
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.request import SamplingParams
-from dualpath.server.api import build_app
+from dualpath.server.api.app import build_app
 from dualpath.server.launch import LocalCluster, engine_roles
 from dualpath.server.metrics import ServeMetrics
 from dualpath.storage.verify import verify_fs_root

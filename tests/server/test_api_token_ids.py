@@ -16,7 +16,7 @@ import pytest
 
 from dualpath.config_file import ServeConfig
 from dualpath.request import SamplingParams
-from dualpath.server.api import ModelInfo, build_app
+from dualpath.server.api.app import ModelInfo, build_app
 from dualpath.server.launch import LocalCluster
 from dualpath.server.metrics import ServeMetrics
 

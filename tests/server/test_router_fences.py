@@ -22,8 +22,8 @@ from dualpath.protocol import (
     Prefilled,
     Unfence,
 )
-from dualpath.server.router_state import PROGRESS_MARGIN, RouterState
-from dualpath.server.router_types import ClusterOutput, RequestFailed
+from dualpath.server.router.state import PROGRESS_MARGIN, RouterState
+from dualpath.server.router.types import ClusterOutput, RequestFailed
 from dualpath.vocab import Phase
 
 from .test_router_state import ENGINES, EngineModel, apply, make_state, request, zero

@@ -41,9 +41,9 @@ from dualpath.protocol import (
 )
 from dualpath.request import SamplingParams
 from dualpath.scheduler.global_scheduler import GlobalScheduler, SchedulerParams
-from dualpath.server.router_endings import MAX_ATTEMPTS
-from dualpath.server.router_state import RouterState
-from dualpath.server.router_types import (
+from dualpath.server.router.endings import MAX_ATTEMPTS
+from dualpath.server.router.state import RouterState
+from dualpath.server.router.types import (
     Capacity,
     ClusterOutput,
     RequestAborted,

@@ -248,7 +248,7 @@ def test_an_engines_last_words_reach_its_log(tmp_path):
 KILLED_VLLM_ENGINE = """
 import os, signal
 from multiprocessing import resource_tracker, shared_memory
-from dualpath.integrations.vllm_instance import shm_path_for
+from dualpath.integrations.vllm.engines.instance import shm_path_for
 from dualpath.kv.host_pool import HostPool
 pool = HostPool(4096, 4, pin=False, shm_path=shm_path_for("de1"))
 segment = shared_memory.SharedMemory(create=True, size=1 << 16)

@@ -67,7 +67,7 @@ class PlainVllmFleet:
 
     def __init__(self, model_dir: Path, config: ClusterConfig, instances: int, log_dir: Path,
                  name: str = PLAIN_ROW) -> None:
-        from dualpath.integrations.vllm_instance import launch_plan
+        from dualpath.integrations.vllm.engines.instance import launch_plan
         from dualpath.vocab import Role
 
         self.config = config
@@ -78,7 +78,7 @@ class PlainVllmFleet:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> PlainVllmFleet:
-        from dualpath.integrations.vllm_instance import VllmInstance
+        from dualpath.integrations.vllm.engines.instance import VllmInstance
 
         with self._stack as stack:
             for plan in self.plans:  # one at a time: the starts share the host's cores

@@ -1,6 +1,6 @@
 """What the router's state records, and what each request holds (pure: no sockets, no clock).
 
-The base of :class:`~dualpath.server.router_state.RouterState`: its records (engines, requests,
+The base of :class:`~dualpath.server.router.state.RouterState`: its records (engines, requests,
 node read queues, the latest placements) and the accounting of one request's :class:`Holds` —
 taken when it is placed, given back on every terminal path — with the rules that say whether a
 request can ever fit an engine.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from dualpath.scheduler.global_scheduler import GlobalScheduler
-from dualpath.server.router_types import Capacity, EngineState, Fence, Holds, Load, RequestState
+from dualpath.server.router.types import Capacity, EngineState, Fence, Holds, Load, RequestState
 from dualpath.vocab import ReadPath, Role
 
 DECISIONS_KEPT = 10_000

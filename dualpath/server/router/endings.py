@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dualpath.errors import DualPathError
 from dualpath.protocol import Abort, Unfence
-from dualpath.server.router_placement import RouterPlacement
-from dualpath.server.router_types import Effects, Fence, RequestFailed, RequestState
+from dualpath.server.router.placement import RouterPlacement
+from dualpath.server.router.types import Effects, Fence, RequestFailed, RequestState
 from dualpath.vocab import Phase
 
 MAX_ATTEMPTS = 4  # placements of one request before an engine problem fails it

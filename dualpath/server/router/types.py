@@ -1,6 +1,6 @@
 """What the router tracks, as plain records (pure): a request's state and holds, an engine's
 load, the capacities it admits against, and the effects a transition asks the I/O loop to carry
-out. ``router_state.py`` has the transitions; the vocabularies are ``dualpath.vocab``'s.
+out. ``router/state.py`` has the transitions; the vocabularies are ``dualpath.vocab``'s.
 """
 
 from __future__ import annotations

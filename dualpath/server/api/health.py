@@ -6,7 +6,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dualpath.server.router import Router
+from dualpath.server.router.client import Router
 from dualpath.vocab import Role
 
 # A router thread that cannot answer /health's query this fast is stuck: its loop polls every

@@ -16,8 +16,8 @@ from pydantic import ValidationError
 
 from dualpath.errors import RequestError
 from dualpath.request import SamplingParams
-from dualpath.server.api_access import Keys, Policy
-from dualpath.server.api_schema import APIError, ChatRequest, CompletionRequest
+from dualpath.server.api.access import Keys, Policy
+from dualpath.server.api.schema import APIError, ChatRequest, CompletionRequest
 
 # A temperature this close to 0 samples greedily: logits divided by it overflow float32 (at
 # 5e-324 the sampler's softmax was all NaN and the request failed on every engine).

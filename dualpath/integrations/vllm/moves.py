@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dualpath.integrations.vllm_plan import (
+from dualpath.integrations.vllm.plan import (
     SEAL_BYTES,
     Remote,
     StepPlan,

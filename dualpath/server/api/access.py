@@ -10,7 +10,7 @@ import hmac
 from fastapi import Request
 
 from dualpath.config_file import ServeConfig
-from dualpath.server.api_schema import APIError
+from dualpath.server.api.schema import APIError
 from dualpath.vocab import Mode
 
 

@@ -2,7 +2,8 @@
 the engine processes that start or drive vLLM instances run in dualpath's own environment).
 
 ``transfer_config`` is the ``--kv-transfer-config`` of an instance; its
-``kv_connector_extra_config`` is what ``dualpath.integrations.vllm.DualPathConnector`` reads:
+``kv_connector_extra_config`` is what
+``dualpath.integrations.vllm.connector.DualPathConnector`` reads:
 
 - ``store`` (the backend name) and any other ``StorageConfig`` field (``root``, caps, ...);
 - ``model_id``: the checkpoint's fingerprint (``dualpath.model.spec.model_id``), when the
@@ -31,7 +32,7 @@ from dualpath.config import StorageConfig, TrafficConfig
 from dualpath.vocab import Role
 
 CONNECTOR = "DualPathConnector"
-MODULE = "dualpath.integrations.vllm"  # the module vLLM loads the connector from
+MODULE = "dualpath.integrations.vllm.connector"  # the module vLLM loads the connector from
 BOTH = "both"  # the role of a lone instance on the store (no decode engine)
 _KV_ROLES = {Role.PREFILL.value: "kv_producer", Role.DECODE.value: "kv_consumer",
              BOTH: "kv_both"}

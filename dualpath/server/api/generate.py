@@ -15,12 +15,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dualpath.errors import DualPathError, RequestError
-from dualpath.server.api_requests import ModelInfo, Prepared
-from dualpath.server.api_schema import APIError, ChatRequest, CompletionRequest
+from dualpath.server.api.requests import ModelInfo, Prepared
+from dualpath.server.api.schema import APIError, ChatRequest, CompletionRequest
 from dualpath.server.detok import TextStream
 from dualpath.server.metrics import RequestTimer, ServeMetrics
-from dualpath.server.router import Router
-from dualpath.server.router_types import ClusterOutput, RequestAborted
+from dualpath.server.router.client import Router
+from dualpath.server.router.types import ClusterOutput, RequestAborted
 
 
 class Gate:

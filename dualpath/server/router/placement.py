@@ -7,8 +7,8 @@ from __future__ import annotations
 from dualpath.errors import DualPathError
 from dualpath.protocol import AllocBuffer
 from dualpath.scheduler.view import Assignment, ClusterView, EngineView, NodeView, PendingRequest
-from dualpath.server.router_ledger import RouterLedger
-from dualpath.server.router_types import Effects, RequestState
+from dualpath.server.router.ledger import RouterLedger
+from dualpath.server.router.types import Effects, RequestState
 from dualpath.vocab import Mode, Phase, ReadPath, Role
 
 

@@ -1,9 +1,9 @@
 """A small blocking HTTP client for one vLLM instance's OpenAI server (imports no vLLM).
 
 The engine processes of ``engine_kind = "vllm"`` drive their instance through it
-(``integrations/vllm_workers.py``): ``completions`` (one JSON answer), ``stream_completions``
-(server-sent events, ``data: {...}`` lines until ``data: [DONE]``), ``healthy``, ``model_name``
-and ``kv_cache_stats`` (vLLM's Prometheus ``/metrics``).
+(``integrations/vllm/engines/prefill.py``): ``completions`` (one JSON answer),
+``stream_completions`` (server-sent events, ``data: {...}`` lines until ``data: [DONE]``),
+``healthy``, ``model_name`` and ``kv_cache_stats`` (vLLM's Prometheus ``/metrics``).
 
 It is built on the standard library's ``http.client``, one connection per call, because a call
 must be cancellable from another thread: ``HttpCall.close`` shuts the socket down, which wakes a

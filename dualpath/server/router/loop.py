@@ -2,13 +2,13 @@
 
 Per request: look up how many leading full blocks storage holds (the hit, block aligned and
 leaving at least one token to compute) and hand it to the state machine
-(``server/router_state.py``), which queues it in the global scheduler (``scheduler/``, the same
+(``server/router/state.py``), which queues it in the global scheduler (``scheduler/``, the same
 pure code the simulator runs), places it and drives it through the engines: DE allocates its
 buffer (and reads the hit on the DE path) → PE prefills layer by layer into that buffer → DE
 decodes and persists. The loop sends what the state asks, completes futures, and every
 ``HEARTBEAT_TICK_S`` lets the state declare silent engines lost. One bad message is logged and
 counted, never the end of the loop. One thread owns the socket; the callers' side, whose
-``submit`` and ``abort`` are thread-safe, is :class:`~dualpath.server.router.Router`.
+``submit`` and ``abort`` are thread-safe, is :class:`~dualpath.server.router.client.Router`.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ from dualpath.protocol import (
     encode,
 )
 from dualpath.scheduler.global_scheduler import GlobalScheduler
-from dualpath.server.router_setup import bind, cluster_keys, kv_tokens, scheduler_params
-from dualpath.server.router_state import RouterState
-from dualpath.server.router_types import (
+from dualpath.server.router.setup import bind, cluster_keys, kv_tokens, scheduler_params
+from dualpath.server.router.state import RouterState
+from dualpath.server.router.types import (
     Capacity,
     ClusterOutput,
     Effects,

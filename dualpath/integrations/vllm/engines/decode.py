@@ -1,5 +1,5 @@
 """The decode side of an engine process that drives a vLLM instance (``engine_kind = "vllm"``;
-``vllm_workers.py`` has the prefill side and what both share).
+``vllm/engines/prefill.py`` has the prefill side and what both share).
 
 ``VllmDecodeWorker`` is the decode node's buffer service: it owns the host buffer, a shared
 file mapping (``HostPool(shm_path=...)``) that the decode instance's connector maps read-only,
@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dualpath.engine.prompt_buffers import PromptBuffers
-from dualpath.integrations.vllm_http import HttpCall, VllmHttp
-from dualpath.integrations.vllm_plan import SEAL_BYTES, seal_offset, vllm_salt
-from dualpath.integrations.vllm_workers import (
+from dualpath.integrations.vllm.engines.http import HttpCall, VllmHttp
+from dualpath.integrations.vllm.engines.prefill import (
     DE_STREAM_THREADS,
     VllmWorkerBase,
     error_detail,
     sampling_body,
 )
+from dualpath.integrations.vllm.plan import SEAL_BYTES, seal_offset, vllm_salt
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout

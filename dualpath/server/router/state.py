@@ -1,5 +1,5 @@
 """The router's state machine: every request's phase and what it holds (pure: no sockets, no
-clock reads — time is an argument; the records are in ``router_types.py``).
+clock reads — time is an argument; the records are in ``router/types.py``).
 
 A request goes QUEUED (in the global scheduler) → BUFFERING (its DE allocates the prompt buffer
 and, on the DE read path, reads the hit) → PREFILLING (its PE computes the miss and fills the
@@ -8,10 +8,10 @@ message of an earlier attempt can never move a later one. What a request holds �
 the DE's KV and buffer reservations, the PE's host-pool slots, its node's read-queue tokens —
 is recorded in one :class:`Holds` and released by one function on every terminal path:
 finished, failed, aborted, engine lost. Every call returns :class:`Effects` (messages to send,
-requests to complete) for the I/O loop (``server/router_loop.py``) to carry out.
+requests to complete) for the I/O loop (``server/router/loop.py``) to carry out.
 
-The class is built in layers, one pure module each: ``router_ledger.py`` (the records and
-every request's holds), ``router_placement.py`` (queueing and dispatch), ``router_endings.py``
+The class is built in layers, one pure module each: ``router/ledger.py`` (the records and
+every request's holds), ``router/placement.py`` (queueing and dispatch), ``router/endings.py``
 (retry, move, abort, drain); this module adds the inputs, membership and engine messages.
 
 Membership: whenever an engine joins, rejoins or is lost, every registered engine is sent
@@ -27,7 +27,7 @@ samples from the next output index with the same seed, so the caller's stream go
 repeated or missing token; after ``MAX_ATTEMPTS`` placements it fails with a clear error.
 A request aborted while its PE may still write into the DE buffer waits in DRAINING until the
 PE lets go; where the PE never confirms (it was lost) the buffer is fenced
-(``router_endings.py``): it is never reused under a writer not known to have stopped.
+(``router/endings.py``): it is never reused under a writer not known to have stopped.
 
 Liveness has two clocks, both in the heartbeat: the inbox-read age (a request the router sent
 before the engine's last inbox read, and that the engine does not list, was lost on the way:
@@ -58,9 +58,9 @@ from dualpath.protocol import (
     Tokens,
     Unfence,
 )
-from dualpath.server.router_endings import RouterEndings
-from dualpath.server.router_ledger import count
-from dualpath.server.router_types import (
+from dualpath.server.router.endings import RouterEndings
+from dualpath.server.router.ledger import count
+from dualpath.server.router.types import (
     ClusterOutput,
     Effects,
     EngineInfo,

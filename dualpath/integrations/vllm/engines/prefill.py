@@ -2,7 +2,7 @@
 
 They speak our protocol to the router like ``PrefillWorker`` and ``DecodeWorker``
 (``engine/worker.py``), and turn it into HTTP calls on their vLLM instance
-(``integrations/vllm_http.py``), whose dualpath KV connector moves the KV; the per-request
+(``integrations/vllm/engines/http.py``), whose dualpath KV connector moves the KV; the per-request
 instructions travel in ``kv_transfer_params["dualpath"]``. Calls run on a thread pool (``handle``
 and ``work`` never block on one); their results come back through a queue that ``work``
 drains.
@@ -10,12 +10,12 @@ drains.
 - ``VllmPrefillWorker``: a ``Prefill`` is one completion of ``max_tokens: 1``; the connector
   reads the hit (PE path) or pulls it from the DE buffer (DE path) and pushes the prompt's KV
   into that buffer. Its answer's first token and cached-token count make the ``Prefilled``.
-- ``VllmDecodeWorker`` (``vllm_decode_worker.py``): the decode node's buffer service (the host
+- ``VllmDecodeWorker`` (``vllm/engines/decode.py``): the decode node's buffer service (the host
   buffer the decode instance's connector maps, DE-path reads) and a streamed completion per
   ``Decode``.
 
 An abort closes the call's connection: vLLM then aborts the request. A prefill engine answers
-``Aborted`` or ``Failed`` only once the request's fence has settled (``vllm_fence.py``): no step
+``Aborted`` or ``Failed`` only once the request's fence has settled (``vllm/fence.py``): no step
 of the instance that might still push the request's KV into its DE buffer is running.
 
 Liveness: a call whose answer has not begun (no byte received) is work that has not moved; the
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dualpath.errors import RequestError
-from dualpath.integrations.vllm_fence import FenceTable, fence_path_for
-from dualpath.integrations.vllm_http import HttpCall, VllmHttp, VllmHttpError
-from dualpath.integrations.vllm_plan import vllm_salt
+from dualpath.integrations.vllm.engines.http import HttpCall, VllmHttp, VllmHttpError
+from dualpath.integrations.vllm.fence import FenceTable, fence_path_for
+from dualpath.integrations.vllm.plan import vllm_salt
 from dualpath.protocol import (
     Abort,
     Aborted,
@@ -181,7 +181,7 @@ class _PrefillCall:
 
 @dataclass
 class _Fencing:
-    """A request given up on, answered once its fence settles (``vllm_fence.py``)."""
+    """A request given up on, answered once its fence settles (``vllm/fence.py``)."""
 
     answer: Message  # Aborted or Failed
     steps: int | None = None  # the instance's steps begun at the revocation (None: not yet)

@@ -1,7 +1,7 @@
 """dualpath's KV connector for vLLM: our store, both read paths and the layerwise PD transfer
 under vLLM instances (issue 36; design in docs/vllm-connector.md).
 
-Loaded by vLLM from ``kv_connector_module_path="dualpath.integrations.vllm"`` with
+Loaded by vLLM from ``kv_connector_module_path="dualpath.integrations.vllm.connector"`` with
 ``kv_connector="DualPathConnector"`` (``vllm_launch.transfer_config`` writes that config). One
 class, three roles (``kv_connector_extra_config["role"]``):
 
@@ -24,7 +24,7 @@ our engines' ids never match it. One stored block is one vLLM block (our key blo
 vLLM's ``block_size``), its layers in order, each exactly vLLM's CPU cache block.
 
 **Fences**: a prefill engine that gives up on a request (an abort, a failed or timed-out call)
-revokes it in its fence table (``vllm_fence.py``, named by ``fence_path`` in the request's
+revokes it in its fence table (``vllm/fence.py``, named by ``fence_path`` in the request's
 params); the worker side counts each step it binds, never pushes or seals a revoked request after
 that, and marks a step done once its moves have all ended, so the engine knows when no write of
 the request can still land in the decode engine's buffer.
@@ -48,10 +48,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from dualpath.integrations.vllm_fence import FenceTableError, WorkerFence
-from dualpath.integrations.vllm_launch import BOTH
-from dualpath.integrations.vllm_moves import Moves
-from dualpath.integrations.vllm_plan import (
+from dualpath.integrations.vllm.engines.launch import BOTH
+from dualpath.integrations.vllm.fence import FenceTableError, WorkerFence
+from dualpath.integrations.vllm.moves import Moves
+from dualpath.integrations.vllm.plan import (
     Bounds,
     DecodeParams,
     PrefillParams,
@@ -61,7 +61,7 @@ from dualpath.integrations.vllm_plan import (
     key_salt,
     parsed,
 )
-from dualpath.integrations.vllm_setup import (
+from dualpath.integrations.vllm.setup import (
     LAYER_INDEX,
     BlockTransfer,
     key_space,

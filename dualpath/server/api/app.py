@@ -23,9 +23,9 @@ generated ``token_ids``; a stream's first chunk carries ``prompt_token_ids`` and
 choice the ``token_ids`` it adds (a chunk is sent for new tokens even when their text is held
 back), so the chunks' ids joined are the whole response's.
 
-This module builds the app and its error handlers and limits; ``api_access.py`` holds the keys
-and what a request may choose, ``api_requests.py`` parsing and validation, ``api_health.py``
-``/health``'s probe, ``api_generate.py`` the generation, whole or streamed.
+This module builds the app and its error handlers and limits; ``api/access.py`` holds the keys
+and what a request may choose, ``api/requests.py`` parsing and validation, ``api/health.py``
+``/health``'s probe, ``api/generate.py`` the generation, whole or streamed.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import dualpath
 from dualpath.config_file import ServeConfig
-from dualpath.server.api_access import Keys, Policy
-from dualpath.server.api_generate import Gate, generate
-from dualpath.server.api_health import HealthProbe, shown
-from dualpath.server.api_requests import ModelInfo, prepare_chat, prepare_completion, read
-from dualpath.server.api_schema import (
+from dualpath.server.api.access import Keys, Policy
+from dualpath.server.api.generate import Gate, generate
+from dualpath.server.api.health import HealthProbe, shown
+from dualpath.server.api.requests import ModelInfo, prepare_chat, prepare_completion, read
+from dualpath.server.api.schema import (
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -54,7 +54,7 @@ from dualpath.server.api_schema import (
     error_body,
 )
 from dualpath.server.metrics import ServeMetrics
-from dualpath.server.router import Router
+from dualpath.server.router.client import Router
 
 DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")  # behind the API key, like /v1 and /metrics
 

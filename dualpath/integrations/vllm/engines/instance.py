@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING
 
 from dualpath.config import ClusterConfig, VllmConfig
 from dualpath.errors import DualPathError
-from dualpath.integrations.vllm_http import VllmHttp
-from dualpath.integrations.vllm_launch import instance_environ, transfer_config
-from dualpath.integrations.vllm_plan import SEAL_BYTES
+from dualpath.integrations.vllm.engines.http import VllmHttp
+from dualpath.integrations.vllm.engines.launch import instance_environ, transfer_config
+from dualpath.integrations.vllm.plan import SEAL_BYTES
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
@@ -57,13 +57,13 @@ from dualpath.model.spec import load_spec, model_id, resolve_dtype
 from dualpath.vocab import Role
 
 if TYPE_CHECKING:
-    from dualpath.integrations.vllm_decode_worker import VllmDecodeWorker
-    from dualpath.integrations.vllm_workers import VllmPrefillWorker
+    from dualpath.integrations.vllm.engines.decode import VllmDecodeWorker
+    from dualpath.integrations.vllm.engines.prefill import VllmPrefillWorker
     from dualpath.storage.client import StorageClient
 
 log = logging.getLogger("dualpath.vllm")
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[4]  # dualpath/integrations/vllm/engines/ → the root
 PEERS_PYTHON = Path(".venv-peers/bin/python")  # relative to the project checkout
 PYTHON_ENV = "DUALPATH_VLLM_PYTHON"
 # vLLM's OpenAI server module: `vllm serve` (vllm.entrypoints.cli.main) asks for the version
@@ -363,8 +363,8 @@ class VllmEngineParts:
     def worker(self, instance: VllmInstance, host_pool: HostPool,
                storage: StorageClient) -> VllmPrefillWorker | VllmDecodeWorker:
         """This role's worker on ``instance``."""
-        from dualpath.integrations.vllm_decode_worker import VllmDecodeWorker
-        from dualpath.integrations.vllm_workers import DE_STREAM_THREADS, VllmPrefillWorker
+        from dualpath.integrations.vllm.engines.decode import VllmDecodeWorker
+        from dualpath.integrations.vllm.engines.prefill import DE_STREAM_THREADS, VllmPrefillWorker
 
         http, block_size = instance.http, self.layout.block_size
         model = http.model_name()

@@ -2,8 +2,8 @@
 
 ``Router`` submits requests (each future resolves to a ``ClusterOutput``), aborts them and
 answers questions about the cluster. Every call is thread-safe: it posts to the inbox of the
-router thread (``router_loop.py``: the ZeroMQ loop that owns the socket and the state, and the
-handling of engines' messages) and, where it needs an answer, waits for it. ``router_setup.py``
+router thread (``router/loop.py``: the ZeroMQ loop that owns the socket and the state, and the
+handling of engines' messages) and, where it needs an answer, waits for it. ``router/setup.py``
 holds what the router is built from (control keys, the bound socket, KV capacities, the
 scheduler's α and β).
 """
@@ -19,9 +19,9 @@ from dualpath.config import engine_config_for
 from dualpath.errors import DualPathError, RequestError
 from dualpath.protocol import GetMetrics, Heartbeat, Shutdown
 from dualpath.request import SamplingParams
-from dualpath.server.router_loop import RequestFuture, RouterLoop
-from dualpath.server.router_setup import scheduler_params
-from dualpath.server.router_types import (
+from dualpath.server.router.loop import RequestFuture, RouterLoop
+from dualpath.server.router.setup import scheduler_params
+from dualpath.server.router.types import (
     ClusterOutput,
     EngineInfo,
     RequestAborted,

@@ -1,6 +1,7 @@
-"""Setting up the vLLM connector (``dualpath.integrations.vllm``): its ``kv_transfer_config``,
-the store it opens, and the key space of an instance (model fingerprint, vLLM's KV layout id and
-block size), plus the per-request block list its metadata carries.
+"""Setting up the vLLM connector (``dualpath.integrations.vllm.connector``): its
+``kv_transfer_config``, the store it opens, and the key space of an instance (model
+fingerprint, vLLM's KV layout id and block size), plus the per-request block list its
+metadata carries.
 
 The rules (one stored block is one vLLM block; the ``vllm-LBHNC-...`` layout id never equals our
 engines' ``kv-...`` ids) are in the connector's docstring and docs/vllm-connector.md.
@@ -18,7 +19,7 @@ import torch
 import vllm
 
 from dualpath.config import StorageConfig, TrafficConfig
-from dualpath.integrations.vllm_launch import transfer_config  # noqa: F401 (re-exported)
+from dualpath.integrations.vllm.engines.launch import transfer_config  # noqa: F401 (re-exported)
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
 from dualpath.model.spec import model_id

@@ -35,7 +35,7 @@ import tempfile
 from collections import deque
 
 from dualpath.errors import DualPathError
-from dualpath.integrations.vllm_plan import FENCE_PREFIX
+from dualpath.integrations.vllm.plan import FENCE_PREFIX
 
 MAGIC = b"DPFENCE1"
 RING_SLOTS = 4096

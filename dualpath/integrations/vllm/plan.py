@@ -2,7 +2,7 @@
 time, no torch: plain values that cross from vLLM's scheduler process to its workers).
 
 A request's ``kv_transfer_params["dualpath"]`` (set by dualpath's engine processes, see
-``dualpath/integrations/vllm_workers.py``) says what our router chose for it:
+``dualpath/integrations/vllm/engines/prefill.py``) says what our router chose for it:
 
 - **prefill** role: ``read_path`` (``pe``: the hit's blocks come from the store through this
   node; ``de``: they are pulled from the decode engine's buffer; ``split``: the first
@@ -52,7 +52,7 @@ from dualpath.vocab import PrefillMode, ReadPath
 SEAL_BYTES = 8
 PARAMS_KEY = "dualpath"
 SHARED_POOL_PREFIX = "dualpath-"  # a decode engine's pool file (vllm_instance.shm_path_for)
-FENCE_PREFIX = "dualpath-fence-"  # a prefill engine's fence table (vllm_fence.py)
+FENCE_PREFIX = "dualpath-fence-"  # a prefill engine's fence table (vllm/fence.py)
 MAX_COUNT = 2**63 - 1  # integers in the parameters (ids, counts, offsets)
 MAX_ADDRESS = 2**64  # a buffer ends inside the 64-bit address space
 MAX_TEXT = 4096  # strings in the parameters (paths, endpoints)
@@ -209,7 +209,7 @@ class PrefillParams:
     de_buffer_addr: int
     num_blocks: int
     mode: PrefillMode
-    fence_path: str = ""  # the engine's fence table (vllm_fence.py); "" for none
+    fence_path: str = ""  # the engine's fence table (vllm/fence.py); "" for none
 
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> PrefillParams | None:
@@ -326,4 +326,4 @@ class StepPlan:
     copies: list[Remote] = field(default_factory=list)  # shm buffer -> cache (decode role)
     saves: list[Any] = field(default_factory=list)  # BlockTransfer: cache -> store
     basic: bool = False  # a prefill in basic mode: load all before, push all after the forward
-    fence_path: str = ""  # the prefill engine's fence table (vllm_fence.py), once known
+    fence_path: str = ""  # the prefill engine's fence table (vllm/fence.py), once known
