@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from dualpath.config import ClusterConfig, EngineConfig, StorageConfig, VllmConfig
 from dualpath.integrations.vllm.engines.decode import VllmDecodeWorker
@@ -30,7 +31,7 @@ from dualpath.integrations.vllm.engines.instance import (
 )
 from dualpath.integrations.vllm.engines.prefill import VllmPrefillWorker
 from dualpath.integrations.vllm.fence import WorkerFence
-from dualpath.integrations.vllm.plan import SEAL_BYTES, seal_offset, vllm_salt
+from dualpath.integrations.vllm.plan import SEAL_BYTES, seal_of, seal_offset, vllm_salt
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
@@ -429,6 +430,62 @@ def test_max_tokens_one_finishes_without_a_call(de, fake):
     out = de.handle(Decode(3, 50, 0, SamplingParams(max_tokens=1)))
     assert out == [Finished(3, (50,), "length")]
     assert fake.bodies == [] and de.host_pool.num_free == 8 and de.held_requests() == ()
+
+
+def _prefilled(worker: VllmDecodeWorker, req_id: int, salt: str = "",
+               seal: bool = True) -> None:
+    """Allocate ``req_id``'s buffer and fill it as the prefill's pushes would: layer i of
+    block k holds ``16 * k + i`` (``block_bytes``), sealed last."""
+    [ready] = worker.handle(AllocBuffer(req_id, PROMPT, 3, 0, cache_salt=salt))
+    pool, lb = worker.host_pool, LAYOUT.layer_block_bytes
+    start = ready.buffer_addr - pool.base_address
+    for i in range(LAYOUT.num_layers):
+        for b in range(3):
+            at = start + (i * 3 + b) * lb
+            pool.slab[at : at + lb] = 16 * b + i
+    if seal:
+        at = start + seal_offset(3, LAYOUT.full_block_bytes)
+        pool.slab[at : at + SEAL_BYTES] = torch.frombuffer(bytearray(seal_of(req_id)),
+                                                          dtype=torch.uint8)
+
+
+def _written(worker: VllmDecodeWorker, timeout_s: float = 5.0) -> None:
+    """Wait until the worker's writes landed and their buffers went back to the pool."""
+    deadline = time.monotonic() + timeout_s
+    while worker.host_pool.num_free < 8 and time.monotonic() < deadline:
+        worker.work()
+        time.sleep(0.005)
+
+
+def test_a_request_ending_on_its_first_token_stores_its_prompt_from_the_buffer(de, fake):
+    """It never reaches the decode instance, whose connector persists a prompt's full blocks
+    otherwise: the worker stores those not yet stored, from the sealed buffer, in the store's
+    block format (a block's layers in order), then frees the buffer."""
+    _prefilled(de, 3, salt="s")
+    out = de.handle(Decode(3, 50, 0, SamplingParams(max_tokens=1)))
+    assert out == [Finished(3, (50,), "length")] and fake.bodies == []
+    _written(de)
+    keys = SPACE.salted("s").keys(PROMPT)
+    assert de.storage.exists_prefix(keys) == 2 and de.num_persisted_blocks == 2
+    back = [bytearray(LAYOUT.full_block_bytes) for _ in keys]
+    assert de.storage.read(keys, back) == [True, True]
+    assert [bytes(b) for b in back] == [block_bytes(0), block_bytes(1)]
+    assert de.host_pool.num_free == 8 and de.held_requests() == ()
+    _prefilled(de, 4)  # the leading block stored already: only the second is written
+    assert de.handle(Decode(4, EOS, 1, SamplingParams())) == [Finished(4, (EOS,), "stop")]
+    _written(de)
+    assert de.num_persisted_blocks == 3 and de.storage.exists_prefix(SPACE.keys(PROMPT)) == 0
+    assert de.storage.exists_prefix(SPACE.keys(PROMPT)[1:]) == 1
+
+
+def test_an_unsealed_buffer_of_a_first_token_end_stores_nothing(de, fake):
+    """No seal: a push did not land, the bytes may be incomplete; nothing is stored."""
+    _prefilled(de, 3, seal=False)
+    assert de.handle(Decode(3, 50, 0, SamplingParams(max_tokens=1))) == [
+        Finished(3, (50,), "length")]
+    assert de.storage.exists_prefix(SPACE.keys(PROMPT)) == 0
+    assert (de.num_persisted_blocks, de.num_unsealed_ends) == (0, 1)
+    assert de.host_pool.num_free == 8
 
 
 def test_eos_first_token_finishes_without_a_call_unless_ignored(de, fake):

@@ -30,7 +30,7 @@ from dualpath.integrations.vllm.engines.prefill import (
     error_detail,
     sampling_body,
 )
-from dualpath.integrations.vllm.plan import SEAL_BYTES, seal_offset, vllm_salt
+from dualpath.integrations.vllm.plan import SEAL_BYTES, seal_of, seal_offset, vllm_salt
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
@@ -96,6 +96,8 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         self.num_waits = 0
         self.num_decoded_tokens = 0
         self.num_finished_without_call = 0
+        self.num_persisted_blocks = 0  # stored here, of requests that never reached vLLM
+        self.num_unsealed_ends = 0  # such requests whose buffer had no seal: nothing stored
 
     def handle(self, msg: Message) -> list[Message]:
         """``AllocBuffer``, ``Decode`` or ``Abort``; returns the answers."""
@@ -156,12 +158,44 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
             reason = self._ends(job.outputs, msg.params, len(prompt) - msg.num_prior_outputs)
         if reason is not None:
             self.num_finished_without_call += 1
-            self.host_pool.free(slots)
-            return self._finish(job, reason)
+            out = self._persist_then_free(msg.req_id, alloc, slots, msg.num_stored_blocks)
+            return out + self._finish(job, reason)
         body = self.decode_body(msg, alloc, slots, len(job.outputs))
         self._streams[msg.req_id] = job
         self._pool.submit(self._stream, job, body)
         return []
+
+    def _persist_then_free(self, req_id: int, alloc: AllocBuffer, slots: list[int],
+                           num_stored: int) -> list[Message]:
+        """Store the prompt's full blocks past the ``num_stored`` leading ones from the buffer,
+        then free it. A request that ends on its first token (``max_tokens`` 1, an EOS) never
+        reaches the decode instance, whose connector persists a prompt's blocks otherwise; its
+        KV is in the buffer all the same, complete once the prefill's seal is there (no seal:
+        nothing is stored, as the instance would recompute)."""
+        num_full = len(alloc.prompt_ids) // self.layout.block_size
+        if num_full <= num_stored or not self._sealed(req_id, slots):
+            return self._free(slots)
+        keys = self.key_space.salted(alloc.cache_salt).keys(alloc.prompt_ids)[num_stored:num_full]
+        layers = self._layer_major(slots)  # a stored block is its layers in order
+        parts = [list(layers[:, b].unbind(0)) for b in range(num_stored, num_full)]
+        self.num_persisted_blocks += len(keys)
+        future = self.storage.submit_write(keys, parts)  # never raises: a failure is a miss
+        future.add_done_callback(lambda _: self._post(lambda: self._free(slots)))
+        return []
+
+    def _sealed(self, req_id: int, slots: list[int]) -> bool:
+        """Whether the prefill sealed request ``req_id``'s buffer (its pushes all landed)."""
+        where = seal_offset(len(slots), self.layout.full_block_bytes)
+        seal = bytes(self.host_pool.region(slots[0], len(slots))[where : where + SEAL_BYTES])
+        if seal == seal_of(req_id):
+            return True
+        self.num_unsealed_ends += 1
+        return False
+
+    def _free(self, slots: list[int]) -> list[Message]:
+        """Slots back to the pool; the allocations that waited for them start."""
+        self.host_pool.free(slots)
+        return self._start_allocs()
 
     def _ends(self, outputs: list[int], params: SamplingParams, num_prompt: int) -> str | None:
         """Why a request whose outputs are ``outputs`` has ended (None: it has not), by
@@ -294,4 +328,6 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         """This worker's counters."""
         return {**self.base_metrics(), "num_waits": self.num_waits,
                 "num_decoded_tokens": self.num_decoded_tokens,
-                "num_finished_without_call": self.num_finished_without_call}
+                "num_finished_without_call": self.num_finished_without_call,
+                "num_persisted_blocks": self.num_persisted_blocks,
+                "num_unsealed_ends": self.num_unsealed_ends}
