@@ -172,7 +172,7 @@ def test_a_calibrated_cap_needs_the_oracle():
     with pytest.raises(ValueError, match="oracle"):
         AgentsOptions(modes=("basic", "dualpath"))
     AgentsOptions(modes=("basic", "dualpath"), read_cap_mb_s=16.0)  # a given cap needs none
-    assert calibrated_cap_mb_s(64_000_000, 16.0) == 64 / (STORAGE_BOUND * 16)
+    assert calibrated_cap_mb_s(64_000_000, 16.0) == pytest.approx(64 / (STORAGE_BOUND * 16))
     with pytest.raises(ValueError, match="JCT"):
         calibrated_cap_mb_s(1, 0.0)
 
