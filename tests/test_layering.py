@@ -30,7 +30,7 @@ REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpat
                  "dualpath/server/router/state.py", "dualpath/server/router/types.py",
                  "dualpath/server/router/ledger.py", "dualpath/server/router/placement.py",
                  "dualpath/server/router/endings.py", "dualpath/vocab.py",
-                 "dualpath/bench/regime.py")
+                 "dualpath/regime.py")
 OPTIONAL_PURE = ("dualpath/traffic/lanes.py", "dualpath/traffic/token_bucket.py",
                  "dualpath/kv/layout.py")
 PURE_TREES = ("dualpath/scheduler",)
@@ -521,3 +521,70 @@ def test_argparse_check_flags_an_import_and_a_namespace_outside_the_cli(tmp_path
     assert argparse_users(tmp_path) == ["dualpath/bench.py: imports argparse",
                                         "dualpath/sim.py:2: annotated with Namespace"]
 
+
+
+# --- packages: no two import each other; the engine imports no integration --------------------
+
+
+def package_of(module: str, root: Path = ROOT) -> str | None:
+    """The top-level package of a ``dualpath`` module (``dualpath.engine.loop`` -> ``engine``);
+    None for a module at the top (``dualpath.vocab``), which any package may import."""
+    parts = module.split(".")
+    if len(parts) < 2 or (len(parts) == 2 and not (root / PKG / parts[1]).is_dir()):
+        return None
+    return parts[1]
+
+
+def package_graph(graph: dict[str, list[str]], root: Path = ROOT) -> dict[str, list[str]]:
+    """Each top-level package -> the other packages its modules import."""
+    edges: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = package_of(module, root)
+        if source is None:
+            continue
+        edges.setdefault(source, set())
+        for target in targets:
+            other = package_of(target, root)
+            if other is not None and other != source:
+                edges[source].add(other)
+                edges.setdefault(other, set())
+    return {name: sorted(targets) for name, targets in edges.items()}
+
+
+def test_no_two_packages_import_each_other():
+    """Each package sits above or below another, never both: an arrow back up (a decode worker
+    of ``integrations`` reaching into ``engine``, which started it) is a loop to untie."""
+    cycles = import_cycles(package_graph(import_graph()))
+    assert not cycles, "package import loops:\n" + "\n".join(
+        "  " + " -> ".join(cycle) for cycle in cycles)
+
+
+ENGINE_FILES = sorted((ROOT / "dualpath" / "engine").rglob("*.py"))
+
+
+def _is_integration(name: str) -> bool:
+    return name == "dualpath.integrations" or name.startswith("dualpath.integrations.")
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_engine_imports_no_integration(path):
+    """The engine process runs any engine kind through the parts its command hands it
+    (``commands/engine.py``); it imports no integration, directly or through another module."""
+    violations = find_violations(path, _is_integration)
+    assert not violations, "\n".join(
+        [f"{path.relative_to(ROOT)} must not import dualpath.integrations, but:"]
+        + ["  " + " -> ".join(chain) for chain in violations])
+
+
+def test_the_package_checker_finds_a_loop_between_two_packages(tmp_path):
+    _write(tmp_path, {
+        "dualpath/__init__.py": "",
+        "dualpath/vocab.py": "",
+        "dualpath/a/__init__.py": "",
+        "dualpath/a/x.py": "from dualpath.b import y\nfrom dualpath import vocab\n",
+        "dualpath/b/__init__.py": "",
+        "dualpath/b/y.py": "def f():\n    from dualpath.a import x\n",
+    })
+    graph = package_graph(import_graph(tmp_path), tmp_path)
+    assert graph == {"a": ["b"], "b": ["a"]}  # vocab, at the top, is no package
+    assert import_cycles(graph) == [["a", "b", "a"]]

@@ -54,7 +54,6 @@ from dualpath.bench.demo_report import (
     summarize,
     warn_if_misleading,
 )
-from dualpath.bench.regime import ladder_regime
 from dualpath.bench.replay import run_turns
 from dualpath.bench.report import (
     bar_chart,
@@ -66,6 +65,7 @@ from dualpath.bench.report import (
 from dualpath.commands.args import add_device_argument, names, optional
 from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
+from dualpath.regime import ladder_regime
 from dualpath.server.launch import LocalCluster
 from dualpath.vocab import Mode
 from dualpath.workloads.demo import DemoSession, load_demo_trace
@@ -243,9 +243,9 @@ def _empty(cluster: LocalCluster, store: Path) -> None:
 
 def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, Any]:
     """Replay the excerpt in every mode; print the table; write JSON (+ PNG); return it."""
+    from dualpath.local_devices import resolve_local_device
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec
-    from dualpath.server.launch import resolve_local_device
 
     console = console or Console()
     began = time.perf_counter()

@@ -8,7 +8,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from dualpath.bench.regime import recompute_s_per_token
+from dualpath.regime import recompute_s_per_token
 from dualpath.vocab import Role
 
 COUNTERS = ("read_bytes", "read_deadline_misses", "compute_s", "computed_tokens", "forwards")

@@ -84,6 +84,6 @@ class EngineOptions:
             return config
         from dataclasses import replace
 
-        from dualpath.server.launch import resolve_local_device
+        from dualpath.local_devices import resolve_local_device
 
         return replace(config, device=resolve_local_device(config.device))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from argparse import ArgumentParser
@@ -89,4 +89,17 @@ def run(options: EngineProcessOptions) -> int:
     config = localized(config, advertised)
     identity = EngineIdentity(name, options.role, options.node_id)
     return EngineProcess(identity, model_dir, config, options.router, key, advertised,
-                         joined.cluster_id, vllm_url=options.vllm_url).serve()
+                         joined.cluster_id, vllm_url=options.vllm_url,
+                         vllm_parts=_parts_factory(config.engine_kind)).serve()
+
+
+def _parts_factory(kind: str) -> Any:
+    """What builds the parts of an engine of ``kind`` other than ours (None for ours): the
+    engine process imports no integration itself."""
+    from dualpath.vocab import EngineKind
+
+    if EngineKind(kind) != EngineKind.VLLM:
+        return None
+    from dualpath.integrations.vllm.engines.instance import vllm_engine_parts
+
+    return vllm_engine_parts

@@ -32,9 +32,10 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import zmq
@@ -75,9 +76,6 @@ from dualpath.traffic.ep import EpPeer, EpTraffic, ep_metrics_off
 from dualpath.traffic.manager import TrafficManager
 from dualpath.vocab import EngineKind, Role
 
-if TYPE_CHECKING:
-    from dualpath.integrations.vllm.engines.instance import VllmInstance
-
 log = logging.getLogger("dualpath.engine")
 IDLE_POLL_MS = 20
 __all__ = ["FAULT_HANG_ENV", "EngineIdentity", "EngineProcess"]  # FAULT_HANG_ENV: tests use it
@@ -97,22 +95,57 @@ class EngineIdentity:
         object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
 
 
+class Instance(Protocol):
+    """A model server an engine drives instead of a model of its own (a vLLM instance)."""
+
+    url: str
+    log_path: Path
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status once it has exited."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether it is still running."""
+        ...
+
+    def log_tail(self) -> str:
+        """The end of its log."""
+        ...
+
+    def close(self) -> None:
+        """Stop it (if this engine started it)."""
+        ...
+
+
+# What builds a vLLM engine's parts (``integrations/vllm/engines/instance.py``:
+# ``vllm_engine_parts``): the command picks it by engine kind, so this module imports nothing of
+# an integration
+PartsFactory = Callable[[Path, ClusterConfig, Role, str], Any]
+
+
 class EngineProcess:
     """Everything one engine owns, and its loop."""
 
-    vllm: VllmInstance | None = None  # the vLLM instance behind a vLLM engine
+    vllm: Instance | None = None  # the vLLM instance behind a vLLM engine
 
     def __init__(self, identity: EngineIdentity, model_dir: Path, config: ClusterConfig,
                  router_address: str, key: EngineKey, advertised: Advertised | None = None,
-                 cluster_id: str = "", vllm_url: str | None = None) -> None:
+                 cluster_id: str = "", vllm_url: str | None = None,
+                 vllm_parts: PartsFactory | None = None) -> None:
         """``key``: this engine's control-plane key (``control_keys.py``). With
-        ``config.engine_kind`` vllm the engine loads no model: it starts a vLLM instance (or
-        drives the one at ``vllm_url``) and its worker turns requests into calls on it."""
+        ``config.engine_kind`` vllm the engine loads no model: ``vllm_parts`` builds its parts,
+        it starts a vLLM instance (or drives the one at ``vllm_url``) and its worker turns
+        requests into calls on it."""
         apply_process_settings(config.engine)
         self.identity = identity
         self.engine: LLMEngine | None = None
         if config.engine_kind == EngineKind.VLLM:
-            self._init_vllm(model_dir, config, advertised, cluster_id, vllm_url, key)
+            if vllm_parts is None:
+                raise ValueError("a vLLM engine needs its parts' factory (vllm_parts)")
+            self._init_vllm(vllm_parts(model_dir, config, identity.role, identity.name),
+                            config, advertised, cluster_id, vllm_url, key)
             config = self.config
         else:
             # auto resolved, Mooncake's build checked against the device, a GPU's share set
@@ -160,16 +193,13 @@ class EngineProcess:
                                                            router_address, key),),
                                        name="heartbeat", daemon=True)
 
-    def _init_vllm(self, model_dir: Path, config: ClusterConfig, advertised: Advertised | None,
+    def _init_vllm(self, parts: Any, config: ClusterConfig, advertised: Advertised | None,
                    cluster_id: str, vllm_url: str | None, key: EngineKey | None = None) -> None:
         """The vLLM engine: storage client, transfer backend, traffic manager and (decode) a
         shared host pool as an engine of ours has, a vLLM instance instead of a model, and its
         role's adapter worker (``integrations/vllm/engines/prefill.py``). No EP traffic: vLLM
         runs the steps."""
-        from dualpath.integrations.vllm.engines.instance import vllm_engine_parts
-
         identity = self.identity
-        parts = vllm_engine_parts(model_dir, config, identity.role, identity.name)
         self.config = config
         node_nic = node_nic_account(cluster_id, identity.node_id) if cluster_id else None
         self.storage = StorageClient(open_store(config.storage, parts.layout),

@@ -25,16 +25,17 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from pathlib import Path
 
 from dualpath.config import ClusterConfig, engine_roles
 from dualpath.control_keys import ENGINE_KEY_ENV
-from dualpath.devices import DevicePlan, plan_devices, resolve_device, visible_gpu_ids
+from dualpath.devices import DevicePlan, plan_devices
 from dualpath.errors import DualPathError
 from dualpath.kv.shm_files import orphaned_pool_files, sweep_dead, wait_unheld
+from dualpath.local_devices import local_gpu_ids
 from dualpath.request import SamplingParams
 from dualpath.server.router.client import ClusterOutput, RequestFuture, Router
 from dualpath.storage.node_nic import remove_dead_accounts
@@ -62,22 +63,6 @@ def engine_command(name: str, role: str, node_id: int, router_address: str,
 def engine_env() -> dict[str, str]:
     """The environment an engine process runs with (one OpenMP thread, unbuffered logs)."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def local_gpu_ids(env: Mapping[str, str] | None = None) -> list[str]:
-    """The GPUs this process sees, as ids for ``CUDA_VISIBLE_DEVICES`` (torch's count; no CUDA
-    context is created)."""
-    import torch
-
-    return visible_gpu_ids(os.environ if env is None else env, torch.cuda.device_count())
-
-
-def resolve_local_device(device: str) -> str:
-    """``device`` for engines on this host: ``auto`` becomes ``cuda`` where it has a GPU, else
-    ``cpu``; a CUDA device it does not have is a ``DevicePlacementError``."""
-    if device == "cpu":
-        return device
-    return resolve_device(device, len(local_gpu_ids()))
 
 
 def local_device_plan(config: ClusterConfig,

@@ -1,8 +1,8 @@
-"""The regime (``bench/regime.py``: h, hit/computed, κ, ρ) of the paper's setting and of the
+"""The regime (``regime.py``: h, hit/computed, κ, ρ) of the paper's setting and of the
 testbed: ``dualpath sim`` prints both, so that the mapping between them is visible.
 
 The testbed's (:func:`demo_regime`) is what its ``dualpath demo`` run measured, computed as
-the demo computes it (``bench/regime.py::ladder_regime``): the first reusing mode's hit rate;
+the demo computes it (``regime.py::ladder_regime``): the first reusing mode's hit rate;
 loading a token over one node's storage NIC at the read cap; recomputing it at the recompute
 mode's prefill compute per computed token (else the first mode that computed).
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dualpath.bench.regime import ladder_regime, load_s_per_token, regime
+from dualpath.regime import ladder_regime, load_s_per_token, regime
 from dualpath.sim.config import SimConfig
 from dualpath.sim.demo_run import DemoRun
 from dualpath.workloads.presets import trajectory

@@ -47,7 +47,7 @@ def test_bench_agents_via_http_hands_the_device_to_serve():
 
 
 def test_bench_agents_and_the_demo_default_to_auto_which_is_the_cpu_without_a_gpu(gpus):
-    from dualpath.server.launch import resolve_local_device
+    from dualpath.local_devices import resolve_local_device
 
     gpus(0)
     assert options_from(_parse("bench", "agents")).device == "auto"

@@ -1,4 +1,4 @@
-"""The regime figures' arithmetic (``dualpath/bench/regime.py``)."""
+"""The regime figures' arithmetic (``dualpath/regime.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dualpath.bench.regime import (
+from dualpath.regime import (
     Regime,
     RegimeError,
     load_s_per_token,

@@ -27,6 +27,7 @@ from dualpath.integrations.vllm.engines.instance import (
     PYTHON_ENV,
     VllmInstanceError,
     launch_plan,
+    vllm_engine_parts,
     vllm_python,
 )
 from dualpath.integrations.vllm.engines.prefill import VllmPrefillWorker
@@ -691,7 +692,8 @@ def test_an_engine_process_in_vllm_mode_loads_no_model_and_drives_the_instance(f
                            engine_kind=EngineKind.VLLM, vllm=VllmConfig(request_timeout_s=5))
     key = ClusterKeys.generate(["e0"]).engine_key("e0")
     proc = EngineProcess(EngineIdentity("e0", role, 0), fake_model(tmp_path), config,
-                         "tcp://127.0.0.1:1", key, vllm_url=fake.url)
+                         "tcp://127.0.0.1:1", key, vllm_url=fake.url,
+                         vllm_parts=vllm_engine_parts)
     try:
         assert proc.engine is None and proc.vllm is not None and not proc.vllm.owned
         worker = proc.worker
@@ -778,7 +780,8 @@ def test_the_engine_exits_when_its_vllm_child_dies(fake, tmp_path, monkeypatch):
                            engine_kind=EngineKind.VLLM, vllm=VllmConfig(request_timeout_s=5))
     key = ClusterKeys.generate(["pe0"]).engine_key("pe0")
     proc = loop.EngineProcess(loop.EngineIdentity("pe0", "prefill", 0), fake_model(tmp_path),
-                              config, "tcp://127.0.0.1:1", key, vllm_url=fake.url)
+                              config, "tcp://127.0.0.1:1", key, vllm_url=fake.url,
+                              vllm_parts=vllm_engine_parts)
     child = subprocess.Popen(["true"], start_new_session=True)
     child.wait()
     proc.vllm = VllmInstance(proc.vllm.http, child, tmp_path / "none.log")

@@ -14,8 +14,9 @@ import torch
 
 from dualpath.config import ClusterConfig, EngineConfig
 from dualpath.devices import GPU_ENV, MEMORY_FRACTION_ENV
+from dualpath.local_devices import resolve_local_device
 from dualpath.server import launch
-from dualpath.server.launch import LocalCluster, local_device_plan, resolve_local_device
+from dualpath.server.launch import LocalCluster, local_device_plan
 from dualpath.transfer import mooncake_build
 from dualpath.transfer.mooncake_build import CPU_DIST, CUDA_DIST, MooncakeBuildError
 

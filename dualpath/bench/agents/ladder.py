@@ -330,9 +330,9 @@ def calibrated_cap_mb_s(hit_bytes: int, oracle_jct_s: float) -> float:
 def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[str, Any]:
     """Every mode offline, the online APS search, the simulator's prediction; the report."""
     from dualpath.bench.agents.report import build_result, print_report, write_report
+    from dualpath.local_devices import resolve_local_device
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec
-    from dualpath.server.launch import resolve_local_device
 
     console = console or Console()
     began = time.perf_counter()

@@ -25,8 +25,8 @@ from rich.table import Table
 
 from dualpath.bench.agents.kv_budget import PLAIN_ROW
 from dualpath.bench.cluster import COMPUTE_PER_STORAGE
-from dualpath.bench.regime import ladder_regime, recompute_s_per_token
 from dualpath.bench.report import write_json
+from dualpath.regime import ladder_regime, recompute_s_per_token
 from dualpath.vocab import Mode, Rung
 
 BREAKDOWN = ("queue_s", "read_s", "prefill_s", "other_s", "transfer_s", "queue_router_s",

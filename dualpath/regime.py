@@ -14,7 +14,8 @@ storage-bound? Four numbers, printed above every ladder and kept at ``summary.re
   compute-bound and DualPath has little to add. Demand and supply are both per prefill node,
   so ρ does not depend on how many there are (hits spread over them alike).
 
-Pure: no torch, sockets or clocks; the ladders, ``dualpath sim`` and the tests share it.
+Pure: no torch, sockets or clocks; the ladders (``bench/``), ``dualpath sim`` and the tests
+share it.
 """
 
 from __future__ import annotations
