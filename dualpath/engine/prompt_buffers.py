@@ -82,8 +82,7 @@ class PromptBuffers:
             return [self._ready(msg.req_id, msg.num_read_blocks)]
         space = self.key_space.salted(msg.cache_salt)
         keys = space.keys(msg.prompt_ids)[first : msg.num_read_blocks]
-        layers = self._layer_major(slots)  # [layers, n, layer_block_bytes]
-        parts = [list(layers[:, b].unbind(0)) for b in range(first, first + len(keys))]
+        parts = self._block_parts(slots, first, first + len(keys))
         self._reading.add(msg.req_id)
         future = self.storage.submit_read(keys, parts)
         # BufferReady only once no read into the buffer can still run: the PE then fills the
@@ -95,6 +94,13 @@ class PromptBuffers:
     def _ready(self, req_id: int, num_loaded: int) -> BufferReady:
         slots = self._buffers[req_id]
         return BufferReady(req_id, self.host_pool.address(slots[0]), len(slots), num_loaded)
+
+    def _block_parts(self, slots: list[int], first: int, end: int) -> list[list[torch.Tensor]]:
+        """Blocks ``[first, end)`` of a request's buffer, each as its layers' slices in order:
+        a stored block's bytes, scattered (a read) or gathered (a write) by one vectored
+        call."""
+        layers = self._layer_major(slots)  # [layers, n, layer_block_bytes]
+        return [list(layers[:, b].unbind(0)) for b in range(first, end)]
 
     def _layer_major(self, slots: list[int]) -> torch.Tensor:
         """A request's buffer region as ``[layers, n, layer_block_bytes]`` bytes (no copy)."""

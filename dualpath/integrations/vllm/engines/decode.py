@@ -176,8 +176,7 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         if num_full <= num_stored or not self._sealed(req_id, slots):
             return self._free(slots)
         keys = self.key_space.salted(alloc.cache_salt).keys(alloc.prompt_ids)[num_stored:num_full]
-        layers = self._layer_major(slots)  # a stored block is its layers in order
-        parts = [list(layers[:, b].unbind(0)) for b in range(num_stored, num_full)]
+        parts = self._block_parts(slots, num_stored, num_full)
         self.num_persisted_blocks += len(keys)
         future = self.storage.submit_write(keys, parts)  # never raises: a failure is a miss
         future.add_done_callback(lambda _: self._post(lambda: self._free(slots)))
