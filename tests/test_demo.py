@@ -137,7 +137,9 @@ def _check_regime(data: dict, result: dict, model_dir) -> None:
     assert got["hit_rate"] == pytest.approx(basic["hit_rate"]) and got["hit_rate"] > 0
     computed = basic["prompt_tokens"] - basic["hit_tokens"]
     assert got["hit_per_computed"] == pytest.approx(basic["hit_tokens"] / computed)
-    kv_bytes = load_spec(model_dir).kv_bytes_per_token("float32")
+    dtype = data["cluster"]["dtype"]  # auto, resolved: bfloat16 on a CPU with AVX512_BF16
+    assert dtype in ("float32", "bfloat16")
+    kv_bytes = load_spec(model_dir).kv_bytes_per_token(dtype)
     assert got["kv_bytes_per_token"] == kv_bytes
     assert got["kappa"] == pytest.approx(kv_bytes / 50e6 / recompute["recompute_s_per_token"])
     assert got["rho"] == pytest.approx(got["hit_per_computed"] * got["kappa"])

@@ -122,3 +122,44 @@ def test_engine_config_names_a_device_and_a_fraction_it_can_use():
     for fraction in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="gpu_memory_fraction"):
             EngineConfig(gpu_memory_fraction=fraction)
+
+
+CPUINFO = """processor\t: 0
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni
+processor\t: 1
+flags\t\t: fpu
+"""
+
+
+def test_a_benchmarks_auto_dtype_is_bf16_only_where_the_device_computes_it_natively():
+    from dualpath.local_devices import bench_dtype, cpu_flags
+
+    assert "avx512_bf16" in cpu_flags(CPUINFO)  # the first flags line
+    assert cpu_flags("processor\t: 0\n") == frozenset()
+    no_bf16 = cpu_flags(CPUINFO.replace(" avx512_bf16", ""))
+    assert bench_dtype("auto", "cpu", cpu_flags(CPUINFO)) == "bfloat16"
+    assert bench_dtype("auto", "cpu", no_bf16) == "float32"
+    assert bench_dtype("auto", "cpu", frozenset({"amx_bf16"})) == "bfloat16"
+    assert bench_dtype("auto", "cuda", no_bf16) == "bfloat16"
+    assert bench_dtype("float32", "cuda") == "float32"  # an explicit dtype stays
+    assert bench_dtype("bfloat16", "cpu", no_bf16) == "bfloat16"
+
+
+def test_the_demos_default_cap_carries_the_same_tokens_in_either_dtype():
+    from dualpath.bench.demo import READ_CAP_FLOAT32_MB_S, DemoOptions, resolved
+
+    bf16 = resolved(DemoOptions(dtype="bfloat16"), "cpu")
+    assert (bf16.dtype, bf16.read_cap_mb_s) == ("bfloat16", READ_CAP_FLOAT32_MB_S / 2)
+    fp32 = resolved(DemoOptions(dtype="float32"), "cpu")
+    assert fp32.read_cap_mb_s == READ_CAP_FLOAT32_MB_S
+    assert resolved(DemoOptions(dtype="float32", read_cap_mb_s=80.0), "cpu").read_cap_mb_s == 80
+    assert resolved(DemoOptions(), "cuda").dtype == "bfloat16"
+
+
+def test_vllm_engines_keep_float32_for_the_benchmarks_auto():
+    from dualpath.bench.agents.ladder import AgentsOptions
+
+    vllm = AgentsOptions(engine="vllm", modes=("basic",), online_modes=())
+    assert vllm.dtype == "float32"
+    assert AgentsOptions(engine="dualpath").dtype == "auto"  # resolved by run_bench

@@ -74,18 +74,21 @@ from dualpath.workloads.turns import AgentTurn
 if TYPE_CHECKING:
     from argparse import ArgumentParser
 
+# The default workload (turns 21-25 of 8 sessions, h 98%) reloads 57 tokens per computed one, so
+# at 300 MB/s of float32 KV (6,500 tokens/s) loading a token costs a few hundredths of
+# recomputing it (kappa) and basic is still storage-bound (rho > 1: its prefill node's NIC
+# would need more than the cap): the paper's regime (docs/results.md, "The regime").
+READ_CAP_FLOAT32_MB_S = 300.0
+
 
 @dataclass(frozen=True)
 class DemoOptions:
     """What ``dualpath demo`` runs; the defaults are the measured demo (README, docs/results.md)."""
 
     model: str | None = None  # HF folder; None: the default model
-    # Storage-NIC read cap of every node. The default workload (turns 21-25 of 8 sessions, h 98%)
-    # reloads 57 tokens per computed one, so at 300 MB/s (6,500 float32 tokens/s) loading a
-    # token costs ~0.06 of recomputing it (kappa) and basic is still storage-bound (rho ~3:
-    # its prefill node's NIC would need three times the cap): the paper's regime
-    # (docs/results.md, "The regime").
-    read_cap_mb_s: float = 300.0
+    # Storage-NIC read cap of every node (MB/s). None: READ_CAP_FLOAT32_MB_S scaled by the KV
+    # dtype's size (150 MB/s of bf16 KV, the same 6,500 tokens/s as 300 of float32).
+    read_cap_mb_s: float | None = None
     compute_cap_mb_s: float | None = None  # None: COMPUTE_PER_STORAGE x read_cap_mb_s
     sessions: int | None = None  # first N sessions of the excerpt (None: all)
     turns: int | None = None  # first N turns of each session (None: all)
@@ -96,11 +99,11 @@ class DemoOptions:
     # 16-token blocks: a turn loses its partial last block from the hit; at the excerpt's scale
     # (token counts / 96) a turn adds ~10 new tokens, so 64-token blocks would miss 3x more
     block_size: int = 16
-    # float32, not the checkpoint's bf16: on CPUs without native bf16 matmul (this project's
-    # Xeon: AVX-512 but no AVX512_BF16) one engine prefills 111-120 tok/s in bf16 against
-    # 286-369 tok/s in float32 (512- and 2,224-token prompts, 1 thread). The KV is float32 too
-    # (46 KB per token for SmolLM2), which the storage cap below accounts for.
-    dtype: str = "float32"
+    # auto: the checkpoint's bf16 where the device computes it natively (a CPU with
+    # AVX512_BF16 or AMX, or CUDA), else float32 (``local_devices.bench_dtype``: bf16 without
+    # them is 2-3x slower). The KV takes the same dtype (46 KB per token of SmolLM2 in float32,
+    # 23 KB in bf16), and the default storage cap follows it.
+    dtype: str = "auto"
     # The engines' device: auto is cuda where this host has a GPU (each engine on its own,
     # round robin: LocalCluster), else cpu; run_demo resolves it before starting the cluster.
     device: str = "auto"
@@ -123,8 +126,9 @@ class DemoOptions:
 
 def add_arguments(parser: ArgumentParser) -> None:
     """The ``dualpath demo`` options: fields of :class:`DemoOptions`."""
-    parser.add_argument("--read-cap-mb-s", type=float, default=DemoOptions.read_cap_mb_s,
-                        help="storage NIC read cap per node (default 300: basic storage-bound)")
+    parser.add_argument("--read-cap-mb-s", type=float, default=None,
+                        help="storage NIC read cap per node (default 300 for float32 KV, 150 "
+                        "for bf16: basic storage-bound)")
     parser.add_argument("--compute-cap-mb-s", type=float, default=None,
                         help="compute NIC cap per engine (default 8x the storage cap)")
     parser.add_argument("--sessions", type=int, default=None, help="first N sessions only")
@@ -134,8 +138,8 @@ def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", type=optional, default="results/demo.json",
                         help="results (+ PNG beside; '' for none)")
     parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
-    parser.add_argument("--dtype", default="float32", help="compute and KV dtype (default "
-                        "float32: faster than bf16 on CPUs without native bf16)")
+    parser.add_argument("--dtype", default="auto", help="compute and KV dtype (default auto: "
+                        "bfloat16 where the CPU has AVX512_BF16 or AMX, or on CUDA; else float32)")
     parser.add_argument("--block-size", type=int, default=DemoOptions.block_size)
     add_device_argument(parser, "auto")
     parser.add_argument("--dir", dest="work_dir", default=None,
@@ -241,6 +245,18 @@ def _empty(cluster: LocalCluster, store: Path) -> None:
         shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
+def resolved(options: DemoOptions, device: str) -> DemoOptions:
+    """``options`` on ``device`` (resolved), with the dtype of ``auto`` and the default storage
+    cap (``READ_CAP_FLOAT32_MB_S`` per 4 bytes of the KV dtype) filled in."""
+    from dualpath.local_devices import bench_dtype
+
+    dtype = bench_dtype(options.dtype, device)
+    cap = options.read_cap_mb_s
+    if cap is None:
+        cap = READ_CAP_FLOAT32_MB_S * torch.empty(0, dtype=getattr(torch, dtype)).element_size() / 4
+    return replace(options, device=device, dtype=dtype, read_cap_mb_s=cap)
+
+
 def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, Any]:
     """Replay the excerpt in every mode; print the table; write JSON (+ PNG); return it."""
     from dualpath.local_devices import resolve_local_device
@@ -249,7 +265,7 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, 
 
     console = console or Console()
     began = time.perf_counter()
-    options = replace(options, device=resolve_local_device(options.device))
+    options = resolved(options, resolve_local_device(options.device))
     sessions, header = load_demo_trace(Path(options.trace_path) if options.trace_path else None)
     sessions = [DemoSession(s.trace, s.turns[:options.turns]) for s in sessions[:options.sessions]]
     if not sessions or min(len(s.turns) for s in sessions) < 2:

@@ -74,7 +74,9 @@ def _check_regime(data, model_dir):
     pe = s["prefill_time_s"]["basic"]
     per_token_s = (pe["forwards_s"] - pe["layer_waits_s"]) / computed
     assert got["recompute_s_per_token"] == pytest.approx(per_token_s)
-    kv_bytes = load_spec(model_dir).kv_bytes_per_token("float32")
+    dtype = data["options"]["dtype"]  # auto, resolved: bfloat16 on a CPU with AVX512_BF16
+    assert dtype in ("float32", "bfloat16")
+    kv_bytes = load_spec(model_dir).kv_bytes_per_token(dtype)
     load_s = kv_bytes / (s["read_cap_mb_s"] * 1e6)
     assert got["kappa"] == pytest.approx(load_s / per_token_s)
     assert got["rho"] == pytest.approx(got["hit_per_computed"] * got["kappa"])

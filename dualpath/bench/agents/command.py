@@ -96,7 +96,9 @@ def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="a dualpath profile JSON: also predict the JCTs with the simulator")
     p.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
-    p.add_argument("--dtype", default=None, help="engine dtype (default float32)")
+    p.add_argument("--dtype", default=None, help="engine dtype (default auto: bfloat16 where "
+                   "the CPU has AVX512_BF16 or AMX, or on CUDA, else float32; float32 with "
+                   "--engine vllm)")
     p.add_argument("--device", default=None,
                    help="the engines' device: cpu, cuda, cuda:N or auto (default auto: cuda "
                    "where this host has a GPU, each engine on its own GPU round robin)")

@@ -128,7 +128,9 @@ class AgentsOptions:
     # STORAGE_BOUND); a fixed value is the same bandwidth for a faster or slower compute.
     read_cap_mb_s: float | None = None
     compute_cap_mb_s: float | None = None  # None: COMPUTE_PER_STORAGE x read_cap_mb_s
-    dtype: str = "float32"  # bf16 matmul is 3x slower on CPUs without AVX512_BF16 (demo.py)
+    # auto: with our engines as the demo's (bf16 where the device computes it natively, else
+    # float32: local_devices.bench_dtype); with vLLM engines float32, as the ladder was measured
+    dtype: str = "auto"
     # The engines' device: auto is cuda where this host has a GPU (each engine on its own,
     # round robin: LocalCluster), else cpu; run_bench resolves it before the first cluster.
     device: str = "auto"
@@ -183,12 +185,14 @@ class AgentsOptions:
         return SAMPLE_FIRST_TURN if self.workload in ("weka", "weka-sample") else 1
 
     def _resolve_defaults(self) -> None:
-        """The workload, block size and host-pool slots where left None (see their
-        comments)."""
+        """The workload, block size and host-pool slots where left None, and vLLM's dtype of
+        ``auto`` (see their comments)."""
         for name, value in zip(("agents", "turns", "scale"), DEFAULT_WORKLOAD[self.engine],
                                strict=True):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if self.dtype == "auto" and self.engine == EngineKind.VLLM:
+            object.__setattr__(self, "dtype", "float32")
         if self.block_size is None:
             object.__setattr__(self, "block_size", VLLM_BLOCK_SIZE
                                if self.engine == EngineKind.VLLM else BLOCK_SIZE)
@@ -330,13 +334,14 @@ def calibrated_cap_mb_s(hit_bytes: int, oracle_jct_s: float) -> float:
 def run_bench(options: AgentsOptions, console: Console | None = None) -> dict[str, Any]:
     """Every mode offline, the online APS search, the simulator's prediction; the report."""
     from dualpath.bench.agents.report import build_result, print_report, write_report
-    from dualpath.local_devices import resolve_local_device
+    from dualpath.local_devices import bench_dtype, resolve_local_device
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import load_spec
 
     console = console or Console()
     began = time.perf_counter()
-    options = replace(options, device=resolve_local_device(options.device))
+    device = resolve_local_device(options.device)
+    options = replace(options, device=device, dtype=bench_dtype(options.dtype, device))
     model_dir = resolve_model(options.model)
     vocab = load_spec(model_dir).vocab_size
     workload = load_bench_workload(options, vocab)
