@@ -30,7 +30,7 @@ REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpat
                  "dualpath/server/router/state.py", "dualpath/server/router/types.py",
                  "dualpath/server/router/ledger.py", "dualpath/server/router/placement.py",
                  "dualpath/server/router/endings.py", "dualpath/vocab.py",
-                 "dualpath/regime.py")
+                 "dualpath/regime.py", "dualpath/ending.py")
 OPTIONAL_PURE = ("dualpath/traffic/lanes.py", "dualpath/traffic/token_bucket.py",
                  "dualpath/kv/layout.py")
 PURE_TREES = ("dualpath/scheduler",)

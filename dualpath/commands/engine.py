@@ -72,7 +72,7 @@ def run(options: EngineProcessOptions) -> int:
         localized,
         router_host,
     )
-    from dualpath.engine.loop import EngineIdentity, EngineProcess
+    from dualpath.engine.loop import EngineIdentity, EngineProcess, apply_process_settings
     from dualpath.model.default_model import resolve_model
     from dualpath.model.spec import model_id
 
@@ -88,18 +88,22 @@ def run(options: EngineProcessOptions) -> int:
     advertised = Advertised(host, config.transfer_protocol, options.rdma_devices)
     config = localized(config, advertised)
     identity = EngineIdentity(name, options.role, options.node_id)
-    return EngineProcess(identity, model_dir, config, options.router, key, advertised,
-                         joined.cluster_id, vllm_url=options.vllm_url,
-                         vllm_parts=_parts_factory(config.engine_kind)).serve()
+    apply_process_settings(config.engine)  # torch threads, GIL interval: before any model
+    parts = _parts_factory(config.engine_kind)(model_dir, config, identity.role, name,
+                                               host=advertised.host, url=options.vllm_url)
+    return EngineProcess(identity, parts, options.router, key, advertised,
+                         joined.cluster_id).serve()
 
 
 def _parts_factory(kind: str) -> Any:
-    """What builds the parts of an engine of ``kind`` other than ours (None for ours): the
-    engine process imports no integration itself."""
+    """What builds the parts of an engine of ``kind`` (``engine/parts.py``): ours, or a vLLM
+    instance's (the engine process imports no integration itself)."""
     from dualpath.vocab import EngineKind
 
     if EngineKind(kind) != EngineKind.VLLM:
-        return None
+        from dualpath.engine.parts import native_engine_parts
+
+        return native_engine_parts
     from dualpath.integrations.vllm.engines.instance import vllm_engine_parts
 
     return vllm_engine_parts

@@ -127,6 +127,15 @@ class DecodeWorker(DecodeStorage):
         clock = self.engine.runner.clock
         return clock.progress_s, clock.budget_s()
 
+    @property
+    def read_queue_tokens(self) -> int:
+        """The storage client's unfinished reads."""
+        return self.storage.read_queue_tokens
+
+    def close(self) -> None:
+        """Nothing of its own to stop: the storage client and traffic manager are the
+        process's."""
+
     def settled(self) -> bool:
         """A decode engine writes into no other engine's memory (its EP traffic lands in the
         peers' own EP buffers only)."""

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from dualpath.config import EngineConfig
+from dualpath.ending import eos_ids, finish_reason
 from dualpath.engine.batcher import Batcher
 from dualpath.engine.runner import ModelRunner
 from dualpath.engine.sampler import Sampler
@@ -83,10 +84,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer else None
-        eos = set(spec.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = eos_ids(spec.eos_token_ids, self.tokenizer.eos_token_id
+                                     if self.tokenizer is not None else None)
         self._captured: dict[int, list[torch.Tensor]] = {}
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Sequence:
@@ -196,14 +195,14 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
+        reason = finish_reason(params, len(seq.output_ids), token, seq.num_tokens,
+                               self.eos_token_ids, self.spec.max_position)
+        if reason == "stop":
+            return reason
         may_stop = len(seq.output_ids) >= params.min_tokens
-        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
+        if may_stop and params.stop and self._hit_stop_string(seq):  # before a length end
             return "stop"
-        if may_stop and params.stop and self._hit_stop_string(seq):
-            return "stop"
-        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.spec.max_position:
-            return "length"
-        return None
+        return reason
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         if self.tokenizer is None:

@@ -1,8 +1,12 @@
-"""One engine process: its model, host buffer, storage client, traffic manager and event loop.
+"""One engine process: its storage client, traffic manager and event loop around its parts.
 
-``dualpath engine --role prefill|decode`` runs this. The loop talks to the router over a
-ZeroMQ DEALER socket (msgpack control messages). It hands request messages to its role's
-``Worker`` (``engine/worker.py``) and in between messages lets the worker work: the PE
+``dualpath engine --role prefill|decode`` runs this. The parts (``engine/parts.py``) are what
+the engine kind brings: the KV layout, the host buffer, the role's worker and what it owns (our
+model, or a vLLM instance it drives); the process builds the rest once, for any kind.
+
+The loop talks to the router over a ZeroMQ DEALER socket (msgpack control messages). It hands
+request messages to its role's ``Worker`` (``engine/worker.py``) and in between messages lets
+the worker work: the PE
 prefills the oldest requests whose storage reads are done; the DE finishes storage reads and
 writes and runs one decode step of its running batch. The loop itself answers what every
 engine answers alike: ``Peers``, ``GetMetrics``, ``Shutdown``.
@@ -25,36 +29,30 @@ engine's role: every prefill forward and decode step then waits for its all-to-a
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 import torch
 import zmq
 
-from dualpath.config import ClusterConfig, EngineConfig, engine_config_for
+from dualpath.config import EngineConfig
 from dualpath.control_keys import EngineKey
 from dualpath.control_socket import engine_socket
-from dualpath.engine.decode import DecodeWorker
-from dualpath.engine.device_setup import prepare_engine_device
 from dualpath.engine.faults import FAULT_HANG_ENV, fault_flag, hang_while
 from dualpath.engine.join import Advertised
-from dualpath.engine.llm_engine import LLMEngine
-from dualpath.engine.prefill import PrefillWorker
+from dualpath.engine.parts import EngineParts, Instance
 from dualpath.engine.sched_counters import loop_thread_counters, process_wakeups
 from dualpath.engine.worker import Worker
-from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import (
     HEARTBEAT_SUFFIX,
     Abort,
+    AllocBuffer,
+    Decode,
     Failed,
     GetMetrics,
     Heartbeat,
@@ -63,18 +61,17 @@ from dualpath.protocol import (
     Message,
     Metrics,
     Peers,
+    Prefill,
     Shutdown,
     decode,
     encode,
 )
-from dualpath.scheduler.batch import AttentionCostModel
 from dualpath.storage import open_store
 from dualpath.storage.client import StorageClient
 from dualpath.storage.node_nic import node_nic_account
 from dualpath.traffic.engine_plane import admit_peers, data_plane
-from dualpath.traffic.ep import EpPeer, EpTraffic, ep_metrics_off
-from dualpath.traffic.manager import TrafficManager
-from dualpath.vocab import EngineKind, Role
+from dualpath.traffic.ep import EpPeer, ep_metrics_off
+from dualpath.vocab import Role
 
 log = logging.getLogger("dualpath.engine")
 IDLE_POLL_MS = 20
@@ -95,88 +92,36 @@ class EngineIdentity:
         object.__setattr__(self, "role", Role(self.role))  # ValueError names a bad role
 
 
-class Instance(Protocol):
-    """A model server an engine drives instead of a model of its own (a vLLM instance)."""
-
-    url: str
-    log_path: Path
-
-    @property
-    def returncode(self) -> int | None:
-        """Its exit status once it has exited."""
-        ...
-
-    def alive(self) -> bool:
-        """Whether it is still running."""
-        ...
-
-    def log_tail(self) -> str:
-        """The end of its log."""
-        ...
-
-    def close(self) -> None:
-        """Stop it (if this engine started it)."""
-        ...
-
-
-# What builds a vLLM engine's parts (``integrations/vllm/engines/instance.py``:
-# ``vllm_engine_parts``): the command picks it by engine kind, so this module imports nothing of
-# an integration
-PartsFactory = Callable[[Path, ClusterConfig, Role, str], Any]
-
-
 class EngineProcess:
     """Everything one engine owns, and its loop."""
 
-    vllm: Instance | None = None  # the vLLM instance behind a vLLM engine
-
-    def __init__(self, identity: EngineIdentity, model_dir: Path, config: ClusterConfig,
-                 router_address: str, key: EngineKey, advertised: Advertised | None = None,
-                 cluster_id: str = "", vllm_url: str | None = None,
-                 vllm_parts: PartsFactory | None = None) -> None:
-        """``key``: this engine's control-plane key (``control_keys.py``). With
-        ``config.engine_kind`` vllm the engine loads no model: ``vllm_parts`` builds its parts,
-        it starts a vLLM instance (or drives the one at ``vllm_url``) and its worker turns
-        requests into calls on it."""
-        apply_process_settings(config.engine)
-        self.identity = identity
-        self.engine: LLMEngine | None = None
-        if config.engine_kind == EngineKind.VLLM:
-            if vllm_parts is None:
-                raise ValueError("a vLLM engine needs its parts' factory (vllm_parts)")
-            self._init_vllm(vllm_parts(model_dir, config, identity.role, identity.name),
-                            config, advertised, cluster_id, vllm_url, key)
-            config = self.config
-        else:
-            # auto resolved, Mooncake's build checked against the device, a GPU's share set
-            device = prepare_engine_device(engine_config_for(config, identity.role))
-            config = replace(config, engine=replace(config.engine, device=device))
-            self.engine = LLMEngine(model_dir, engine_config_for(config, identity.role))
-            layout = self.engine.layout
-            node_nic = node_nic_account(cluster_id, identity.node_id) if cluster_id else None
-            self.storage = StorageClient(open_store(config.storage, layout), layout.block_size,
-                                         config.storage, node_nic=node_nic)
-            advertised = advertised or Advertised("127.0.0.1", config.transfer_protocol)
-            self.backend, self.traffic = data_plane(advertised, config, key)  # fenced, keyed
-            self.host_pool = HostPool(layout.full_block_bytes, config.host_pool_blocks,
-                                      touch=True)
-            cache = self.engine.runner.cache.data
-            self.traffic.register(self.host_pool.base_address, self.host_pool.nbytes)
-            self.traffic.register(cache.data_ptr(), cache.numel() * cache.element_size())
-            args = (self.engine, self.host_pool, self.traffic, self.storage)
-            self.worker: Worker
-            if identity.role == Role.PREFILL:
-                self.worker = PrefillWorker(*args, cost_model=_cost_model(config),
-                                            quota_ms=config.prefill_quota_ms)
-            else:
-                self.worker = DecodeWorker(*args, staging_blocks=config.save_staging_blocks)
-            self.ep = _ep_traffic(self.traffic, config, self.engine.config, identity.role)
-            if self.ep is not None:
-                # each step waits for its all-to-all, as long as its peers' grants take at most
-                self.worker.on_step = self.engine.runner.clock.bounded(
-                    self.ep.exchange, config.traffic.grant_timeout_s)
+    def __init__(self, identity: EngineIdentity, parts: EngineParts, router_address: str,
+                 key: EngineKey, advertised: Advertised | None = None,
+                 cluster_id: str = "") -> None:
+        """``parts``: the engine kind's layout, host pool and worker (``engine/parts.py``);
+        ``key``: this engine's control-plane key (``control_keys.py``). Builds the storage
+        client, the transfer backend and the traffic manager, registers the parts' memory with
+        it, and has the parts build their worker (a vLLM engine's instance starts there)."""
+        self.identity, self.parts, self.config = identity, parts, parts.config
+        config = parts.config
+        node_nic = node_nic_account(cluster_id, identity.node_id) if cluster_id else None
+        self.storage = StorageClient(open_store(config.storage, parts.layout),
+                                     parts.layout.block_size, config.storage, node_nic=node_nic)
+        advertised = advertised or Advertised("127.0.0.1", config.transfer_protocol)
+        self.backend, self.traffic = data_plane(advertised, config, key)  # fenced, keyed
+        self.host_pool = parts.host_pool
+        try:
+            for address, nbytes in parts.regions():
+                self.traffic.register(address, nbytes)
+            self.worker: Worker = parts.worker(self.storage, self.traffic)
+        except BaseException:  # no child, thread or shared file outlives a failed start
+            self.storage.close()
+            self.traffic.close()
+            parts.close()
+            raise
+        self.engine = parts.engine  # our model, or None when the engine drives a model server
+        self.ep = parts.ep
         self._peer_endpoints: set[str] = set()  # other engines' transfer endpoints, as known
-        self.config = config
         self.incarnation = secrets.token_hex(8)  # this process, in each of its hellos
         self.socket = engine_socket(identity.name, router_address, key)
         self._running = True
@@ -193,32 +138,10 @@ class EngineProcess:
                                                            router_address, key),),
                                        name="heartbeat", daemon=True)
 
-    def _init_vllm(self, parts: Any, config: ClusterConfig, advertised: Advertised | None,
-                   cluster_id: str, vllm_url: str | None, key: EngineKey | None = None) -> None:
-        """The vLLM engine: storage client, transfer backend, traffic manager and (decode) a
-        shared host pool as an engine of ours has, a vLLM instance instead of a model, and its
-        role's adapter worker (``integrations/vllm/engines/prefill.py``). No EP traffic: vLLM
-        runs the steps."""
-        identity = self.identity
-        self.config = config
-        node_nic = node_nic_account(cluster_id, identity.node_id) if cluster_id else None
-        self.storage = StorageClient(open_store(config.storage, parts.layout),
-                                     parts.layout.block_size, config.storage, node_nic=node_nic)
-        advertised = advertised or Advertised("127.0.0.1", config.transfer_protocol)
-        self.backend, self.traffic = data_plane(advertised, config, key)  # fenced, keyed
-        self.host_pool = parts.host_pool
-        self.traffic.register(self.host_pool.base_address, self.host_pool.nbytes)
-        self.ep = None
-        try:
-            self.vllm = parts.instance(advertised.host, vllm_url)
-            self.worker = parts.worker(self.vllm, self.host_pool, self.storage)
-        except BaseException:  # no child, thread or shared file outlives a failed start
-            if self.vllm is not None:
-                self.vllm.close()
-            self.storage.close()
-            self.traffic.close()
-            self.host_pool.close()
-            raise
+    @property
+    def vllm(self) -> Instance | None:
+        """The model server this engine drives (a vLLM instance), if any."""
+        return self.parts.instance
 
     def send(self, messages: list[Message]) -> None:
         """Send control messages to the router."""
@@ -231,10 +154,8 @@ class EngineProcess:
         self._hello()
         self._heart.start()
         while self._running:
-            if self.vllm is not None and not self.vllm.alive():
-                log.error("the vLLM instance at %s exited with %s: stopping; its log %s:\n%s",
-                          self.vllm.url, self.vllm.returncode, self.vllm.log_path,
-                          self.vllm.log_tail())
+            if (failure := self.parts.failure()) is not None:
+                log.error("%s: stopping", failure)
                 self._running = False
                 self.close()
                 return VLLM_GONE_EXIT
@@ -257,7 +178,7 @@ class EngineProcess:
 
     def _hello(self) -> None:
         ident, ep = self.identity, self.ep
-        nic = getattr(self.traffic, "nic_address", None) or ""
+        nic = self.traffic.nic_address or ""
         self.send([Hello(ident.name, ident.role, ident.node_id, self.backend.endpoint, nic,
                          ep.buffer_addr if ep else 0, ep.buffer_bytes if ep else 0,
                          self.incarnation)])
@@ -267,14 +188,11 @@ class EngineProcess:
         grant, forget those that left, and hand the EP generator this role's engines."""
         others = {p.endpoint: p for p in msg.peers if p.name != self.identity.name}
         admit_peers(self.backend, self.traffic, others.values())  # their hosts and keys only
-        forget = getattr(self.traffic, "forget_peer", None)
         for endpoint in self._peer_endpoints - others.keys():
-            if forget is not None:
-                forget(endpoint)
-        set_nic = getattr(self.traffic, "set_peer_nic", None)
+            self.traffic.forget_peer(endpoint)
         for peer in others.values():
-            if peer.nic_address and set_nic is not None:
-                set_nic(peer.endpoint, peer.nic_address)
+            if peer.nic_address:
+                self.traffic.set_peer_nic(peer.endpoint, peer.nic_address)
         self._peer_endpoints = set(others)
         if self.ep is not None:
             self.ep.set_peers(EpPeer(p.name, p.endpoint, p.ep_buffer_addr, p.ep_buffer_bytes)
@@ -330,12 +248,11 @@ class EngineProcess:
         read's age with what it held then, and the progress age beside the step's budget (a
         forward of many seconds still moves; a loop stuck in a transfer or a deadlock does not,
         and the router declares the engine stuck)."""
-        reads = getattr(self.worker, "read_queue_tokens", None)  # a vLLM PE's own ledger
         now = time.monotonic()
         read_s, held = self._inbox_read
         progress_s, budget_s = self.worker.liveness()
         return Heartbeat(self.identity.name, self.worker.free_kv_blocks, self.host_pool.num_free,
-                         self.storage.read_queue_tokens if reads is None else reads, held,
+                         self.worker.read_queue_tokens, held,
                          inbox_age_s=round(max(0.0, now - read_s), 3),
                          progress_age_s=round(max(0.0, now - max(read_s, progress_s)), 3),
                          step_budget_s=round(budget_s, 3),
@@ -347,7 +264,7 @@ class EngineProcess:
         except Exception:  # a message we cannot read is logged, never the end of the engine
             log.exception("undecodable control message")
             return
-        req_id = getattr(msg, "req_id", -1)
+        req_id = msg.req_id if isinstance(msg, (AllocBuffer, Prefill, Decode, Abort)) else -1
         try:
             self.send(self._dispatch(msg))
         except Exception as exc:  # a request fails, the engine keeps serving
@@ -380,14 +297,12 @@ class EngineProcess:
         return values
 
     def close(self) -> None:
-        """Stop helpers (a vLLM instance this engine started included), unpin the host pool
-        and release the socket."""
-        if self.vllm is not None:
-            self.worker.close()  # type: ignore[attr-defined]
-            self.vllm.close()
+        """Stop the worker's helpers, the storage client and the traffic manager, then the
+        parts (a model server this engine started, the host pool); release the socket."""
+        self.worker.close()
         self.storage.close()
         self.traffic.close()
-        self.host_pool.close()
+        self.parts.close()
         self.socket.close(0)
 
 
@@ -396,26 +311,3 @@ def apply_process_settings(engine: EngineConfig) -> None:
     torch.set_num_threads(engine.threads)
     if engine.gil_switch_ms is not None:
         sys.setswitchinterval(engine.gil_switch_ms / 1000)
-
-
-def _ep_traffic(traffic: TrafficManager, config: ClusterConfig, engine: EngineConfig,
-                role: Role) -> EpTraffic | None:
-    """The EP traffic generator when ``traffic.ep_bytes_per_token`` > 0 (else None), its buffer
-    sized for the role's largest step: a decode step's running sequences, a prefill forward's
-    token budget (a longer forward's shares wrap around the buffer). A peer that does not
-    finish in ``grant_timeout_s`` is left out for ``engine_timeout_s``, by when the router has
-    declared a dead one lost."""
-    per_token = config.traffic.ep_bytes_per_token
-    if per_token <= 0:
-        return None
-    tokens = engine.max_num_seqs if role == Role.DECODE else engine.max_num_batched_tokens
-    return EpTraffic(traffic, per_token, tokens, timeout_s=config.traffic.grant_timeout_s,
-                     retry_s=config.engine_timeout_s)
-
-
-def _cost_model(config: ClusterConfig) -> AttentionCostModel | None:
-    """The PE's compute-quota cost model, from the profile when there is one."""
-    if not config.profile_path:
-        return None
-    profile = json.loads(Path(config.profile_path).read_text())
-    return AttentionCostModel.from_dict(profile["cost_model"])

@@ -193,6 +193,15 @@ class PrefillWorker:
         """A prefill engine keeps no buffer for another engine's writes."""
         return ()
 
+    @property
+    def read_queue_tokens(self) -> int:
+        """The storage client's unfinished reads."""
+        return self.storage.read_queue_tokens
+
+    def close(self) -> None:
+        """Nothing of its own to stop: the storage client and traffic manager are the
+        process's."""
+
     def settled(self) -> bool:
         """Between forwards no send is in flight (a forward waits for its sends, or settles
         them when it fails or is abandoned)."""

@@ -65,6 +65,16 @@ class Worker(Protocol):
         """Req ids whose prompt buffer this worker keeps for a writer until ``Unfence``."""
         ...
 
+    @property
+    def read_queue_tokens(self) -> int:
+        """Hit tokens of this engine's storage reads not yet done (the heartbeat reports them:
+        Algorithm 1 picks the read path by them)."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the worker runs besides the loop (threads, calls in flight)."""
+        ...
+
     def settled(self) -> bool:
         """True when no transfer this worker started into another engine's memory can still
         land (an engine dropped by its router says hello again only then)."""

@@ -116,13 +116,10 @@ def test_an_engine_process_on_cuda_with_the_non_cuda_build_fails_at_start(monkey
                                                                            tmp_path):
     """Where the engine process builds its transfer backend: before its model or Mooncake."""
     from dualpath.config import ClusterConfig
-    from dualpath.engine import loop
+    from dualpath.engine.parts import native_engine_parts
 
-    monkeypatch.setattr(loop, "apply_process_settings", lambda engine: None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(mooncake_build, "installed_builds", lambda: {CPU_DIST: "0.3.13.post1"})
-    identity = loop.EngineIdentity("pe0", "prefill", 0)
     config = ClusterConfig(engine=EngineConfig(device="cuda"))
     with pytest.raises(MooncakeBuildError, match="mooncake-transfer-engine=="):
-        loop.EngineProcess(identity, tmp_path / "no-model", config, "tcp://127.0.0.1:1",
-                           key=None)  # type: ignore[arg-type]
+        native_engine_parts(tmp_path / "no-model", config, "prefill", "pe0")

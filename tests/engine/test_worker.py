@@ -176,6 +176,13 @@ class FakeWorker:
     def settled(self) -> bool:
         return not self.in_flight
 
+    @property
+    def read_queue_tokens(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
 
 class FakeSocket:
     """The loop's DEALER socket: an inbox of frames, and what was sent."""
@@ -204,9 +211,10 @@ def _process(worker: Worker, inbox: list[Message]) -> EngineProcess:
     proc.worker = worker
     proc.socket = FakeSocket(inbox)
     proc.backend = SimpleNamespace(endpoint="ep-pe0")
-    proc.traffic = SimpleNamespace(close=lambda: None, metrics=lambda: {})
+    proc.traffic = SimpleNamespace(close=lambda: None, metrics=lambda: {}, nic_address=None)
     proc.storage = SimpleNamespace(close=lambda: None, metrics=lambda: {}, read_queue_tokens=0)
     proc.host_pool = SimpleNamespace(close=lambda: None, num_free=8)
+    proc.parts = SimpleNamespace(failure=lambda: None, close=lambda: None, instance=None)
     proc.ep = None
     proc.engine = None
     proc.config = SimpleNamespace(engine_timeout_s=1.0)

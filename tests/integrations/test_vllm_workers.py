@@ -691,9 +691,8 @@ def test_an_engine_process_in_vllm_mode_loads_no_model_and_drives_the_instance(f
                            host_pool_blocks=8, save_staging_blocks=2,
                            engine_kind=EngineKind.VLLM, vllm=VllmConfig(request_timeout_s=5))
     key = ClusterKeys.generate(["e0"]).engine_key("e0")
-    proc = EngineProcess(EngineIdentity("e0", role, 0), fake_model(tmp_path), config,
-                         "tcp://127.0.0.1:1", key, vllm_url=fake.url,
-                         vllm_parts=vllm_engine_parts)
+    parts = vllm_engine_parts(fake_model(tmp_path), config, role, "e0", url=fake.url)
+    proc = EngineProcess(EngineIdentity("e0", role, 0), parts, "tcp://127.0.0.1:1", key)
     try:
         assert proc.engine is None and proc.vllm is not None and not proc.vllm.owned
         worker = proc.worker
@@ -779,10 +778,10 @@ def test_the_engine_exits_when_its_vllm_child_dies(fake, tmp_path, monkeypatch):
                            host_pool_blocks=8, save_staging_blocks=2,
                            engine_kind=EngineKind.VLLM, vllm=VllmConfig(request_timeout_s=5))
     key = ClusterKeys.generate(["pe0"]).engine_key("pe0")
-    proc = loop.EngineProcess(loop.EngineIdentity("pe0", "prefill", 0), fake_model(tmp_path),
-                              config, "tcp://127.0.0.1:1", key, vllm_url=fake.url,
-                              vllm_parts=vllm_engine_parts)
+    parts = vllm_engine_parts(fake_model(tmp_path), config, "prefill", "pe0", url=fake.url)
+    proc = loop.EngineProcess(loop.EngineIdentity("pe0", "prefill", 0), parts,
+                              "tcp://127.0.0.1:1", key)
     child = subprocess.Popen(["true"], start_new_session=True)
     child.wait()
-    proc.vllm = VllmInstance(proc.vllm.http, child, tmp_path / "none.log")
+    parts.instance = VllmInstance(proc.vllm.http, child, tmp_path / "none.log")
     assert proc.serve() == loop.VLLM_GONE_EXIT

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from dualpath.ending import finish_reason
 from dualpath.engine.prompt_buffers import PromptBuffers
 from dualpath.integrations.vllm.engines.http import HttpCall, VllmHttp
 from dualpath.integrations.vllm.engines.prefill import (
@@ -202,14 +203,8 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         stop strings are vLLM's business)."""
         if not outputs:
             return None
-        may_stop = len(outputs) >= params.min_tokens
-        if may_stop and not params.ignore_eos and outputs[-1] in self.eos_token_ids:
-            return "stop"
-        if len(outputs) >= params.max_tokens:
-            return "length"
-        if self.max_position is not None and num_prompt + len(outputs) >= self.max_position:
-            return "length"
-        return None
+        return finish_reason(params, len(outputs), outputs[-1], num_prompt + len(outputs),
+                             self.eos_token_ids, self.max_position)
 
     def decode_body(self, msg: Decode, alloc: AllocBuffer, slots: list[int],
                     num_outputs: int) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dualpath.config import ClusterConfig, VllmConfig
+from dualpath.ending import eos_ids
 from dualpath.errors import DualPathError
 from dualpath.integrations.vllm.engines.http import VllmHttp
 from dualpath.integrations.vllm.engines.launch import instance_environ, transfer_config
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from dualpath.integrations.vllm.engines.decode import VllmDecodeWorker
     from dualpath.integrations.vllm.engines.prefill import VllmPrefillWorker
     from dualpath.storage.client import StorageClient
+    from dualpath.traffic.manager import TrafficManager
 
 log = logging.getLogger("dualpath.vllm")
 
@@ -336,10 +338,9 @@ def sweep_shm(when: str) -> list[Path]:
 # -- an engine process's parts ------------------------------------------------------------------
 @dataclass
 class VllmEngineParts:
-    """What an engine process of ``engine_kind = "vllm"`` builds besides its sockets, storage
-    client and traffic manager (``engine/loop.py``): the KV layout and key space of its vLLM
-    instance (no weights loaded), its host pool (the decode side's is shared), the instance,
-    and its role's worker."""
+    """The parts (``engine/parts.py``: ``EngineParts``) of an engine process of
+    ``engine_kind = "vllm"``: the KV layout and key space of its vLLM instance (no weights
+    loaded), its host pool (the decode side's is shared), the instance, and its role's worker."""
 
     model_dir: Path
     config: ClusterConfig
@@ -350,18 +351,38 @@ class VllmEngineParts:
     host_pool: HostPool
     eos_token_ids: frozenset[int]
     max_position: int | None
+    host: str = "127.0.0.1"  # the address the instance's transfer engine advertises
+    url: str | None = None  # an instance started by the user, to drive instead of starting one
+    instance: VllmInstance | None = None  # once ``worker`` has started (or reached) it
+    engine: None = None  # no model of its own
+    ep: None = None  # vLLM runs the steps: no EP traffic
 
-    def instance(self, host: str, url: str | None = None) -> VllmInstance:
-        """Start this role's instance (``host``: the address its transfer engine advertises),
-        or connect to the one at ``url``; returns once it is healthy."""
-        if url:
-            return VllmInstance.connect(url, self.config.vllm)
-        plan = launch_plan(self.model_dir, self.config, self.role, host, self.name)
+    def regions(self) -> list[tuple[int, int]]:
+        """The host pool (the instance's transfers land in it)."""
+        return [(self.host_pool.base_address, self.host_pool.nbytes)]
+
+    def worker(self, storage: StorageClient,
+               traffic: TrafficManager | None = None) -> VllmPrefillWorker | VllmDecodeWorker:
+        """Start the instance (or connect to the one at ``url``), then this role's worker on
+        it; a worker that cannot be built stops the instance it started."""
+        self.instance = self.start_instance()
+        try:
+            return self.worker_on(self.instance, storage)
+        except BaseException:
+            self.instance.close()
+            raise
+
+    def start_instance(self) -> VllmInstance:
+        """Start this role's instance, or connect to the one at ``url``; returns once it is
+        healthy."""
+        if self.url:
+            return VllmInstance.connect(self.url, self.config.vllm)
+        plan = launch_plan(self.model_dir, self.config, self.role, self.host, self.name)
         log.info("starting vLLM (%s) at %s, log %s", self.role, plan.url, plan.log_path)
         return VllmInstance.start(plan, self.config.vllm)
 
-    def worker(self, instance: VllmInstance, host_pool: HostPool,
-               storage: StorageClient) -> VllmPrefillWorker | VllmDecodeWorker:
+    def worker_on(self, instance: VllmInstance,
+                  storage: StorageClient) -> VllmPrefillWorker | VllmDecodeWorker:
         """This role's worker on ``instance``."""
         from dualpath.integrations.vllm.engines.decode import VllmDecodeWorker
         from dualpath.integrations.vllm.engines.prefill import DE_STREAM_THREADS, VllmPrefillWorker
@@ -372,8 +393,23 @@ class VllmEngineParts:
             return VllmPrefillWorker(http, model, block_size,
                                      block_bytes=self.layout.full_block_bytes)
         threads = max(DE_STREAM_THREADS, self.config.engine.max_num_seqs + 4)
-        return VllmDecodeWorker(http, model, self.layout, self.key_space, host_pool, storage,
-                                self.eos_token_ids, self.max_position, threads=threads)
+        return VllmDecodeWorker(http, model, self.layout, self.key_space, self.host_pool,
+                                storage, self.eos_token_ids, self.max_position,
+                                threads=threads)
+
+    def failure(self) -> str | None:
+        """The instance's exit, with the end of its log; None while it runs."""
+        vllm = self.instance
+        if vllm is None or vllm.alive():
+            return None
+        return (f"the vLLM instance at {vllm.url} exited with {vllm.returncode}; its log "
+                f"{vllm.log_path}:\n{vllm.log_tail()}")
+
+    def close(self) -> None:
+        """Stop the instance (if this engine started it), then release the host pool."""
+        if self.instance is not None:
+            self.instance.close()
+        self.host_pool.close()
 
 
 def shm_path_for(name: str) -> str:
@@ -383,8 +419,8 @@ def shm_path_for(name: str) -> str:
     return os.path.join(folder, f"dualpath-{name}-{os.getpid()}")
 
 
-def vllm_engine_parts(model_dir: str | Path, config: ClusterConfig, role: Role,
-                      name: str) -> VllmEngineParts:
+def vllm_engine_parts(model_dir: str | Path, config: ClusterConfig, role: Role, name: str,
+                      host: str = "127.0.0.1", url: str | None = None) -> VllmEngineParts:
     """The layout (the checkpoint's shape, vLLM's dtype, our block size), key space and host
     pool of an engine that drives vLLM; the prefill side's pool is a token one slot (vLLM's
     connector reads the PE-path hit into its own buffers)."""
@@ -401,10 +437,9 @@ def vllm_engine_parts(model_dir: str | Path, config: ClusterConfig, role: Role,
                         touch=True, shm_path=shm_path_for(name))
     else:
         pool = HostPool(layout.full_block_bytes, 1)
-    eos = set(spec.eos_token_ids)
-    if (model_dir / "tokenizer.json").is_file():
-        token = Tokenizer(model_dir).eos_token_id
-        if token is not None:
-            eos.add(token)
+    has_tokenizer = (model_dir / "tokenizer.json").is_file()
+    eos = eos_ids(spec.eos_token_ids, Tokenizer(model_dir).eos_token_id if has_tokenizer
+                  else None)
     return VllmEngineParts(model_dir, config, Role(role), name, layout, space, pool,
-                           frozenset(eos), min(spec.max_position, config.vllm.max_model_len))
+                           eos, min(spec.max_position, config.vllm.max_model_len),
+                           host=host, url=url)
