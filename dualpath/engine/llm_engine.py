@@ -22,12 +22,11 @@ from dualpath.engine.runner import ModelRunner
 from dualpath.engine.sampler import Sampler
 from dualpath.kv.block_pool import BlockPool
 from dualpath.kv.cache import TORCH_DTYPES, PagedKVCache
-from dualpath.kv.hashing import KeySpace
-from dualpath.kv.layout import KVLayout
+from dualpath.kv.layout import engine_layout, key_space_for
 from dualpath.model.hooks import NO_HOOKS, LayerHooks
 from dualpath.model.kernels import load_kernels
 from dualpath.model.loader import load_model
-from dualpath.model.spec import load_spec, model_id, resolve_dtype, resolve_kv_dtype
+from dualpath.model.spec import load_spec, model_id, resolve_dtype
 from dualpath.model.tokenizer import Tokenizer
 from dualpath.request import SamplingParams, SeqStatus, Sequence
 
@@ -63,7 +62,8 @@ class LLMEngine:
         torch.set_num_threads(config.threads)
         self.spec = spec = load_spec(model_dir)
         self.dtype = resolve_dtype(config.dtype, spec)
-        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, self.dtype)
+        self.layout = engine_layout(spec, config.dtype, config.kv_dtype, config.block_size)
+        self.kv_dtype = self.layout.dtype
         model = load_model(model_dir, TORCH_DTYPES[self.dtype], spec, config.device)
         if config.cpu_kernels and torch.device(config.device).type == "cpu":
             model.pack_weights()
@@ -72,14 +72,13 @@ class LLMEngine:
             else:
                 log.info("CPU kernels off: the KV cache is %s, the compute dtype %s (the "
                          "kernels write KV in the compute dtype)", self.kv_dtype, self.dtype)
-        self.layout = KVLayout.from_spec(spec, self.kv_dtype, config.block_size)
         num_blocks = self.layout.cache_blocks(config.num_kv_blocks, config.kv_cache_mb,
                                               config.layer_window)
         cache = PagedKVCache(spec, num_blocks, config.block_size, self.kv_dtype, config.device,
                              config.layer_window)
         self.runner = ModelRunner(model, cache)
         self.pool = BlockPool(num_blocks)
-        self.key_space = KeySpace(model_id(model_dir), self.layout.layout_id, config.block_size)
+        self.key_space = key_space_for(model_id(model_dir), self.layout)
         self.batcher = Batcher(config, self.pool, self.key_space.seed)
         self.sampler = Sampler(config.seed)
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()

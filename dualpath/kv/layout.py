@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dualpath.model.spec import DTYPE_BYTES, ModelSpec
+from dualpath.kv.hashing import KeySpace
+from dualpath.model.spec import DTYPE_BYTES, ModelSpec, resolve_dtype, resolve_kv_dtype
+from dualpath.vocab import EngineKind
 
 
 @dataclass(frozen=True)
@@ -119,3 +121,25 @@ class KVLayout:
                              f"{self.full_block_bytes}")
         start = self.layer_offset(layer_idx)
         return view[start : start + self.layer_block_bytes]
+
+
+def engine_layout(spec: ModelSpec, dtype: str, kv_dtype: str, block_size: int,
+                  engine_kind: str = EngineKind.DUALPATH) -> KVLayout:
+    """The KV layout an engine of ``engine_kind`` keeps ``spec``'s blocks in: the compute dtype
+    (``auto``: the checkpoint's half type, else float32), then the KV dtype (``auto``: the
+    compute dtype; a vLLM instance's KV always follows its dtype), then the block sizes. The
+    router, our engines and the vLLM parts derive it here, so they agree."""
+    compute = resolve_dtype(dtype, spec)
+    kv = compute if EngineKind(engine_kind) == EngineKind.VLLM else resolve_kv_dtype(kv_dtype,
+                                                                                       compute)
+    return KVLayout.from_spec(spec, kv, block_size)
+
+
+def key_space_for(model: str, layout: KVLayout,
+                  engine_kind: str = EngineKind.DUALPATH) -> KeySpace:
+    """The storage keys of a model (its fingerprint ``model``) in an engine kind's layout: ours
+    under ``layout_id``, a vLLM instance's own bytes under ``vllm_layout_id``
+    (docs/vllm-connector.md), so neither side reads the other's."""
+    layout_id = (layout.vllm_layout_id if EngineKind(engine_kind) == EngineKind.VLLM
+                 else layout.layout_id)
+    return KeySpace(model, layout_id, layout.block_size)

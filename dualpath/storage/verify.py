@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from dualpath.errors import StorageError
 from dualpath.kv.hashing import BlockKey, KeySpace, block_hash
-from dualpath.kv.layout import KVLayout
+from dualpath.kv.layout import KVLayout, key_space_for
 from dualpath.model.spec import DTYPE_BYTES, ModelSpec, load_spec, model_id
 from dualpath.storage.base import StorageBackend
 
@@ -190,7 +190,7 @@ def verify_store(store: StorageBackend, model_dir: str | Path, *,
         ours, sample)
     report.num_sampled = len(chosen)
     if chosen and layout is not None:
-        audit = _Audit(store, spec, layout, KeySpace(mid, layout.layout_id, layout.block_size))
+        audit = _Audit(store, spec, layout, key_space_for(mid, layout))
         audit.run(chosen, model_dir, dtype or layout.dtype, cpu_kernels, device, chunk_tokens,
                   progress)
         audit.tally(report, tolerances[layout.dtype], token_tolerances[layout.dtype])

@@ -21,9 +21,10 @@ import vllm
 from dualpath.config import StorageConfig, TrafficConfig
 from dualpath.integrations.vllm.engines.launch import transfer_config  # noqa: F401 (re-exported)
 from dualpath.kv.hashing import KeySpace
-from dualpath.kv.layout import KVLayout
+from dualpath.kv.layout import KVLayout, key_space_for
 from dualpath.model.spec import model_id
 from dualpath.traffic.manager import TrafficManager
+from dualpath.vocab import EngineKind
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,7 +72,7 @@ def key_space(vllm_config: VllmConfig, extra: dict[str, Any]) -> KeySpace:
         raise ValueError(f"model {folder} is not a local folder: set model_id in "
                          "kv_connector_extra_config")
     layout = vllm_layout(vllm_config)
-    return KeySpace(mid, layout.vllm_layout_id, layout.block_size)
+    return key_space_for(mid, layout, EngineKind.VLLM)
 
 
 @dataclass

@@ -53,7 +53,8 @@ class RouterEndings(RouterPlacement):
         self._by_wire.pop(req.wire_id, None)
         req.num_prior_outputs = req.num_streamed
         req.phase = Phase.MOVING
-        req.pe = req.de = req.path = ""
+        req.pe = req.de = ""
+        req.path = None
         out.lookup(req.req_id)
 
     def _end(self, req: RequestState, out: Effects, error: DualPathError) -> None:

@@ -29,9 +29,8 @@ from dualpath.config import ClusterConfig, cluster_config_to_json
 from dualpath.control_keys import ClusterKeys
 from dualpath.control_socket import ZapHandler
 from dualpath.errors import DualPathError
-from dualpath.kv.hashing import KeySpace
-from dualpath.kv.layout import KVLayout
-from dualpath.model.spec import load_spec, model_id, resolve_dtype, resolve_kv_dtype
+from dualpath.kv.layout import engine_layout, key_space_for
+from dualpath.model.spec import load_spec, model_id
 from dualpath.protocol import (
     HEARTBEAT_SUFFIX,
     JOIN_SUFFIX,
@@ -64,7 +63,7 @@ from dualpath.server.router.types import (
     RequestState,
 )
 from dualpath.storage import open_store
-from dualpath.vocab import EngineKind, Mode, ReadPath, Role
+from dualpath.vocab import Mode, ReadPath, Role
 
 log = logging.getLogger("dualpath.router")
 HEARTBEAT_TICK_S = 0.1  # how often the loop checks engine silence
@@ -92,15 +91,11 @@ class RouterLoop:
         ReadPath(config.read_path)  # ... or a bad read path
         self.config = config
         self._clock = clock
-        spec = load_spec(model_dir)
-        kv_dtype = resolve_kv_dtype(config.engine.kv_dtype,
-                                    resolve_dtype(config.engine.dtype, spec))
-        layout = KVLayout.from_spec(spec, kv_dtype, config.engine.block_size)
+        engine = config.engine
+        layout = engine_layout(load_spec(model_dir), engine.dtype, engine.kv_dtype,
+                               engine.block_size, config.engine_kind)
         self.block_size = layout.block_size
-        # vLLM engines store vLLM's own layout under their own id (docs/vllm-connector.md)
-        layout_id = (layout.vllm_layout_id if config.engine_kind == EngineKind.VLLM
-                     else layout.layout_id)
-        self.key_space = KeySpace(model_id(model_dir), layout_id, layout.block_size)
+        self.key_space = key_space_for(model_id(model_dir), layout, config.engine_kind)
         self.store = open_store(config.storage, layout)
         capacity = Capacity(self.block_size, kv_tokens(config, layout, Role.DECODE),
                             config.host_pool_blocks, config.save_staging_blocks,

@@ -32,7 +32,8 @@ class RouterPlacement(RouterLedger):
         req.phase = Phase.QUEUED
         req.unseen.clear()
         req.sent_s.clear()
-        req.pe = req.de = req.path = ""
+        req.pe = req.de = ""
+        req.path = None
         self.scheduler.submit(PendingRequest(req.req_id, len(req.kv_ids),
                                              self._read_tokens(req)))
 
@@ -62,16 +63,17 @@ class RouterPlacement(RouterLedger):
                                      read_from_block=req.num_pe_read_blocks,
                                      cache_salt=req.cache_salt))
 
-    def _choose_path(self, req: RequestState, a: Assignment) -> str:
+    def _choose_path(self, req: RequestState, a: Assignment) -> ReadPath:
         """basic/layerwise read on the PE; a forced path wins (a forced split halves the hit);
         else the scheduler's choice, moved to the DE when the PE's host pool cannot take its
         part now. Sets the PE's part of a split read."""
         req.num_pe_read_blocks = 0
         if req.mode in (Mode.BASIC, Mode.LAYERWISE):
             return ReadPath.PE
-        path = str(req.read_path) if req.read_path != ReadPath.AUTO else a.read_path
-        if path not in (ReadPath.PE, ReadPath.DE, ReadPath.SPLIT):
-            raise DualPathError(f"read path {path!r} is not supported by the engines")
+        chosen = str(req.read_path) if req.read_path != ReadPath.AUTO else a.read_path
+        if chosen not in (ReadPath.PE, ReadPath.DE, ReadPath.SPLIT):
+            raise DualPathError(f"read path {chosen!r} is not supported by the engines")
+        path = ReadPath(chosen)
         if path == ReadPath.SPLIT:
             hit = req.num_hit_blocks
             pe_blocks = (a.pe_read_tokens // self.capacity.block_size

@@ -116,7 +116,7 @@ class RequestState:
     wire_id: int = 0  # the current attempt's id on the engines
     pe: str = ""
     de: str = ""
-    path: str = ""  # the chosen read path of this attempt ("pe" | "de" | "split")
+    path: ReadPath | None = None  # the chosen read path of this attempt (pe, de or split)
     num_pe_read_blocks: int = 0  # a split read: leading hit blocks the PE reads
     attempts: int = 0
     num_computed_tokens: int = 0

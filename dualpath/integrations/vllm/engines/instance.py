@@ -52,10 +52,10 @@ from dualpath.integrations.vllm.engines.launch import instance_environ, transfer
 from dualpath.integrations.vllm.plan import SEAL_BYTES
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
-from dualpath.kv.layout import KVLayout
+from dualpath.kv.layout import KVLayout, engine_layout, key_space_for
 from dualpath.kv.shm_files import sweep_dead
 from dualpath.model.spec import load_spec, model_id, resolve_dtype
-from dualpath.vocab import Role
+from dualpath.vocab import EngineKind, Role
 
 if TYPE_CHECKING:
     from dualpath.integrations.vllm.engines.decode import VllmDecodeWorker
@@ -428,9 +428,10 @@ def vllm_engine_parts(model_dir: str | Path, config: ClusterConfig, role: Role, 
 
     model_dir = Path(model_dir)
     spec = load_spec(model_dir)
-    dtype = resolve_dtype(config.engine.dtype, spec)  # vLLM's KV cache follows its dtype
-    layout = KVLayout.from_spec(spec, dtype, config.engine.block_size)
-    space = KeySpace(model_id(model_dir), layout.vllm_layout_id, layout.block_size)
+    engine = config.engine  # vLLM's KV cache follows its dtype
+    layout = engine_layout(spec, engine.dtype, engine.kv_dtype, engine.block_size,
+                           EngineKind.VLLM)
+    space = key_space_for(model_id(model_dir), layout, EngineKind.VLLM)
     if Role(role) == Role.DECODE:
         # room after a buffer's data for its seal (vllm_plan: the prefill writes it last)
         pool = HostPool(layout.full_block_bytes + SEAL_BYTES, config.host_pool_blocks,
