@@ -164,3 +164,24 @@ def test_a_salt_vllm_refuses_goes_to_vllm_as_a_digest_and_keys_stay_on_the_salt(
     assert key_salt("plain", ours) == "plain"  # a salt that is not its digest: vLLM's own
     assert key_salt("plain", None) == "plain" and key_salt(None, ours) == ""
     assert vllm_salt("a") != vllm_salt("b")
+
+
+@pytest.mark.parametrize("read_path,pe_read", [("pe", 0), ("de", 0), ("split", 1)])
+def test_the_params_the_engine_writes_are_what_the_connector_reads(read_path, pe_read):
+    from dualpath.vocab import PrefillMode
+
+    store = {"pe": 2, "de": 0, "split": pe_read}[read_path]
+    sent = PrefillParams(3, ReadPath(read_path), 2, store, "10.0.0.2:16001", 1 << 20, 5,
+                         PrefillMode.LAYERWISE, "", "tenant")
+    wire = sent.to_params()
+    assert wire["dualpath"]["role"] == "prefill" and key_salt(vllm_salt("tenant"), wire) == "tenant"
+    assert PrefillParams.parse(wire) == sent
+    assert parsed(PrefillParams, wire, BOUNDS) == sent
+
+
+def test_the_decode_params_the_engine_writes_are_what_the_connector_reads(pool):
+    sent = DecodeParams(3, pool, 0, 4, 16, 2, "tenant")
+    wire = sent.to_params()
+    assert wire["dualpath"]["role"] == "decode" and key_salt(vllm_salt("tenant"), wire) == "tenant"
+    assert DecodeParams.parse(wire) == sent
+    assert parsed(DecodeParams, wire, Bounds(17, BS, BLOCK_BYTES)) == sent

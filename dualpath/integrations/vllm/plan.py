@@ -210,6 +210,17 @@ class PrefillParams:
     num_blocks: int
     mode: PrefillMode
     fence_path: str = ""  # the engine's fence table (vllm/fence.py); "" for none
+    cache_salt: str = ""  # the request's tenant salt (its keys' salt: ``key_salt``)
+
+    def to_params(self) -> dict[str, Any]:
+        """``kv_transfer_params`` that ``parse`` reads back as these (the engine's side)."""
+        split = self.num_store_blocks if self.read_path == ReadPath.SPLIT else 0
+        return {PARAMS_KEY: {
+            "role": "prefill", "req_id": self.req_id, "read_path": str(self.read_path),
+            "num_hit_blocks": self.num_hit_blocks, "num_pe_read_blocks": split,
+            "de_endpoint": self.de_endpoint, "de_buffer_addr": self.de_buffer_addr,
+            "num_blocks": self.num_blocks, "mode": str(self.mode),
+            "cache_salt": self.cache_salt, "fence_path": self.fence_path}}
 
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> PrefillParams | None:
@@ -226,7 +237,8 @@ class PrefillParams:
                    check_endpoint(_text(mine, "de_endpoint")), _count(mine, "de_buffer_addr"),
                    _count(mine, "num_blocks"),
                    PrefillMode(_text(mine, "mode", PrefillMode.LAYERWISE)),
-                   fence_table_path(_text(mine, "fence_path", "")))
+                   fence_table_path(_text(mine, "fence_path", "")),
+                   _text(mine, "cache_salt", ""))
 
     def check(self, bounds: Bounds) -> None:
         """``ValueError`` unless the buffer is the prompt's (``num_blocks`` blocks), the hit
@@ -254,6 +266,15 @@ class DecodeParams:
     num_blocks: int
     num_tokens: int
     num_stored_blocks: int
+    cache_salt: str = ""  # the request's tenant salt (its keys' salt: ``key_salt``)
+
+    def to_params(self) -> dict[str, Any]:
+        """``kv_transfer_params`` that ``parse`` reads back as these (the engine's side)."""
+        return {PARAMS_KEY: {
+            "role": "decode", "req_id": self.req_id, "shm_path": self.shm_path,
+            "buffer_offset": self.buffer_offset, "num_blocks": self.num_blocks,
+            "num_tokens": self.num_tokens, "num_stored_blocks": self.num_stored_blocks,
+            "cache_salt": self.cache_salt}}
 
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> DecodeParams | None:
@@ -265,7 +286,8 @@ class DecodeParams:
             raise TypeError(f"{PARAMS_KEY} must be a map")
         return cls(_count(mine, "req_id"), shared_pool_path(_text(mine, "shm_path")),
                    _count(mine, "buffer_offset"), _count(mine, "num_blocks"),
-                   _count(mine, "num_tokens"), _count(mine, "num_stored_blocks", 0))
+                   _count(mine, "num_tokens"), _count(mine, "num_stored_blocks", 0),
+                   _text(mine, "cache_salt", ""))
 
     def check(self, bounds: Bounds) -> None:
         """``ValueError`` unless the buffer's tokens leave a prompt token to compute, its

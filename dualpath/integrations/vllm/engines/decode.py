@@ -31,7 +31,13 @@ from dualpath.integrations.vllm.engines.prefill import (
     error_detail,
     sampling_body,
 )
-from dualpath.integrations.vllm.plan import SEAL_BYTES, seal_of, seal_offset, vllm_salt
+from dualpath.integrations.vllm.plan import (
+    SEAL_BYTES,
+    DecodeParams,
+    seal_of,
+    seal_offset,
+    vllm_salt,
+)
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
@@ -219,11 +225,10 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
             "return_token_ids": True, "stream": True}
         if salt:
             body["cache_salt"] = vllm_salt(salt)  # vLLM's limits; keys use the salt itself
-        body["kv_transfer_params"] = {"dualpath": {
-            "role": "decode", "req_id": msg.req_id, "shm_path": self.host_pool.shm_path,
-            "buffer_offset": self.host_pool.address(slots[0]) - self.host_pool.base_address,
-            "num_blocks": len(slots), "num_tokens": len(alloc.prompt_ids),
-            "num_stored_blocks": msg.num_stored_blocks, "cache_salt": salt}}
+        offset = self.host_pool.address(slots[0]) - self.host_pool.base_address
+        body["kv_transfer_params"] = DecodeParams(
+            msg.req_id, self.host_pool.shm_path, offset, len(slots), len(alloc.prompt_ids),
+            msg.num_stored_blocks, salt).to_params()
         return body
 
     def _stream(self, job: _DecodeCall, body: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 from dualpath.errors import RequestError
 from dualpath.integrations.vllm.engines.http import HttpCall, VllmHttp, VllmHttpError
 from dualpath.integrations.vllm.fence import FenceTable, fence_path_for
-from dualpath.integrations.vllm.plan import vllm_salt
+from dualpath.integrations.vllm.plan import PrefillParams, vllm_salt
 from dualpath.protocol import (
     Abort,
     Aborted,
@@ -48,7 +48,7 @@ from dualpath.protocol import (
     Prefilled,
 )
 from dualpath.request import SamplingParams
-from dualpath.vocab import ReadPath
+from dualpath.vocab import PrefillMode, ReadPath
 
 log = logging.getLogger("dualpath.vllm")
 STATS_EVERY_S = 0.5  # the instance's /metrics is read at most this often
@@ -240,12 +240,10 @@ class VllmPrefillWorker(VllmWorkerBase):
             "return_token_ids": True, "stream": False}
         if salt:
             body["cache_salt"] = vllm_salt(salt)  # vLLM's limits; keys use the salt itself
-        body["kv_transfer_params"] = {"dualpath": {
-            "role": "prefill", "req_id": msg.req_id, "read_path": str(msg.read_path),
-            "num_hit_blocks": msg.num_hit_blocks, "num_pe_read_blocks": msg.num_pe_read_blocks,
-            "de_endpoint": msg.de_endpoint, "de_buffer_addr": msg.de_buffer_addr,
-            "num_blocks": -(-len(msg.prompt_ids) // self.block_size), "mode": str(msg.mode),
-            "cache_salt": salt, "fence_path": self.fence_table().path}}
+        body["kv_transfer_params"] = PrefillParams(
+            msg.req_id, ReadPath(msg.read_path), msg.num_hit_blocks, msg.num_pe_read_blocks,
+            msg.de_endpoint, msg.de_buffer_addr, -(-len(msg.prompt_ids) // self.block_size),
+            PrefillMode(msg.mode), self.fence_table().path, salt).to_params()
         return body
 
     def _run(self, job: _PrefillCall, body: dict[str, Any]) -> None:
