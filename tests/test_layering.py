@@ -588,3 +588,94 @@ def test_the_package_checker_finds_a_loop_between_two_packages(tmp_path):
     graph = package_graph(import_graph(tmp_path), tmp_path)
     assert graph == {"a": ["b"], "b": ["a"]}  # vocab, at the top, is no package
     assert import_cycles(graph) == [["a", "b", "a"]]
+
+
+# -- the one map of the tree (docs/design.md §8) --------------------------------------------------
+def layout_table(text: str) -> dict[str, set[str]]:
+    """The Layout table of design.md: package folder -> the module names its row backticks
+    (outside parentheses, which hold notes)."""
+    section = text.split("## 8. Layout", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`dualpath/"):
+            named = re.sub(r"\([^)]*\)", "", cells[1])  # notes in parentheses name no module
+            rows[cells[0].strip("`").rstrip("/")] = set(re.findall(r"`(\w+)`", named))
+    return rows
+
+
+def package_modules(root: Path = ROOT) -> dict[str, set[str]]:
+    """Every package folder of the tree -> its modules (``.py`` files but ``__init__``)."""
+    return {str(init.parent.relative_to(root)): {p.stem for p in init.parent.glob("*.py")
+                                                 if p.stem != "__init__"}
+            for init in (root / "dualpath").rglob("__init__.py")
+            if "__pycache__" not in init.parts}
+
+
+def layout_mismatches(table: dict[str, set[str]], tree: dict[str, set[str]]) -> list[str]:
+    """What the table and the tree disagree on: missing or extra packages and modules."""
+    out = [f"package {p} is not in the table" for p in sorted(tree.keys() - table.keys())]
+    out += [f"the table lists {p}, which is no package" for p in sorted(table.keys() - tree.keys())]
+    for package in sorted(tree.keys() & table.keys()):
+        out += [f"{package}/{m}.py is not in its row"
+                for m in sorted(tree[package] - table[package])]
+        out += [f"{package}'s row names {m}, which is no module there"
+                for m in sorted(table[package] - tree[package])]
+    return out
+
+
+def test_the_layout_table_names_every_module():
+    table = layout_table((ROOT / "docs" / "design.md").read_text())
+    assert len(table) >= 20
+    assert layout_mismatches(table, package_modules()) == []
+
+
+def test_the_layout_check_finds_a_module_missing_or_invented():
+    table = layout_table("## 8. Layout\n| package | modules |\n|---|---|\n"
+                         "| `dualpath/` | `cli` (the `table`), `vocab` |\n"
+                         "| `dualpath/kv/` | `layout`, `gone` |\n"
+                         "## 9. Next\n| `dualpath/x/` | `y` |")
+    assert table == {"dualpath": {"cli", "vocab"}, "dualpath/kv": {"layout", "gone"}}
+    tree = {"dualpath": {"cli", "vocab", "ending"}, "dualpath/kv": {"layout"},
+            "dualpath/sim": {"events"}}
+    assert layout_mismatches(table, tree) == [
+        "package dualpath/sim is not in the table", "dualpath/ending.py is not in its row",
+        "dualpath/kv's row names gone, which is no module there"]
+
+
+def named_functions(text: str) -> list[tuple[str, str]]:
+    """``(file, name)`` of every ```path.py: name, name``` cell of the request's life table
+    (design.md §3): the functions the map names."""
+    section = text.split("## 3. The request's life", 1)[1].split("\n## ", 1)[0]
+    found = []
+    for path, names in re.findall(r"`([\w/]+\.py): ([\w., ]+)`", section):
+        found += [(path, name.strip()) for name in names.split(",") if name.strip()]
+    return found
+
+
+def missing_functions(found: list[tuple[str, str]], root: Path = ROOT) -> list[str]:
+    """The named functions (or ``Class.method``) their file does not define."""
+    missing = []
+    for path, name in found:
+        file = root / "dualpath" / path
+        defined = set()
+        if file.is_file():
+            for node in ast.walk(ast.parse(file.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    defined.add(node.name)
+                    defined |= {f"{node.name}.{f.name}" for f in node.body
+                                if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    defined.add(node.name)
+        if name not in defined:
+            missing.append(f"{path}: {name}")
+    return missing
+
+
+def test_the_request_life_names_functions_that_exist():
+    found = named_functions((ROOT / "docs" / "design.md").read_text())
+    assert len(found) >= 30
+    assert missing_functions(found) == []
+    assert missing_functions([("engine/prefill.py", "no_such_step"),
+                              ("engine/no_such_file.py", "run")]) == [
+        "engine/prefill.py: no_such_step", "engine/no_such_file.py: run"]
