@@ -80,10 +80,11 @@ def host_cpu_shares(before: dict[str, int], after: dict[str, int]) -> dict[str, 
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     """Bytes of KV one token holds in the engines' (and the store's) layout when they compute
     in ``dtype`` (``auto``: the checkpoint's)."""
-    from dualpath.model.spec import load_spec, resolve_dtype, resolve_kv_dtype
+    from dualpath.kv.layout import engine_layout
+    from dualpath.model.spec import load_spec
 
     spec = load_spec(model_dir)
-    return spec.kv_bytes_per_token(resolve_kv_dtype("auto", resolve_dtype(dtype, spec)))
+    return spec.kv_bytes_per_token(engine_layout(spec, dtype, "auto", 1).dtype)
 
 
 def write_json(path: str | Path, result: dict[str, Any]) -> Path:
