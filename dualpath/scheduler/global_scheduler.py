@@ -38,6 +38,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from dualpath.scheduler.rules import (
+    ReadWish,
     SchedulerParams,
     choose_read_path,
     de_phase1,
@@ -83,6 +84,7 @@ class GlobalScheduler:
         self.log: dict[str, Any] | None = (
             {"params": params.to_dict(), "steps": []} if record else None)
         self._new: list[PendingRequest] = []
+        self._host_taken: dict[str, int] = {}
 
     def __len__(self) -> int:
         """Requests submitted and not yet assigned."""
@@ -125,6 +127,7 @@ class GlobalScheduler:
         Assignments come in submission order. Requests not placed stay queued, in order.
         """
         self._reclaim(view)
+        self._host_taken = {}  # PE -> host-pool blocks this call's assignments read into
         fetch = None if fetching is None else frozenset(fetching)
         out = POLICIES[self.params.policy](self, view, fetch)
         if self.log is not None:
@@ -200,14 +203,17 @@ class GlobalScheduler:
 
     def _assign(self, view: ClusterView, req: PendingRequest, pe: str, de: str,
                 read_q: dict[int, int], path: ReadPath | None) -> Assignment:
-        """Choose the read path (unless given), grow the reading queues, build the decision."""
-        pe_node, de_node = view.engine(pe).node_id, view.engine(de).node_id
-        hit = req.num_hit_tokens
-        if path is None:
-            path, pe_read, de_read = read_plan(hit, read_q.get(pe_node, 0),
-                                               read_q.get(de_node, 0), self.params)
-        else:
-            pe_read, de_read = (hit, 0) if path == ReadPath.PE else (0, hit)
+        """The read plan (round robin's turn as ``path``), the reading queues and the PE's
+        host pool grown by it, the decision."""
+        pe_view, de_node = view.engine(pe), view.engine(de).node_id
+        pe_node, hit = pe_view.node_id, req.num_hit_tokens
+        room = pe_view.free_host_blocks
+        if room is not None:
+            room -= self._host_taken.get(pe, 0)
+        path, pe_read, de_read = read_plan(hit, read_q.get(pe_node, 0), read_q.get(de_node, 0),
+                                           self.params,
+                                           ReadWish(req.read_path, req.pe_only, room), path)
+        self._host_taken[pe] = self._host_taken.get(pe, 0) + pe_read // self.params.block_size
         read_q[pe_node] = read_q.get(pe_node, 0) + pe_read
         read_q[de_node] = read_q.get(de_node, 0) + de_read
         del self._order[req.req_id]

@@ -205,8 +205,53 @@ def split_read(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
 
 
 def read_plan(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
-              params: SchedulerParams) -> tuple[ReadPath, int, int]:
-    """(read_path, pe_read_tokens, de_read_tokens) under ``params`` (forced, split or auto)."""
+              params: SchedulerParams, wish: ReadWish | None = None,
+              scheduled: ReadPath | None = None) -> tuple[ReadPath, int, int]:
+    """The read path of one request and the hit tokens each side reads:
+    ``(read_path, pe_read_tokens, de_read_tokens)``; the one place a read path is decided.
+
+    The scheduler's choice — ``scheduled`` (round robin's turn) or, by default, ``params``'
+    forced path, else a split that levels the two nodes' read queues (``split_read``), else the
+    shorter queue (Algorithm 1) — then the request's ``wish``: a mode that reads on the PE
+    (basic, layerwise) always does; a path the request forces wins (a forced split halves the
+    hit); a split that leaves one side nothing is no split; and a hit the PE's host pool cannot
+    take now (``free_host_blocks``) goes to the DE, unless the request forced its path.
+    """
+    wish = wish or ReadWish()
+    if wish.pe_only:
+        return ReadPath.PE, hit_tokens, 0
+    if scheduled is not None:
+        chosen, pe_tokens = scheduled, hit_tokens if scheduled == ReadPath.PE else 0
+    else:
+        chosen, pe_tokens, _ = _queue_plan(hit_tokens, pe_queue_tokens, de_queue_tokens, params)
+    forced = wish.read_path != ReadPath.AUTO
+    path = wish.read_path if forced else chosen
+    bs, hit_blocks, pe_blocks = params.block_size, hit_tokens // params.block_size, 0
+    if path == ReadPath.SPLIT:
+        pe_blocks = hit_blocks // 2 if forced else pe_tokens // bs
+        if not hit_tokens or not 0 < pe_blocks < hit_blocks:
+            return _sides(ReadPath.PE if forced or pe_blocks else ReadPath.DE, hit_tokens)
+    wanted = pe_blocks or (hit_blocks if path == ReadPath.PE else 0)
+    if (not forced and hit_tokens and wish.free_host_blocks is not None
+            and wanted > wish.free_host_blocks):
+        return ReadPath.DE, 0, hit_tokens
+    if path == ReadPath.SPLIT:
+        return path, pe_blocks * bs, hit_tokens - pe_blocks * bs
+    return _sides(path, hit_tokens)
+
+
+@dataclass(frozen=True)
+class ReadWish:
+    """What one request brings to its read plan besides the queues."""
+
+    read_path: ReadPath = ReadPath.AUTO  # the request's own path (auto: the scheduler's)
+    pe_only: bool = False  # its mode reads on the PE (basic, layerwise)
+    free_host_blocks: int | None = None  # the chosen PE's host-pool room (None: unbounded)
+
+
+def _queue_plan(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
+                params: SchedulerParams) -> tuple[ReadPath, int, int]:
+    """The scheduler's own choice under ``params`` (forced, split or the shorter queue)."""
     if params.read_path != ReadPath.AUTO:
         path = params.read_path
     elif params.split_read and hit_tokens:
@@ -216,6 +261,11 @@ def read_plan(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
         path = ReadPath.PE if pe else ReadPath.DE
     else:
         path = choose_read_path(pe_queue_tokens, de_queue_tokens)
+    return _sides(path, hit_tokens)
+
+
+def _sides(path: ReadPath, hit_tokens: int) -> tuple[ReadPath, int, int]:
+    """The whole hit on one side: the PE's for ``pe``, the DE's otherwise."""
     return (path, hit_tokens, 0) if path == ReadPath.PE else (path, 0, hit_tokens)
 
 

@@ -46,6 +46,9 @@ class EngineView:
     seq: int = 0  # assigned, unfinished requests
     tok: int = 0  # tokens over those requests (prompt lengths)
     free_kv_tokens: int = 0  # device KV free for new requests (what a DE can still admit)
+    # a PE's host-pool blocks not held by a request (None: not bounded): a hit the PE would
+    # read into more than this goes to the DE (``rules.read_plan``)
+    free_host_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in tuple(Role):
@@ -214,12 +217,15 @@ class PendingRequest:
     req_id: int
     num_tokens: int
     num_hit_tokens: int = 0
+    read_path: ReadPath = ReadPath.AUTO  # the request's own path (auto: the scheduler's choice)
+    pe_only: bool = False  # its mode reads every hit on the PE (basic, layerwise)
 
     def __post_init__(self) -> None:
         if self.num_tokens <= 0:
             raise ValueError(f"request {self.req_id}: num_tokens must be > 0")
         if not 0 <= self.num_hit_tokens <= self.num_tokens:
             raise ValueError(f"request {self.req_id}: need 0 <= num_hit_tokens <= num_tokens")
+        object.__setattr__(self, "read_path", ReadPath(self.read_path))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe fields."""

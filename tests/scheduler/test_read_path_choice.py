@@ -88,3 +88,40 @@ def test_scheduler_splits_reads_when_enabled():
     assert (second.read_path, second.pe_read_tokens, second.de_read_tokens) == (
         "split", 320, 320)
     assert first.num_hit_tokens == 640
+
+
+def test_a_requests_own_wishes_settle_its_read_plan():
+    from dualpath.scheduler.rules import ReadWish
+
+    auto = SchedulerParams(alpha_tokens=0, beta_tokens=0, block_size=64)
+    split = SchedulerParams(alpha_tokens=0, beta_tokens=0, block_size=64, split_read=True)
+    # a mode that reads on the PE does, whatever the queues say
+    assert read_plan(640, 10_000, 0, auto, ReadWish(pe_only=True)) == ("pe", 640, 0)
+    # a forced path wins over the queues; a forced split halves the hit (10 blocks: 5 + 5)
+    assert read_plan(640, 0, 10_000, auto, ReadWish("de")) == ("de", 0, 640)
+    assert read_plan(640, 0, 10_000, auto, ReadWish("split")) == ("split", 320, 320)
+    assert read_plan(64, 0, 0, auto, ReadWish("split")) == ("pe", 64, 0)  # 1 block: no split
+    assert read_plan(0, 0, 0, auto, ReadWish("split")) == ("pe", 0, 0)  # nothing to read
+    # the PE's host pool: a hit it cannot take now goes to the DE, unless the path was forced
+    assert read_plan(640, 0, 100, auto, ReadWish(free_host_blocks=9)) == ("de", 0, 640)
+    assert read_plan(640, 0, 100, auto, ReadWish(free_host_blocks=10)) == ("pe", 640, 0)
+    assert read_plan(640, 0, 100, auto, ReadWish("pe", free_host_blocks=0)) == ("pe", 640, 0)
+    assert read_plan(640, 0, 256, split, ReadWish(free_host_blocks=7)) == ("split", 448, 192)
+    assert read_plan(640, 0, 256, split, ReadWish(free_host_blocks=6)) == ("de", 0, 640)
+    # round robin's turn is the scheduler's choice the wishes then settle
+    assert read_plan(640, 0, 0, auto, ReadWish(), scheduled="de") == ("de", 0, 640)
+    assert read_plan(640, 0, 0, auto, ReadWish(free_host_blocks=0), scheduled="pe") == (
+        "de", 0, 640)
+
+
+def test_the_pe_host_pool_fills_within_one_call():
+    """Two 6-block hits on a PE whose pool has room for 10: the second goes to the DE."""
+    scheduler = GlobalScheduler(SchedulerParams(alpha_tokens=10**9, beta_tokens=10**9,
+                                                block_size=64))
+    for req_id in (1, 2):
+        scheduler.submit(PendingRequest(req_id, 400, 384))
+    engines = (EngineView("pe", "prefill", 0, "P", free_host_blocks=10),
+               EngineView("de", "decode", 1, "D", free_kv_tokens=1_000_000))
+    out = scheduler.schedule(ClusterView(engines, (NodeView(0, 0), NodeView(1, 10_000))))
+    assert [(a.req_id, a.read_path, a.pe_read_tokens) for a in out] == [
+        (1, "pe", 384), (2, "de", 0)]

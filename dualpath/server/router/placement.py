@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-from dualpath.errors import DualPathError
 from dualpath.protocol import AllocBuffer
 from dualpath.scheduler.view import Assignment, ClusterView, EngineView, NodeView, PendingRequest
 from dualpath.server.router.ledger import RouterLedger
@@ -23,8 +22,10 @@ class RouterPlacement(RouterLedger):
             info, load = e.info, e.load
             free_buffer_tokens = (cap.buffer_blocks - load.buffer_blocks) * cap.block_size
             free = max(0, min(cap.kv_tokens - load.kv_tokens, free_buffer_tokens))
+            host = cap.host_pool_blocks - load.pool_blocks if info.role == Role.PREFILL else None
             engines.append(EngineView(name, info.role, info.node_id,
-                                      f"{info.role}-node{info.node_id}", load.seq, load.tok, free))
+                                      f"{info.role}-node{info.node_id}", load.seq, load.tok, free,
+                                      host))
         nodes = tuple(NodeView(n, max(0, q)) for n, q in sorted(self.read_queue_tokens.items()))
         return ClusterView(tuple(engines), nodes)
 
@@ -35,7 +36,8 @@ class RouterPlacement(RouterLedger):
         req.pe = req.de = ""
         req.path = None
         self.scheduler.submit(PendingRequest(req.req_id, len(req.kv_ids),
-                                             self._read_tokens(req)))
+                                             self._read_tokens(req), req.read_path,
+                                             req.mode in (Mode.BASIC, Mode.LAYERWISE)))
 
     def _schedule(self, out: Effects) -> None:
         if not len(self.scheduler) or not self.engines:
@@ -52,7 +54,9 @@ class RouterPlacement(RouterLedger):
         req.wire_id, self._next_wire = self._next_wire, self._next_wire + 1
         self._by_wire[req.wire_id] = req
         req.pe, req.de = a.prefill, a.decode
-        req.path = self._choose_path(req, a)
+        req.path = a.read_path  # scheduler/rules.py: read_plan decided it
+        req.num_pe_read_blocks = (a.pe_read_tokens // self.capacity.block_size
+                                  if a.read_path == ReadPath.SPLIT else 0)
         req.phase = Phase.BUFFERING
         req.sent_s[req.de] = self._now_s
         self._hold(req)
@@ -62,29 +66,3 @@ class RouterPlacement(RouterLedger):
         out.send(req.de, AllocBuffer(req.wire_id, req.kv_ids, num_blocks, de_reads,
                                      read_from_block=req.num_pe_read_blocks,
                                      cache_salt=req.cache_salt))
-
-    def _choose_path(self, req: RequestState, a: Assignment) -> ReadPath:
-        """basic/layerwise read on the PE; a forced path wins (a forced split halves the hit);
-        else the scheduler's choice, moved to the DE when the PE's host pool cannot take its
-        part now. Sets the PE's part of a split read."""
-        req.num_pe_read_blocks = 0
-        if req.mode in (Mode.BASIC, Mode.LAYERWISE):
-            return ReadPath.PE
-        chosen = str(req.read_path) if req.read_path != ReadPath.AUTO else a.read_path
-        if chosen not in (ReadPath.PE, ReadPath.DE, ReadPath.SPLIT):
-            raise DualPathError(f"read path {chosen!r} is not supported by the engines")
-        path = ReadPath(chosen)
-        if path == ReadPath.SPLIT:
-            hit = req.num_hit_blocks
-            pe_blocks = (a.pe_read_tokens // self.capacity.block_size
-                         if req.read_path == ReadPath.AUTO else hit // 2)
-            if not req.reads or not 0 < pe_blocks < hit:
-                return ReadPath.PE if req.read_path != ReadPath.AUTO or pe_blocks else ReadPath.DE
-            req.num_pe_read_blocks = pe_blocks
-        pe = self.engines[req.pe].load
-        wanted = req.num_pe_read_blocks or (req.num_hit_blocks if path == ReadPath.PE else 0)
-        if (req.read_path == ReadPath.AUTO and req.reads
-                and pe.pool_blocks + wanted > self.capacity.host_pool_blocks):
-            req.num_pe_read_blocks = 0
-            return ReadPath.DE
-        return path
