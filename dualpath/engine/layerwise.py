@@ -42,6 +42,7 @@ from dualpath.engine.cuda_events import EventWatcher, shared_watcher, stream_wai
 from dualpath.engine.futures import all_of
 from dualpath.kv.cache import PagedKVCache
 from dualpath.kv.host_pool import HostPool
+from dualpath.kv.layout import buffer_offset
 from dualpath.kv.runs import paired_runs
 from dualpath.model.hooks import LayerHooks
 from dualpath.traffic.copies import CopyIssue
@@ -97,7 +98,8 @@ class LayerPlan:
 
     def de_layer_block(self, layer_idx: int, block: int, layer_block_bytes: int) -> int:
         """Address of layer ``layer_idx`` of prompt block ``block`` in the DE buffer."""
-        return self.de_buffer_addr + (layer_idx * len(self.pe_blocks) + block) * layer_block_bytes
+        return self.de_buffer_addr + buffer_offset(layer_idx, block, len(self.pe_blocks),
+                                                   layer_block_bytes)
 
 
 class CacheAddresses:

@@ -106,7 +106,7 @@ class PromptBuffers:
         """A request's buffer region as ``[layers, n, layer_block_bytes]`` bytes (no copy)."""
         n, layout = len(slots), self.layout
         region = self.host_pool.region(slots[0], n)[: n * layout.full_block_bytes]
-        return region.view(layout.num_layers, n, layout.layer_block_bytes)
+        return region.view(*layout.buffer_shape(n))
 
     def _read_done(self, req_id: int, first: int,
                    future: Future[list[bool]]) -> list[Message]:

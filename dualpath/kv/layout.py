@@ -123,6 +123,30 @@ class KVLayout:
         return view[start : start + self.layer_block_bytes]
 
 
+    # -- a decode engine's prompt buffer ------------------------------------------------------
+    def buffer_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        """A prompt buffer of ``num_blocks`` blocks as ``[layers, blocks, layer_block_bytes]``:
+        layer-major, so layer i of every block is one stretch (``buffer_offset``)."""
+        return self.num_layers, num_blocks, self.layer_block_bytes
+
+
+# A prompt buffer (the decode engine's, which the prefill side fills): layer ``l`` of block ``j``
+# at ``(l × num_blocks + j) × layer_block_bytes``; after the data, at
+# ``num_blocks × full_block_bytes``, a seal of SEAL_BYTES the prefill writes last (vLLM's
+# connector: ``integrations/vllm/plan.py``). Our engines and the connector both use these.
+SEAL_BYTES = 8
+
+
+def buffer_offset(layer: int, block: int, num_blocks: int, layer_block_bytes: int) -> int:
+    """Layer ``layer`` of block ``block`` in a layer-major buffer of ``num_blocks`` blocks."""
+    return (layer * num_blocks + block) * layer_block_bytes
+
+
+def seal_offset(num_blocks: int, full_block_bytes: int) -> int:
+    """Where a buffer of ``num_blocks`` blocks keeps its seal, from its start."""
+    return num_blocks * full_block_bytes
+
+
 def engine_layout(spec: ModelSpec, dtype: str, kv_dtype: str, block_size: int,
                   engine_kind: str = EngineKind.DUALPATH) -> KVLayout:
     """The KV layout an engine of ``engine_kind`` keeps ``spec``'s blocks in: the compute dtype

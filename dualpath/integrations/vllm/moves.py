@@ -34,17 +34,9 @@ from typing import Any
 
 import torch
 
-from dualpath.integrations.vllm.plan import (
-    SEAL_BYTES,
-    Remote,
-    StepPlan,
-    buffer_offset,
-    seal_of,
-    seal_offset,
-    shared_pool_path,
-)
+from dualpath.integrations.vllm.plan import Remote, StepPlan, seal_of, shared_pool_path
 from dualpath.kv.hashing import KeySpace
-from dualpath.kv.layout import KVLayout
+from dualpath.kv.layout import SEAL_BYTES, KVLayout, buffer_offset, seal_offset
 from dualpath.kv.shm_files import map_readonly
 from dualpath.storage.client import StorageClient
 from dualpath.traffic.lanes import Lane
@@ -281,8 +273,8 @@ class Moves:
         return whole[remote.buffer : remote.buffer + size]
 
     def _copy_layers(self, view: torch.Tensor, remote: Remote) -> None:
-        size, n = self.layout.layer_block_bytes, remote.num_blocks
-        data = view[: n * self.layout.full_block_bytes].view(self.layout.num_layers, n, size)
+        n = remote.num_blocks
+        data = view[: n * self.layout.full_block_bytes].view(*self.layout.buffer_shape(n))
         js = torch.tensor([j for j, _ in remote.pairs], dtype=torch.long)
         ids = torch.tensor([b for _, b in remote.pairs], dtype=torch.long)
         for layer, cache in enumerate(self.layers):

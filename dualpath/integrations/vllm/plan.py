@@ -13,10 +13,9 @@ A request's ``kv_transfer_params["dualpath"]`` (set by dualpath's engine process
 - **decode** role: ``shm_path``, ``buffer_offset``, ``num_blocks``, ``num_tokens`` (prompt
   tokens whose KV the buffer holds), ``num_stored_blocks`` (leading blocks already in storage).
 
-The buffer is layer-major: layer ``l`` of buffer block ``j`` sits at
-``buffer + (l × num_blocks + j) × layer_block_bytes``; after the data, at
-``buffer + num_blocks × full_block_bytes``, an 8-byte seal the prefill writes last (``seal_of``)
-once every push of the request has landed. The decode side copies only a sealed buffer, so a
+The buffer is our decode engines' layer-major one (``kv/layout.py``: ``buffer_offset``,
+``seal_offset``): layer by layer, then a seal the prefill writes last (``seal_of``) once every
+push of the request has landed. The decode side copies only a sealed buffer, so a
 push that failed is a recompute there, never a wrong token.
 
 Whoever can post to an instance can send ``kv_transfer_params``, so every field is checked, by
@@ -47,9 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dualpath.kv.layout import SEAL_BYTES, seal_offset  # the buffer's layout
 from dualpath.vocab import PrefillMode, ReadPath
 
-SEAL_BYTES = 8
 PARAMS_KEY = "dualpath"
 SHARED_POOL_PREFIX = "dualpath-"  # a decode engine's pool file (vllm_instance.shm_path_for)
 FENCE_PREFIX = "dualpath-fence-"  # a prefill engine's fence table (vllm/fence.py)
@@ -132,16 +131,6 @@ def seal_of(req_id: int) -> bytes:
     """The seal that marks request ``req_id``'s buffer complete (never all zero bytes: a
     buffer's seal is zeroed when it is allocated)."""
     return struct.pack("<Q", (req_id & (2**63 - 1)) | 2**63)  # the top bit: never zero
-
-
-def seal_offset(num_blocks: int, full_block_bytes: int) -> int:
-    """Where a buffer of ``num_blocks`` blocks keeps its seal, from its start."""
-    return num_blocks * full_block_bytes
-
-
-def buffer_offset(layer: int, block: int, num_blocks: int, layer_block_bytes: int) -> int:
-    """Layer ``layer`` of block ``block`` in a layer-major buffer of ``num_blocks`` blocks."""
-    return (layer * num_blocks + block) * layer_block_bytes
 
 
 def shared_pool_path(path: str) -> str:
