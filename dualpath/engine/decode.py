@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from dualpath.engine.decode_storage import ActiveRequest, DecodeStorage
 from dualpath.engine.futures import all_of
 from dualpath.engine.llm_engine import LLMEngine
+from dualpath.engine.prompt_buffers import PromptBuffers
 from dualpath.errors import OutOfBlocksError
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.runs import paired_runs
@@ -79,17 +80,12 @@ class DecodeWorker(DecodeStorage):
         self.staging_blocks = staging_blocks  # most slots in flight to storage at once
         self.block_size = engine.config.block_size
         self.layout = engine.layout
-        self.key_space = engine.key_space  # the DE-path reads' keys (PromptBuffers)
-        self._buffers: dict[int, list[int]] = {}  # req_id -> host slots
-        self._allocs: dict[int, AllocBuffer] = {}  # req_id -> its tokens and salt, for Decode
-        self._reading: set[int] = set()  # req_ids whose DE-path read is in flight
-        self._orphans: set[int] = set()  # aborted while reading: free the slots when it ends
-        self._pending_allocs: deque[AllocBuffer] = deque()  # waiting for a contiguous run
+        self.buffers = PromptBuffers(host_pool, storage, engine.layout, engine.key_space,
+                                     self._read_io_done)
         self._pending_decodes: deque[Decode] = deque()  # waiting for device KV blocks
         self._copying: list[_CopyIn] = []  # prompt KV moving buffer -> cache (async, paced)
         self._active: dict[int, ActiveRequest] = {}  # seq_id -> request
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._fenced: dict[int, list[int]] = {}  # req_id -> slots a dropped PE may still write
         self._staging_in_use = 0
         # finished requests whose last blocks are still being written: their Finished waits,
         # so that an agent's next turn, sent the moment this one returns, finds its context;
@@ -100,7 +96,7 @@ class DecodeWorker(DecodeStorage):
         self.num_finish_waits_cut = 0
         self.num_saved_blocks = 0
         self.num_saves_dropped = 0  # full blocks not persisted (no staging room, or a failure)
-        self.num_waits = 0  # allocations and decodes that had to wait for room
+        self.num_waits = 0  # decodes that had to wait for device blocks
         self.num_steps = 0
         self.step_s_total = 0.0  # wall time of decode steps, the step hook included
         # Called inside each step with its token count, e.g. the EP traffic generator's
@@ -113,13 +109,13 @@ class DecodeWorker(DecodeStorage):
         """A request message from the router: ``AllocBuffer``, ``Decode``, ``Abort`` or
         ``Unfence``; returns the answers."""
         if isinstance(msg, AllocBuffer):
-            return self.alloc_buffer(msg)
+            return self.buffers.alloc_buffer(msg)
         if isinstance(msg, Decode):
             return self.start_decode(msg)
         if isinstance(msg, Abort):
             return self.abort(msg.req_id, msg.fenced)
         if isinstance(msg, Unfence):
-            return self.unfence(msg)
+            return self.buffers.unfence(msg)
         raise ValueError(f"a decode engine cannot handle {msg.type!r}")
 
     def liveness(self) -> tuple[float, float]:
@@ -153,20 +149,16 @@ class DecodeWorker(DecodeStorage):
         """This worker's counters."""
         return {"num_saved_blocks": self.num_saved_blocks,
                 "num_saves_dropped": self.num_saves_dropped,
-                "num_finish_waits_cut": self.num_finish_waits_cut, "num_waits": self.num_waits,
+                "num_finish_waits_cut": self.num_finish_waits_cut,
+                "num_waits": self.num_waits + self.buffers.num_waits,
                 "num_steps": self.num_steps, "step_s_total": self.step_s_total}
 
     def abort(self, req_id: int, fenced: bool = False) -> list[Message]:
         """Drop a request in any phase and free what it holds — its prompt buffer only once
         the router unfences it when a PE may still be writing into it (``fenced``); answers
         ``Aborted``."""
-        self._pending_allocs = deque(m for m in self._pending_allocs if m.req_id != req_id)
         self._pending_decodes = deque(m for m in self._pending_decodes if m.req_id != req_id)
-        self._allocs.pop(req_id, None)
-        if req_id in self._reading:
-            self._orphans.add(req_id)  # the read still fills the slots (nothing announced)
-        elif req_id in self._buffers:
-            self._release_buffer(req_id, self._buffers.pop(req_id), fenced)
+        self.buffers.drop(req_id, fenced)
         for seq_id, active in list(self._active.items()):
             if active.req_id == req_id:
                 self.engine.abort(active.seq)
@@ -175,20 +167,23 @@ class DecodeWorker(DecodeStorage):
         for copy in self._copying:
             if copy.msg.req_id == req_id:
                 copy.aborted = True  # its slots and blocks are freed when the copies end
-        return [Aborted(req_id), *self._start_allocs()]
+        return [Aborted(req_id), *self.buffers.start_allocs()]
 
     def held_requests(self) -> tuple[int, ...]:
         """Req ids this engine holds in any phase."""
-        ids = {m.req_id for m in self._pending_allocs} | set(self._buffers)
-        ids |= {m.req_id for m in self._pending_decodes}
+        ids = self.buffers.held() | {m.req_id for m in self._pending_decodes}
         ids |= {a.req_id for a in self._active.values()} | set(self._finishing)
         ids |= {c.msg.req_id for c in self._copying if not c.aborted}
-        return tuple(sorted(ids - self._orphans))
+        return tuple(sorted(ids - self.buffers.orphans))
+
+    def fenced_requests(self) -> tuple[int, ...]:
+        """Req ids whose buffer is fenced (``PromptBuffers``)."""
+        return self.buffers.fenced_requests()
 
     # -- decode ---------------------------------------------------------------------------------
     def start_decode(self, msg: Decode) -> list[Message]:
         """Move the assembled prompt KV into the cache and start decoding (or wait for room)."""
-        alloc = self._allocs.get(msg.req_id)  # gone with its buffer (or when aborted)
+        alloc = self.buffers.allocs.get(msg.req_id)  # gone with its buffer (or when aborted)
         if alloc is None:
             return [Failed(msg.req_id, "no prompt buffer for this request")]
         if not 0 <= msg.num_prior_outputs < len(alloc.prompt_ids):
@@ -205,7 +200,7 @@ class DecodeWorker(DecodeStorage):
         on a copy."""
         while self._pending_decodes:
             msg = self._pending_decodes[0]
-            alloc = self._allocs[msg.req_id]
+            alloc = self.buffers.allocs[msg.req_id]
             tokens = alloc.prompt_ids
             num_prompt = len(tokens) - msg.num_prior_outputs  # the rest: moved outputs
             try:
@@ -215,8 +210,7 @@ class DecodeWorker(DecodeStorage):
                 break  # running sequences free blocks as they finish
             self._pending_decodes.popleft()
             log.info("request %d: decode started (%d prompt tokens)", msg.req_id, len(tokens))
-            del self._allocs[msg.req_id]
-            slots = self._buffers.pop(msg.req_id)
+            _, slots = self.buffers.take(msg.req_id)
             copies = all_of([] if msg.oracle else self._copy_in(slots, seq.block_table))
             self._copying.append(_CopyIn(msg, seq, slots, copies))
         return self._end_copies()
@@ -225,7 +219,7 @@ class DecodeWorker(DecodeStorage):
         """Host buffer -> device cache, every block in one submission, on the NIC's KV-load
         lane: a copy per run of consecutive cache blocks (``kv/runs.py``)."""
         data = self.engine.runner.cache.data
-        layer_major = self._layer_major(slots).view(data.dtype)
+        layer_major = self.buffers.layer_major(slots).view(data.dtype)
         layer_major = layer_major.view(data.shape[0], len(slots), *data.shape[2:])
         table = table[: len(slots)]  # the table has room to grow
         pairs = [(data[:, block : block + n], layer_major[:, b : b + n])
@@ -253,7 +247,7 @@ class DecodeWorker(DecodeStorage):
                                                      persist=not copy.msg.oracle,
                                                      num_streamed=num_streamed)
             out.extend(self._after_step([seq] if seq.is_finished else []))
-        return out + self._start_allocs()
+        return out + self.buffers.start_allocs()
 
     @property
     def free_kv_blocks(self) -> int:
@@ -325,7 +319,7 @@ class DecodeWorker(DecodeStorage):
                 return out
             if kind == "read":
                 req_id, first, future = payload  # type: ignore[misc]
-                out.extend(self._read_done(req_id, first, future))
+                out.extend(self.buffers.read_done(req_id, first, future))
             elif kind == "gathered":  # a save has read its device block
                 self.engine.pool.free([payload])  # type: ignore[list-item]
                 out.extend(self._start_decodes())
@@ -338,4 +332,4 @@ class DecodeWorker(DecodeStorage):
                     self.num_saved_blocks += 1
                 else:
                     self.num_saves_dropped += 1
-                out.extend(self._start_allocs())
+                out.extend(self.buffers.start_allocs())

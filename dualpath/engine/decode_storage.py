@@ -1,6 +1,6 @@
 """The decode engine's storage side: the host buffer a prompt's KV is read into, and the
 persistence of every full block a sequence completes (``decode.py``'s ``DecodeWorker`` mixes
-it in; its state is set up in ``DecodeWorker.__init__``).
+it in; its state, the ``PromptBuffers`` included, is set up in ``DecodeWorker.__init__``).
 
 A buffer is a contiguous run of host slots, read from storage on the DE read path
 (``prompt_buffers.py``); a full block is gathered into a staging slot on the KV-save lane and
@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prompt_buffers import PromptBuffers
 from dualpath.kv.hashing import extend_block_hashes
+from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import Finished, Message
 from dualpath.request import Sequence
+from dualpath.storage.client import StorageClient
 from dualpath.traffic.lanes import Lane
 from dualpath.traffic.manager import TrafficManager
 
@@ -33,10 +35,13 @@ class ActiveRequest:
     num_saving: int = 0  # its blocks staged or being written
 
 
-class DecodeStorage(PromptBuffers):
+class DecodeStorage:
     """The DE's prompt buffers (``PromptBuffers``: allocation, DE-path reads) and KV
     persistence."""
 
+    buffers: PromptBuffers
+    host_pool: HostPool
+    storage: StorageClient
     engine: LLMEngine
     traffic: TrafficManager
     staging_blocks: int
@@ -49,7 +54,8 @@ class DecodeStorage(PromptBuffers):
     num_saves_dropped: int
 
     def _read_io_done(self, req_id: int, first: int, future: Future[list[bool]]) -> None:
-        """A DE-path read's I/O ended: ``DecodeWorker.drain_events`` runs ``_read_done``."""
+        """A DE-path read's I/O ended: ``DecodeWorker.drain_events`` runs the buffers'
+        ``read_done``."""
         self._events.put(("read", (req_id, first, future)))
 
     # -- persistence ----------------------------------------------------------------------------

@@ -45,8 +45,8 @@ def _reference(model_dir, prompt: list[int], max_tokens: int) -> tuple[list[int]
 
 def _fill_buffer(de: DecodeWorker, ready: BufferReady, kv: torch.Tensor) -> None:
     """Put the prompt's KV into the DE's layer-major buffer (what a PE's sends would do)."""
-    slots = de._buffers[ready.req_id]
-    layer_major = de._layer_major(slots).view(kv.dtype)
+    slots = de.buffers.slots[ready.req_id]
+    layer_major = de.buffers.layer_major(slots).view(kv.dtype)
     layer_major = layer_major.view(kv.shape[1], len(slots), *kv.shape[2:])
     for b in range(len(slots)):
         layer_major[:, b] = kv[b]
@@ -70,7 +70,7 @@ class _Cluster:
     def start(self, req_id: int, prompt: list[int], kv: torch.Tensor, first_token: int,
               max_tokens: int) -> None:
         n = -(-len(prompt) // BLOCK)
-        (ready,) = self.de.alloc_buffer(AllocBuffer(req_id, tuple(prompt), n, 0))
+        (ready,) = self.de.buffers.alloc_buffer(AllocBuffer(req_id, tuple(prompt), n, 0))
         assert isinstance(ready, BufferReady)
         _fill_buffer(self.de, ready, kv)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -94,7 +94,7 @@ def test_a_dropped_prefill_engine_stops_sending_at_the_next_layer(tiny_llama_dir
         return hooks
 
     pair.pe._hooks = watched
-    buffer = pair.de.host_pool.region(pair.de._buffers[1][0], 6)
+    buffer = pair.de.host_pool.region(pair.de.buffers.slots[1][0], 6)
     buffer[:] = 0
     pair.pe.handle(pair.prefill(ready))
     (failed,) = pair.pe.work()

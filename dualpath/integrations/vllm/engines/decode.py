@@ -17,7 +17,6 @@ until the router's ``Unfence`` (``engine/prompt_buffers.py``).
 from __future__ import annotations
 
 import time
-from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +69,7 @@ class _DecodeCall:
     answering: bool = False  # the instance has begun streaming (a chunk came)
 
 
-class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
+class VllmDecodeWorker(VllmWorkerBase):
     """The decode node's buffer service (``AllocBuffer``, DE-path reads) and, on ``Decode``, a
     streamed completion on the decode instance, whose connector copies the buffer in."""
 
@@ -93,14 +92,10 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         self.storage = storage
         self.eos_token_ids = eos_token_ids
         self.max_position = max_position
-        self._buffers: dict[int, list[int]] = {}  # req_id -> host slots
-        self._allocs: dict[int, AllocBuffer] = {}  # req_id -> its tokens and salt, for Decode
-        self._reading: set[int] = set()  # req_ids whose DE-path read is in flight
-        self._orphans: set[int] = set()  # aborted while reading: free the slots when it ends
-        self._pending_allocs: deque[AllocBuffer] = deque()  # waiting for a contiguous run
-        self._fenced: dict[int, list[int]] = {}  # req_id -> slots a dropped PE may still write
+        # the buffers, as our decode engine's (a finished read reaches the loop by ``_post``)
+        self.buffers = PromptBuffers(host_pool, storage, layout, key_space, self._read_io_done,
+                                     self._new_buffer)
         self._streams: dict[int, _DecodeCall] = {}
-        self.num_waits = 0
         self.num_decoded_tokens = 0
         self.num_finished_without_call = 0
         self.num_persisted_blocks = 0  # stored here, of requests that never reached vLLM
@@ -109,13 +104,13 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
     def handle(self, msg: Message) -> list[Message]:
         """``AllocBuffer``, ``Decode`` or ``Abort``; returns the answers."""
         if isinstance(msg, AllocBuffer):
-            return self.alloc_buffer(msg)
+            return self.buffers.alloc_buffer(msg)
         if isinstance(msg, Decode):
             return self.start_decode(msg)
         if isinstance(msg, Abort):
             return self.abort(msg.req_id, msg.fenced)
         if isinstance(msg, Unfence):
-            return self.unfence(msg)
+            return self.buffers.unfence(msg)
         raise ValueError(f"a decode engine cannot handle {msg.type!r}")
 
     def settled(self) -> bool:
@@ -133,8 +128,8 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
 
     # -- buffer (``PromptBuffers``, as our decode engine's) -------------------------------------
     def _read_io_done(self, req_id: int, first: int, future: Future[list[bool]]) -> None:
-        """A DE-path read's I/O ended: the loop runs ``_read_done`` (``drain``)."""
-        self._post(lambda: self._read_done(req_id, first, future))
+        """A DE-path read's I/O ended: the loop runs the buffers' ``read_done`` (``drain``)."""
+        self._post(lambda: self.buffers.read_done(req_id, first, future))
 
     def _new_buffer(self, slots: list[int]) -> None:
         """Zero a new buffer's seal: the decode instance copies it in only once the prefill
@@ -146,15 +141,14 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
     def start_decode(self, msg: Decode) -> list[Message]:
         """Stream the completion of the prompt plus the first token from the instance (or end
         the request now when the first token already ends it)."""
-        alloc = self._allocs.get(msg.req_id)
+        alloc = self.buffers.allocs.get(msg.req_id)
         if alloc is None:
             return [Failed(msg.req_id, "no prompt buffer for this request")]
         prompt = alloc.prompt_ids
         if not 0 <= msg.num_prior_outputs < len(prompt):
             return [Failed(msg.req_id, f"{msg.num_prior_outputs} prior outputs of "
                                        f"{len(prompt)} tokens")]
-        del self._allocs[msg.req_id]
-        slots = self._buffers.pop(msg.req_id)
+        _, slots = self.buffers.take(msg.req_id)
         prior = list(prompt[len(prompt) - msg.num_prior_outputs:])
         job = _DecodeCall(msg.req_id, slots, HttpCall(), prior, msg.num_prior_outputs or 1,
                           num_prompt_tokens=len(prompt))
@@ -183,7 +177,7 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         if num_full <= num_stored or not self._sealed(req_id, slots):
             return self._free(slots)
         keys = self.key_space.salted(alloc.cache_salt).keys(alloc.prompt_ids)[num_stored:num_full]
-        parts = self._block_parts(slots, num_stored, num_full)
+        parts = self.buffers.block_parts(slots, num_stored, num_full)
         self.num_persisted_blocks += len(keys)
         future = self.storage.submit_write(keys, parts)  # never raises: a failure is a miss
         future.add_done_callback(lambda _: self._post(lambda: self._free(slots)))
@@ -201,7 +195,7 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
     def _free(self, slots: list[int]) -> list[Message]:
         """Slots back to the pool; the allocations that waited for them start."""
         self.host_pool.free(slots)
-        return self._start_allocs()
+        return self.buffers.start_allocs()
 
     def _ends(self, outputs: list[int], params: SamplingParams, num_prompt: int) -> str | None:
         """Why a request whose outputs are ``outputs`` has ended (None: it has not), by
@@ -252,7 +246,7 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         if job.slots and (tokens or reason):  # the instance has copied the buffer in
             self.host_pool.free(job.slots)
             job.slots = []
-            out = self._start_allocs()
+            out = self.buffers.start_allocs()
         else:
             out = []
         job.outputs.extend(tokens)
@@ -276,7 +270,7 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
         if job.slots:  # the call ended before any chunk
             self.host_pool.free(job.slots)
             job.slots = []
-            out = self._start_allocs()
+            out = self.buffers.start_allocs()
         if error is not None:
             self.num_failures += 1
             return [*out, Failed(job.req_id, f"vllm decode instance {self.http.url}: "
@@ -291,19 +285,14 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
     def abort(self, req_id: int, fenced: bool = False) -> list[Message]:
         """Drop a request in any phase: close its stream (vLLM aborts it) and free its buffer
         (once unfenced when a PE may still write into it: ``fenced``); answers ``Aborted``."""
-        self._pending_allocs = deque(m for m in self._pending_allocs if m.req_id != req_id)
-        self._allocs.pop(req_id, None)
-        if req_id in self._reading:
-            self._orphans.add(req_id)  # the read still fills the slots
-        elif req_id in self._buffers:
-            self._release_buffer(req_id, self._buffers.pop(req_id), fenced)
+        self.buffers.drop(req_id, fenced)
         job = self._streams.pop(req_id, None)
         if job is not None:
             job.call.close()
-            self._release_buffer(req_id, job.slots, fenced)
+            self.buffers.release(req_id, job.slots, fenced)
             job.slots = []
             self.num_aborted += 1
-        return [Aborted(req_id), *self._start_allocs()]
+        return [Aborted(req_id), *self.buffers.start_allocs()]
 
     def _open_calls(self) -> list[HttpCall]:
         return [job.call for job in list(self._streams.values())]
@@ -315,8 +304,12 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
 
     def held_requests(self) -> tuple[int, ...]:
         """Req ids held in any phase."""
-        ids = {m.req_id for m in self._pending_allocs} | set(self._buffers) | set(self._streams)
-        return tuple(sorted(ids - self._orphans))
+        ids = self.buffers.held() | set(self._streams)
+        return tuple(sorted(ids - self.buffers.orphans))
+
+    def fenced_requests(self) -> tuple[int, ...]:
+        """Req ids whose buffer is fenced (``PromptBuffers``)."""
+        return self.buffers.fenced_requests()
 
     @property
     def read_queue_tokens(self) -> int:
@@ -325,7 +318,7 @@ class VllmDecodeWorker(PromptBuffers, VllmWorkerBase):
 
     def metrics(self) -> dict[str, object]:
         """This worker's counters."""
-        return {**self.base_metrics(), "num_waits": self.num_waits,
+        return {**self.base_metrics(), "num_waits": self.buffers.num_waits,
                 "num_decoded_tokens": self.num_decoded_tokens,
                 "num_finished_without_call": self.num_finished_without_call,
                 "num_persisted_blocks": self.num_persisted_blocks,
