@@ -175,6 +175,7 @@ def agent_turns(sessions: list[DemoSession], vocab: int, seed: int) -> list[list
 
 
 def _config(options: DemoOptions, mode: str, store: Path) -> ClusterConfig:
+    options = resolved(options, options.device)  # as run_demo has (idempotent)
     return testbed_config(
         store, mode, dtype=options.dtype, device=options.device, block_size=options.block_size,
         read_cap_mb_s=options.read_cap_mb_s, compute_cap_mb_s=options.compute_cap_mb_s,
