@@ -6,10 +6,9 @@ model, or a vLLM instance it drives); the process builds the rest once, for any 
 
 The loop talks to the router over a ZeroMQ DEALER socket (msgpack control messages). It hands
 request messages to its role's ``Worker`` (``engine/worker.py``) and in between messages lets
-the worker work: the PE
-prefills the oldest requests whose storage reads are done; the DE finishes storage reads and
-writes and runs one decode step of its running batch. The loop itself answers what every
-engine answers alike: ``Peers``, ``GetMetrics``, ``Shutdown``.
+the worker work: the PE prefills the oldest requests whose storage reads are done; the DE
+finishes storage reads and writes and runs one decode step of its running batch. The loop
+itself answers what every engine answers alike: ``Peers``, ``GetMetrics``, ``Shutdown``.
 
 A heartbeat thread, on a socket of its own (so a long forward does not silence it), reports the
 engine's real state every ``heartbeat_s``, with the liveness clocks the router judges it by: how
