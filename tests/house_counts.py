@@ -47,6 +47,12 @@ def statements(root: Path, pattern: str, skip: tuple[str, ...] = ()) -> int:
                if not str(p.relative_to(root)).startswith(skip))
 
 
+def modules(root: Path, pattern: str) -> int:
+    """Modules of dualpath/ with a match of ``pattern``."""
+    rx = re.compile(pattern)
+    return sum(bool(rx.search(p.read_text())) for p in (root / "dualpath").rglob("*.py"))
+
+
 def layout_listings(root: Path) -> int:
     """Docs sections that list the package tree (README and docs/*.md)."""
     files = [root / "README.md", *(root / "docs").glob("*.md")]
@@ -65,6 +71,11 @@ def main(root: Path) -> None:
         "stop rules (EOS, then max_tokens)": statements(root, r"ignore_eos and "),
         "EOS sets (the tokenizer's added to the spec's)": statements(
             root, r"\.add\((?:token|self\.tokenizer\.eos_token_id|tokenizer_eos)\)"),
+        "places that decide the read path": statements(root, r"def (?:read_plan|_choose_path)\("),
+        "modules stating the decode buffer's layer-major layout": modules(
+            root, r"\(layer \* num_blocks \+ block\)|\(layer_idx \* len\(self\.pe_blocks\)|"
+                  r"\.view\((?:layout|self\.layout)\.num_layers, n|"
+                  r"return self\.num_layers, num_blocks"),
         "layout listings in the docs": layout_listings(root),
     }
     for name, value in rows.items():
