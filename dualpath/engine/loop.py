@@ -34,6 +34,7 @@ import secrets
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -102,22 +103,20 @@ class EngineProcess:
         client, the transfer backend and the traffic manager, registers the parts' memory with
         it, and has the parts build their worker (a vLLM engine's instance starts there)."""
         self.identity, self.parts, self.config = identity, parts, parts.config
-        config = parts.config
+        config, self.host_pool = parts.config, parts.host_pool
         node_nic = node_nic_account(cluster_id, identity.node_id) if cluster_id else None
-        self.storage = StorageClient(open_store(config.storage, parts.layout),
-                                     parts.layout.block_size, config.storage, node_nic=node_nic)
         advertised = advertised or Advertised("127.0.0.1", config.transfer_protocol)
-        self.backend, self.traffic = data_plane(advertised, config, key)  # fenced, keyed
-        self.host_pool = parts.host_pool
-        try:
+        with ExitStack() as undo:  # no child, thread or shared file outlives a failed start
+            undo.callback(parts.close)
+            self.storage = StorageClient(open_store(config.storage, parts.layout),
+                                         parts.layout.block_size, config.storage, node_nic=node_nic)
+            undo.callback(self.storage.close)
+            self.backend, self.traffic = data_plane(advertised, config, key)  # fenced, keyed
+            undo.callback(self.traffic.close)
             for address, nbytes in parts.regions():
                 self.traffic.register(address, nbytes)
             self.worker: Worker = parts.worker(self.storage, self.traffic)
-        except BaseException:  # no child, thread or shared file outlives a failed start
-            self.storage.close()
-            self.traffic.close()
-            parts.close()
-            raise
+            undo.pop_all()  # started: close() stops them in the same order
         self.engine = parts.engine  # our model, or None when the engine drives a model server
         self.ep = parts.ep
         self._peer_endpoints: set[str] = set()  # other engines' transfer endpoints, as known

@@ -364,13 +364,10 @@ class VllmEngineParts:
     def worker(self, storage: StorageClient,
                traffic: TrafficManager | None = None) -> VllmPrefillWorker | VllmDecodeWorker:
         """Start the instance (or connect to the one at ``url``), then this role's worker on
-        it; a worker that cannot be built stops the instance it started."""
+        it (a worker that cannot be built leaves the instance to ``close``, which the engine
+        process calls on a failed start)."""
         self.instance = self.start_instance()
-        try:
-            return self.worker_on(self.instance, storage)
-        except BaseException:
-            self.instance.close()
-            raise
+        return self.worker_on(self.instance, storage)
 
     def start_instance(self) -> VllmInstance:
         """Start this role's instance, or connect to the one at ``url``; returns once it is

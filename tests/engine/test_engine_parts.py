@@ -1,0 +1,66 @@
+"""The engine process's seam (``engine/parts.py``): a start that fails leaves nothing running —
+the parts are closed, and so are the storage client and the traffic manager built for them."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath.config import ClusterConfig, StorageConfig
+from dualpath.control_keys import ClusterKeys
+from dualpath.engine.loop import EngineIdentity, EngineProcess
+from dualpath.errors import TransferError
+from dualpath.kv.host_pool import HostPool
+from dualpath.kv.layout import KVLayout
+from dualpath.traffic.lanes import Lane
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", block_size=4)
+
+
+class BrokenParts:
+    """Parts whose worker cannot be built (a model server that never answers, say)."""
+
+    engine = None
+    instance = None
+    ep = None
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config, self.layout = config, LAYOUT
+        self.host_pool = HostPool(LAYOUT.full_block_bytes, 2, pin=False)
+        self.built_with: tuple | None = None
+        self.closed = 0
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(self.host_pool.base_address, self.host_pool.nbytes)]
+
+    def worker(self, storage, traffic):
+        self.built_with = (storage, traffic)
+        raise RuntimeError("the model server never answered")
+
+    def failure(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self.closed += 1
+        self.host_pool.close()
+
+
+def test_a_failed_start_closes_the_parts_the_storage_client_and_the_traffic_manager(tmp_path):
+    parts = BrokenParts(ClusterConfig(storage=StorageConfig(root=str(tmp_path / "store"))))
+    key = ClusterKeys.generate(["e0"]).engine_key("e0")
+    with pytest.raises(RuntimeError, match="never answered"):
+        EngineProcess(EngineIdentity("e0", "decode", 0), parts, "tcp://127.0.0.1:1", key)
+    storage, traffic = parts.built_with
+    assert parts.closed == 1
+    assert storage._closing.is_set()  # its writer thread drains and stops
+    with pytest.raises(TransferError, match="closed"):  # the traffic manager takes nothing more
+        traffic.submit("write", "127.0.0.1:1", [(parts.host_pool.base_address, 0, 8)], Lane.HIGH)
+
+
+def test_a_store_that_cannot_open_still_closes_the_parts(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    parts = BrokenParts(ClusterConfig(storage=StorageConfig(root=str(blocker / "store"))))
+    key = ClusterKeys.generate(["e0"]).engine_key("e0")
+    with pytest.raises(OSError):
+        EngineProcess(EngineIdentity("e0", "decode", 0), parts, "tcp://127.0.0.1:1", key)
+    assert parts.closed == 1 and parts.built_with is None
