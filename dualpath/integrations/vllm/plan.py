@@ -87,6 +87,16 @@ def key_salt(cache_salt: str | None, params: dict[str, Any] | None) -> str:
     return cache_salt or ""
 
 
+def _ours(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Our part of ``kv_transfer_params`` (None without one); ``TypeError`` unless a map."""
+    mine = (params or {}).get(PARAMS_KEY)
+    if not mine:
+        return None
+    if not isinstance(mine, dict):
+        raise TypeError(f"{PARAMS_KEY} must be a map")
+    return mine
+
+
 def _count(mine: dict[str, Any], key: str, default: int | None = None) -> int:
     """``mine[key]``: an integer in 0..MAX_COUNT (a bool or a float is none)."""
     value = mine.get(key, default)
@@ -214,11 +224,9 @@ class PrefillParams:
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> PrefillParams | None:
         """From ``kv_transfer_params`` (None without ours); ``ValueError`` names a bad field."""
-        mine = (params or {}).get(PARAMS_KEY)
-        if not mine:
+        mine = _ours(params)
+        if mine is None:
             return None
-        if not isinstance(mine, dict):
-            raise TypeError(f"{PARAMS_KEY} must be a map")
         path = ReadPath(_text(mine, "read_path"))
         hit = _count(mine, "num_hit_blocks")
         store = {ReadPath.PE: hit, ReadPath.DE: 0}.get(path, _count(mine, "num_pe_read_blocks", 0))
@@ -268,11 +276,9 @@ class DecodeParams:
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> DecodeParams | None:
         """From ``kv_transfer_params`` (None without ours); ``ValueError`` names a bad field."""
-        mine = (params or {}).get(PARAMS_KEY)
-        if not mine:
+        mine = _ours(params)
+        if mine is None:
             return None
-        if not isinstance(mine, dict):
-            raise TypeError(f"{PARAMS_KEY} must be a map")
         return cls(_count(mine, "req_id"), shared_pool_path(_text(mine, "shm_path")),
                    _count(mine, "buffer_offset"), _count(mine, "num_blocks"),
                    _count(mine, "num_tokens"), _count(mine, "num_stored_blocks", 0),
