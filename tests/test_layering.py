@@ -29,7 +29,8 @@ FORBIDDEN = frozenset(
 REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/model/spec.py",
                  "dualpath/server/router/state.py", "dualpath/server/router/types.py",
                  "dualpath/server/router/ledger.py", "dualpath/server/router/placement.py",
-                 "dualpath/server/router/endings.py", "dualpath/vocab.py",
+                 "dualpath/server/router/endings.py", "dualpath/server/router/membership.py",
+                 "dualpath/vocab.py",
                  "dualpath/regime.py", "dualpath/ending.py")
 OPTIONAL_PURE = ("dualpath/traffic/lanes.py", "dualpath/traffic/token_bucket.py",
                  "dualpath/kv/layout.py")

@@ -22,7 +22,8 @@ from dualpath.protocol import (
     Prefilled,
     Unfence,
 )
-from dualpath.server.router.state import PROGRESS_MARGIN, RouterState
+from dualpath.server.router.membership import PROGRESS_MARGIN
+from dualpath.server.router.state import RouterState
 from dualpath.server.router.types import ClusterOutput, RequestFailed
 from dualpath.vocab import Phase
 

@@ -1,24 +1,37 @@
-"""Where the router's requests go: the scheduler's view, queueing, dispatch and the read path
-(pure: no sockets, no clock).
+"""Where the router's requests go: the scheduler's view, queueing, and dispatch of the
+scheduler's assignments as attempts (pure: no sockets, no clock).
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 from dualpath.protocol import AllocBuffer
+from dualpath.scheduler.global_scheduler import GlobalScheduler
 from dualpath.scheduler.view import Assignment, ClusterView, EngineView, NodeView, PendingRequest
-from dualpath.server.router.ledger import RouterLedger
-from dualpath.server.router.types import Effects, RequestState
+from dualpath.server.router.ledger import Ledger
+from dualpath.server.router.types import Effects, Records, RequestState
 from dualpath.vocab import Mode, Phase, ReadPath, Role
 
+DECISIONS_KEPT = 10_000
 
-class RouterPlacement(RouterLedger):
-    """Queues requests in the global scheduler and dispatches its assignments to engines."""
+
+class Placement:
+    """The global scheduler's queue, the attempts' wire ids and the latest placements."""
+
+    def __init__(self, records: Records, scheduler: GlobalScheduler, ledger: Ledger) -> None:
+        self.records = records
+        self.scheduler = scheduler
+        self.ledger = ledger
+        # the latest placements (req, pe, de, path, hit), bounded: a server runs for days
+        self.decisions: deque[tuple[int, str, str, str, int]] = deque(maxlen=DECISIONS_KEPT)
+        self._next_wire = 1
 
     def view(self) -> ClusterView:
         """The scheduler's snapshot of engines and node read queues."""
-        cap = self.capacity
+        cap = self.records.capacity
         engines = []
-        for name, e in self.engines.items():
+        for name, e in self.records.engines.items():
             info, load = e.info, e.load
             free_buffer_tokens = (cap.buffer_blocks - load.buffer_blocks) * cap.block_size
             free = max(0, min(cap.kv_tokens - load.kv_tokens, free_buffer_tokens))
@@ -26,42 +39,50 @@ class RouterPlacement(RouterLedger):
             engines.append(EngineView(name, info.role, info.node_id,
                                       f"{info.role}-node{info.node_id}", load.seq, load.tok, free,
                                       host))
-        nodes = tuple(NodeView(n, max(0, q)) for n, q in sorted(self.read_queue_tokens.items()))
+        nodes = tuple(NodeView(n, max(0, q))
+                      for n, q in sorted(self.ledger.read_queue_tokens.items()))
         return ClusterView(tuple(engines), nodes)
 
-    def _enqueue(self, req: RequestState) -> None:
+    def enqueue(self, req: RequestState) -> None:
+        """Queue a request (new, retried or resumed) in the global scheduler."""
         req.phase = Phase.QUEUED
         req.unseen.clear()
         req.sent_s.clear()
         req.pe = req.de = ""
         req.path = None
         self.scheduler.submit(PendingRequest(req.req_id, len(req.kv_ids),
-                                             self._read_tokens(req), req.read_path,
+                                             self.ledger.read_tokens(req), req.read_path,
                                              req.mode in (Mode.BASIC, Mode.LAYERWISE)))
 
-    def _schedule(self, out: Effects) -> None:
-        if not len(self.scheduler) or not self.engines:
+    def cancel(self, req: RequestState) -> None:
+        """Take a queued request out of the scheduler."""
+        self.scheduler.cancel(req.req_id)
+
+    def schedule(self, out: Effects) -> None:
+        """Place what the scheduler can place now (once every role has an engine)."""
+        engines = self.records.engines
+        if not len(self.scheduler) or not engines:
             return
-        roles = {e.info.role for e in self.engines.values()}
-        if roles != set(Role):
+        if {e.info.role for e in engines.values()} != set(Role):
             return
         for assignment in self.scheduler.schedule(self.view()):
-            self._dispatch(self.requests[assignment.req_id], assignment, out)
+            self._dispatch(self.records.requests[assignment.req_id], assignment, out)
 
     def _dispatch(self, req: RequestState, a: Assignment, out: Effects) -> None:
+        block = self.records.capacity.block_size
         req.attempts += 1
-        req.marks["dispatched"] = self._now_s
+        req.marks["dispatched"] = self.records.now_s
         req.wire_id, self._next_wire = self._next_wire, self._next_wire + 1
-        self._by_wire[req.wire_id] = req
+        self.records.by_wire[req.wire_id] = req
         req.pe, req.de = a.prefill, a.decode
         req.path = a.read_path  # scheduler/rules.py: read_plan decided it
-        req.num_pe_read_blocks = (a.pe_read_tokens // self.capacity.block_size
+        req.num_pe_read_blocks = (a.pe_read_tokens // block
                                   if a.read_path == ReadPath.SPLIT else 0)
         req.phase = Phase.BUFFERING
-        req.sent_s[req.de] = self._now_s
-        self._hold(req)
+        req.sent_s[req.de] = self.records.now_s
+        self.ledger.hold(req)
         self.decisions.append((req.req_id, req.pe, req.de, req.path, req.num_hit_blocks))
-        num_blocks = -(-len(req.kv_ids) // self.capacity.block_size)
+        num_blocks = -(-len(req.kv_ids) // block)
         de_reads = req.num_hit_blocks if req.path != ReadPath.PE and req.reads else 0
         out.send(req.de, AllocBuffer(req.wire_id, req.kv_ids, num_blocks, de_reads,
                                      read_from_block=req.num_pe_read_blocks,

@@ -223,3 +223,23 @@ class EngineState:
     last_heard_s: float
     load: Load = field(default_factory=Load)
     report: Heartbeat | None = None
+
+
+@dataclass
+class Records:
+    """The tables every part of the router state reads and writes: registered engines, open
+    requests by request id and by attempt, attempts draining, engines declared lost."""
+
+    capacity: Capacity
+    engines: dict[str, EngineState] = field(default_factory=dict)
+    requests: dict[int, RequestState] = field(default_factory=dict)  # not yet completed
+    draining: dict[int, RequestState] = field(default_factory=dict)  # done, its PE not let go
+    by_wire: dict[int, RequestState] = field(default_factory=dict)  # the live attempts
+    # engines declared lost (they hear so when they beat again), with the incarnation each was
+    lost: dict[str, str] = field(default_factory=dict)
+    now_s: float = 0.0  # the time of the input being applied (requests' timeline marks)
+
+    def forget(self, req: RequestState) -> None:
+        """Drop a request and its attempt from the tables."""
+        self.requests.pop(req.req_id, None)
+        self.by_wire.pop(req.wire_id, None)
