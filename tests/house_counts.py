@@ -72,6 +72,11 @@ def main(root: Path) -> None:
         "EOS sets (the tokenizer's added to the spec's)": statements(
             root, r"\.add\((?:token|self\.tokenizer\.eos_token_id|tokenizer_eos)\)"),
         "places that decide the read path": statements(root, r"def (?:read_plan|_choose_path)\("),
+        "hit-block rules by read path outside kv/block_plan.py": statements(
+            root, r"read_path *[!=]= *(?:ReadPath\.|\")|\{(?:ReadPath\.\w+|\"(?:pe|de|split)\"): |"
+                  r"num_store_blocks <= b",
+            ("dualpath/scheduler/", "dualpath/server/router/", "dualpath/sim/",
+             "dualpath/vocab.py", "dualpath/kv/block_plan.py")),
         "modules stating the decode buffer's layer-major layout": modules(
             root, r"\(layer \* num_blocks \+ block\)|\(layer_idx \* len\(self\.pe_blocks\)|"
                   r"\.view\((?:layout|self\.layout)\.num_layers, n|"

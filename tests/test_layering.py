@@ -26,7 +26,8 @@ FORBIDDEN = frozenset(
     {"torch", "zmq", "socket", "time", "datetime", "asyncio", "threading", "multiprocessing"}
 )
 
-REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/model/spec.py",
+REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpath/kv/block_plan.py",
+                 "dualpath/model/spec.py",
                  "dualpath/server/router/state.py", "dualpath/server/router/types.py",
                  "dualpath/server/router/ledger.py", "dualpath/server/router/placement.py",
                  "dualpath/server/router/endings.py", "dualpath/server/router/membership.py",

@@ -40,6 +40,7 @@ import torch
 
 from dualpath.engine.cuda_events import EventWatcher, shared_watcher, stream_wait
 from dualpath.engine.futures import all_of
+from dualpath.kv.block_plan import BlockPlan
 from dualpath.kv.cache import PagedKVCache
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import buffer_offset
@@ -69,21 +70,23 @@ class LayerPlan:
     num_pe_read_blocks: int | None = None  # split read: leading hit blocks the PE read
 
     @property
+    def blocks(self) -> BlockPlan:
+        """The request's loads, pulls and pushes by read path (``kv/block_plan.py``)."""
+        return BlockPlan(self.read_path, self.num_hit_blocks, len(self.pe_blocks),
+                         self.num_pe_read_blocks or 0)
+
+    @property
     def pe_read_blocks(self) -> int:
         """Leading hit blocks that sit in this PE's host buffer."""
-        if self.read_path == ReadPath.SPLIT:
-            return min(self.num_pe_read_blocks or 0, self.num_hit_blocks)
-        return self.num_hit_blocks if self.read_path == ReadPath.PE else 0
+        return self.blocks.num_load_blocks
 
     def host_loads(self) -> range:
         """Prompt blocks loaded from the PE host buffer before each layer."""
-        return range(self.pe_read_blocks if self.load_hit else 0)
+        return self.blocks.loads() if self.load_hit else range(0)
 
     def de_loads(self) -> range:
         """Prompt blocks pulled from the DE buffer before each layer."""
-        if not self.load_hit:
-            return range(self.reload_blocks)
-        return range(self.pe_read_blocks, self.num_hit_blocks)
+        return self.blocks.pulls() if self.load_hit else range(self.reload_blocks)
 
     def forward_blocks(self) -> list[int]:
         """Prompt blocks whose KV this forward sends to the DE buffer after each layer.
@@ -91,10 +94,10 @@ class LayerPlan:
         By default every block the DE does not hold yet: the PE-read hit blocks and the miss
         blocks (the DE read the rest itself). A later chunk sends its own blocks.
         """
-        stop = len(self.pe_blocks) if self.forward_to is None else self.forward_to
         if self.forward_from is not None:
+            stop = len(self.pe_blocks) if self.forward_to is None else self.forward_to
             return list(range(self.forward_from, stop))
-        return [*range(self.pe_read_blocks), *range(self.num_hit_blocks, stop)]
+        return self.blocks.pushes(self.forward_to)
 
     def de_layer_block(self, layer_idx: int, block: int, layer_block_bytes: int) -> int:
         """Address of layer ``layer_idx`` of prompt block ``block`` in the DE buffer."""

@@ -48,6 +48,7 @@ from dualpath.engine.layerwise import LayerPlan, PrefillHooks
 from dualpath.engine.llm_engine import Forwarded, LLMEngine
 from dualpath.engine.prefill_jobs import BlockRuns, PrefillJob
 from dualpath.errors import RequestError
+from dualpath.kv.block_plan import load_blocks
 from dualpath.kv.host_pool import HostPool
 from dualpath.model.hooks import ComposedHooks
 from dualpath.protocol import Abort, Aborted, Failed, Message, Prefill, Prefilled, ReadDone
@@ -144,7 +145,7 @@ class PrefillWorker:
         """A job and the leading hit blocks it reads here (no more than the pool holds: a
         hit beyond what is read on either side is computed)."""
         hit = msg.num_hit_blocks
-        wanted = {"pe": hit, "split": min(msg.num_pe_read_blocks, hit)}.get(msg.read_path, 0)
+        wanted = load_blocks(msg.read_path, hit, msg.num_pe_read_blocks)
         if msg.mode == PrefillMode.ORACLE:
             wanted = 0
         pe_reads = min(wanted, self.host_pool.num_slots)

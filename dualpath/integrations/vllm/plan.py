@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dualpath.kv.block_plan import BlockPlan, load_blocks
 from dualpath.kv.layout import SEAL_BYTES, seal_offset  # the buffer's layout
 from dualpath.vocab import PrefillMode, ReadPath
 
@@ -213,10 +214,9 @@ class PrefillParams:
 
     def to_params(self) -> dict[str, Any]:
         """``kv_transfer_params`` that ``parse`` reads back as these (the engine's side)."""
-        split = self.num_store_blocks if self.read_path == ReadPath.SPLIT else 0
         return {PARAMS_KEY: {
             "role": "prefill", "req_id": self.req_id, "read_path": str(self.read_path),
-            "num_hit_blocks": self.num_hit_blocks, "num_pe_read_blocks": split,
+            "num_hit_blocks": self.num_hit_blocks, "num_pe_read_blocks": self.num_store_blocks,
             "de_endpoint": self.de_endpoint, "de_buffer_addr": self.de_buffer_addr,
             "num_blocks": self.num_blocks, "mode": str(self.mode),
             "cache_salt": self.cache_salt, "fence_path": self.fence_path}}
@@ -229,13 +229,19 @@ class PrefillParams:
             return None
         path = ReadPath(_text(mine, "read_path"))
         hit = _count(mine, "num_hit_blocks")
-        store = {ReadPath.PE: hit, ReadPath.DE: 0}.get(path, _count(mine, "num_pe_read_blocks", 0))
-        return cls(_count(mine, "req_id"), path, hit, min(store, hit),
+        store = load_blocks(path, hit, _count(mine, "num_pe_read_blocks", 0))
+        return cls(_count(mine, "req_id"), path, hit, store,
                    check_endpoint(_text(mine, "de_endpoint")), _count(mine, "de_buffer_addr"),
                    _count(mine, "num_blocks"),
                    PrefillMode(_text(mine, "mode", PrefillMode.LAYERWISE)),
                    fence_table_path(_text(mine, "fence_path", "")),
                    _text(mine, "cache_salt", ""))
+
+    @property
+    def blocks(self) -> BlockPlan:
+        """The request's loads, pulls and pushes by read path (``kv/block_plan.py``)."""
+        return BlockPlan(self.read_path, self.num_hit_blocks, self.num_blocks,
+                         self.num_store_blocks)
 
     def check(self, bounds: Bounds) -> None:
         """``ValueError`` unless the buffer is the prompt's (``num_blocks`` blocks), the hit
@@ -318,17 +324,17 @@ class PrefillPlan:
         """The pending load split as (store blocks [a, b), pulled blocks [c, d)); clears it."""
         start, stop = self.pending_load
         self.pending_load = (0, 0)
-        cut = max(start, min(stop, self.params.num_store_blocks))
+        cut = max(start, min(stop, self.params.blocks.num_load_blocks))
         return (start, cut), (cut, stop)
 
     def pushes(self, num_done: int, block_size: int) -> list[int]:
         """Buffer blocks to push once ``num_done`` prompt tokens have KV: every block the
         buffer lacks (all but the hit blocks the decode engine read itself) not yet pushed
         whole; a partial last block goes now and again, whole, after the next chunk."""
-        params = self.params
-        last = min(-(-num_done // block_size), params.num_blocks)
-        blocks = [b for b in range(last) if b not in self.pushed
-                  and not params.num_store_blocks <= b < params.num_hit_blocks]
+        plan = self.params.blocks
+        last = min(-(-num_done // block_size), plan.num_blocks)
+        pulled = plan.pulls()  # the decode engine read them into the buffer itself
+        blocks = [b for b in range(last) if b not in self.pushed and b not in pulled]
         self.pushed.update(b for b in blocks if (b + 1) * block_size <= num_done)
         return blocks
 

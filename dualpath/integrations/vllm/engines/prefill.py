@@ -39,6 +39,7 @@ from dualpath.errors import RequestError
 from dualpath.integrations.vllm.engines.http import HttpCall, VllmHttp, VllmHttpError
 from dualpath.integrations.vllm.fence import FenceTable, fence_path_for
 from dualpath.integrations.vllm.plan import PrefillParams, vllm_salt
+from dualpath.kv.block_plan import load_blocks
 from dualpath.protocol import (
     Abort,
     Aborted,
@@ -224,9 +225,8 @@ class VllmPrefillWorker(VllmWorkerBase):
         if not 0 <= msg.num_prior_outputs < len(msg.prompt_ids):
             raise RequestError(f"{msg.num_prior_outputs} prior outputs of "
                                f"{len(msg.prompt_ids)} tokens")
-        reads = {ReadPath.PE: msg.num_hit_blocks,
-                 ReadPath.SPLIT: min(msg.num_pe_read_blocks, msg.num_hit_blocks)}
-        job = _PrefillCall(msg, HttpCall(), reads.get(msg.read_path, 0) * self.block_size)
+        reads = load_blocks(msg.read_path, msg.num_hit_blocks, msg.num_pe_read_blocks)
+        job = _PrefillCall(msg, HttpCall(), reads * self.block_size)
         self._calls[msg.req_id] = job
         self.num_requests += 1
         self._pool.submit(self._run, job, self.prefill_body(msg))
