@@ -167,3 +167,16 @@ def memory_fraction_from(env: Mapping[str, str], configured: float | None) -> fl
         raise DevicePlacementError(f"{MEMORY_FRACTION_ENV}={raw!r}: expected a fraction in "
                                    "(0, 1]")
     return value
+
+
+def check_kv_fits(kv_cache_mb: int, num_kv_blocks: int | None, fraction: float,
+                  total_mib: int) -> None:
+    """``DevicePlacementError`` when an engine's KV budget (``kv_cache_mb``; not checked when
+    ``num_kv_blocks`` sets it) is larger than its share (``fraction``) of a GPU of
+    ``total_mib``."""
+    share_mib = fraction * total_mib
+    if num_kv_blocks is None and kv_cache_mb > share_mib:
+        raise DevicePlacementError(
+            f"kv_cache_mb={kv_cache_mb} does not fit this engine's share of its GPU: "
+            f"{fraction:.3g} of {total_mib} MiB = {share_mib:.0f} MiB (weights and activations "
+            "need room too): lower kv_cache_mb or put fewer engines on the GPU")

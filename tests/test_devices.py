@@ -11,6 +11,7 @@ from dualpath.devices import (
     GPU_ENV,
     MEMORY_FRACTION_ENV,
     DevicePlacementError,
+    check_kv_fits,
     memory_fraction_from,
     plan_devices,
     ray_gpu_share,
@@ -163,3 +164,10 @@ def test_vllm_engines_keep_float32_for_the_benchmarks_auto():
     vllm = AgentsOptions(engine="vllm", modes=("basic",), online_modes=())
     assert vllm.dtype == "float32"
     assert AgentsOptions(engine="dualpath").dtype == "auto"  # resolved by run_bench
+
+
+def test_a_kv_budget_is_held_to_the_engines_share_unless_blocks_set_it():
+    check_kv_fits(200, None, 0.5, 400)  # 200 MiB of a 200 MiB share
+    with pytest.raises(DevicePlacementError, match="kv_cache_mb=201"):
+        check_kv_fits(201, None, 0.5, 400)
+    check_kv_fits(4096, 64, 0.5, 400)  # num_kv_blocks sets the budget; not checked here

@@ -1,7 +1,8 @@
 """An engine process's device, set up before its model loads (``dualpath/devices.py`` has the
-rule): ``auto`` resolved against the GPUs this process sees, Mooncake's build checked against
-the device (``transfer/mooncake_build.py``), and the process's share of a shared GPU's memory
-applied as torch's per-process memory fraction, with the KV budget checked against it."""
+rules; this module applies them with torch): ``auto`` resolved against the GPUs this process
+sees, Mooncake's build checked against the device (``transfer/mooncake_build.py``), and the
+process's share of a shared GPU's memory applied as torch's per-process memory fraction, with
+the KV budget checked against it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from dualpath.config import EngineConfig
 from dualpath.devices import (
     GPU_ENV,
-    DevicePlacementError,
+    check_kv_fits,
     is_cuda,
     memory_fraction_from,
     resolve_device,
@@ -39,20 +40,9 @@ def prepare_engine_device(engine: EngineConfig, env: Mapping[str, str] | None = 
     index = torch.device(device).index or 0
     total_mib = torch.cuda.get_device_properties(index).total_memory // MIB
     if fraction is not None:
-        check_kv_fits(engine, fraction, total_mib)
+        check_kv_fits(engine.kv_cache_mb, engine.num_kv_blocks, fraction, total_mib)
         torch.cuda.set_per_process_memory_fraction(fraction, index)
     log.info("engine on %s (%s=%s): %s of its %d MiB", device, GPU_ENV,
              env.get(GPU_ENV, "unset"), "all" if fraction is None else f"{fraction:.3g}",
              total_mib)
     return device
-
-
-def check_kv_fits(engine: EngineConfig, fraction: float, total_mib: int) -> None:
-    """``DevicePlacementError`` when the engine's KV budget (``kv_cache_mb``; not checked when
-    ``num_kv_blocks`` sets it) is larger than its share of the GPU."""
-    share_mib = fraction * total_mib
-    if engine.num_kv_blocks is None and engine.kv_cache_mb > share_mib:
-        raise DevicePlacementError(
-            f"kv_cache_mb={engine.kv_cache_mb} does not fit this engine's share of its GPU: "
-            f"{fraction:.3g} of {total_mib} MiB = {share_mib:.0f} MiB (weights and activations "
-            "need room too): lower kv_cache_mb or put fewer engines on the GPU")

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from dualpath.devices import is_cuda
 from dualpath.errors import TransferError
 
 CPU_DIST = "mooncake-transfer-engine-non-cuda"
@@ -65,7 +66,7 @@ def check_build(device: str, installed: Mapping[str, str], module_found: bool = 
     ``device``'s memory: any build for the CPU, the CUDA one alone for ``cuda``/``cuda:N``.
     ``module_found``: whether a ``mooncake`` module is importable at all (with neither
     distribution installed, a source build is taken as it is)."""
-    if not device.startswith("cuda"):
+    if not is_cuda(device):
         return
     version = installed.get(CUDA_DIST) or installed.get(CPU_DIST) or VERSION
     if CUDA_DIST in installed and CPU_DIST in installed:
@@ -117,7 +118,7 @@ def require_mooncake_for(device: str) -> None:
     """Fail with ``MooncakeBuildError`` unless this process's Mooncake can move ``device``'s
     memory (the CUDA build for a CUDA device, its CUDA runtime loadable); nothing to check
     for the CPU."""
-    if not device.startswith("cuda"):
+    if not is_cuda(device):
         return
     installed = installed_builds()
     check_build(device, installed, importlib.util.find_spec("mooncake") is not None)
