@@ -118,7 +118,8 @@ class RouterLoop:
         self.model_id = self.key_space.model_id
         self.cluster_id = secrets.token_hex(6)
         self.keys = keys or cluster_keys(config)
-        self.state.public_keys = {name: pair.public for name, pair in self.keys.engines.items()}
+        engine_keys = self.keys.engines.items()
+        self.state.members.public_keys = {name: pair.public for name, pair in engine_keys}
         self._context = zmq.Context()  # its own: its ZAP handler admits this cluster's engines
         self._zap = ZapHandler(self._context, self.keys)
         try:

@@ -50,7 +50,6 @@ from dualpath.protocol import (
     Tokens,
 )
 from dualpath.scheduler.global_scheduler import GlobalScheduler
-from dualpath.scheduler.view import ClusterView
 from dualpath.server.router.endings import Endings, Fences
 from dualpath.server.router.ledger import Ledger
 from dualpath.server.router.membership import Membership
@@ -116,25 +115,6 @@ class RouterState:
         return self.placement.decisions
 
     @property
-    def read_queue_tokens(self) -> dict[int, int]:
-        """Node -> tokens being read for us."""
-        return self.ledger.read_queue_tokens
-
-    @property
-    def scheduler(self) -> GlobalScheduler:
-        """The global scheduler the requests queue in."""
-        return self.placement.scheduler
-
-    @property
-    def public_keys(self) -> dict[str, str] | None:
-        """Engine -> CURVE public key (the router's keys), sent to peers in ``Peers``."""
-        return self.members.public_keys
-
-    @public_keys.setter
-    def public_keys(self, keys: dict[str, str] | None) -> None:
-        self.members.public_keys = keys
-
-    @property
     def stuck(self) -> dict[str, int]:
         """Engine -> times it was declared stuck."""
         return self.members.stuck
@@ -153,10 +133,6 @@ class RouterState:
     def moved(self) -> int:
         """Streams moved off a lost or failing decode engine."""
         return self.endings.moved
-
-    def view(self) -> ClusterView:
-        """The scheduler's snapshot of engines and node read queues."""
-        return self.placement.view()
 
     # -- inputs ---------------------------------------------------------------------------------
     def submit(self, req: RequestState, now_s: float) -> Effects:
@@ -252,13 +228,13 @@ class RouterState:
     def counters(self) -> dict[str, int]:
         """Sums the router holds; all zero on an idle cluster with nothing lost track of."""
         loads = [e.load for e in self.engines.values()]
-        return {"read_queue_tokens": sum(self.read_queue_tokens.values()),
+        return {"read_queue_tokens": sum(self.ledger.read_queue_tokens.values()),
                 "seq": sum(x.seq for x in loads), "tok": sum(x.tok for x in loads),
                 "kv_tokens": sum(x.kv_tokens for x in loads),
                 "buffer_blocks": sum(x.buffer_blocks for x in loads),
                 "pool_blocks": sum(x.pool_blocks for x in loads),
                 "requests": len(self.requests), "draining": len(self.draining),
-                "queued": len(self.scheduler), "wire_ids": len(self.records.by_wire),
+                "queued": len(self.placement.scheduler), "wire_ids": len(self.records.by_wire),
                 "fences": len(self.fences)}
 
     # -- request messages -----------------------------------------------------------------------
