@@ -68,14 +68,17 @@ demo: setup
 
 # The vLLM tests (tests/integrations: the KV connector and `serve --engine vllm`) need the
 # peers' environment, so the suite builds it first (a minute and a half, once).
-# Two workers (pytest-xdist), each taking whole modules, the longest first
-# (tests/suite_order.py): one worker alone leaves a core idle half the time (engines start,
-# wait on sockets, time out); TEST_WORKERS=0 runs the suite in one process.
+# Two workers (pytest-xdist), each taking whole modules, the longest first (LONGEST_FIRST in
+# tests/conftest.py): one worker alone leaves a core idle half the time (engines start, wait on
+# sockets, time out). Then the tests marked `serial` alone (timed against a capped transfer,
+# or racing other processes' /dev/shm sweeps). TEST_WORKERS=0: one process throughout.
 TEST_WORKERS ?= 2
 test: setup peers
 	$(BIN)/ruff check dualpath tests
 	@$(BIN)/python -m compileall -qq -j 0 dualpath tests  # each engine process imports them
-	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q --durations=25 -m "not serial" -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder
+	$(BIN)/python -m pytest -q --durations=5 -m serial
 
 bench: setup
 	$(BIN)/dualpath bench engine --json results/bench_engine.json

@@ -14,7 +14,8 @@ import pytest
 CONFTEST = Path(__file__).with_name("conftest.py")
 SHM = Path("/dev/shm")
 
-pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
+# serial: each inner run checks /dev/shm, where a parallel worker's files come and go
+pytestmark = [pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm"), pytest.mark.serial]
 
 LEAKY = """
 from pathlib import Path

@@ -55,10 +55,38 @@ class ServeMetrics:
                                        "Prompt tokens the prefill engines computed", registry=r)
         self.generation_tokens = Counter("dualpath:generation_tokens", "Generated tokens",
                                          registry=r)
+        # where each request's time to first token went (the router's timeline; vLLM names the
+        # first and third request_queue_time_seconds and request_prefill_time_seconds)
+        self.stage_queue = Histogram(
+            "dualpath:request_queue_time_seconds", "Time to first token: queued for placement "
+            "and for the prefill engine", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.stage_read = Histogram(
+            "dualpath:request_storage_read_time_seconds", "Time to first token: the hit's "
+            "storage read (decode engine's, then prefill engine's)", buckets=LATENCY_BUCKETS_S,
+            registry=r)
+        self.stage_prefill = Histogram(
+            "dualpath:request_prefill_time_seconds", "Time to first token: the prefill "
+            "engine's forwards", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.stage_delivery = Histogram(
+            "dualpath:request_first_token_delivery_seconds", "Time to first token: the rest, "
+            "from the last forward to the caller (messages, loops)", buckets=LATENCY_BUCKETS_S,
+            registry=r)
         self.read_paths = Counter("dualpath:read_path_choices",
                                   "Read path of finished requests", ["path"], registry=r)
         if router is not None:
             r.register(ClusterCollector(router))
+
+    def observe_stages(self, timings: dict[str, float], ttft_s: float | None) -> None:
+        """Split one request's time to first token by stage: ``timings`` is its router timeline
+        (``router/types.py: timeline``), ``ttft_s`` what the API measured (None: no token)."""
+        if "ttft_s" not in timings:
+            return  # no complete timeline (the request never reached its first token)
+        computed_s = timings["queue_s"] + timings["read_s"] + timings["prefill_s"]
+        total_s = timings["ttft_s"] if ttft_s is None else max(ttft_s, timings["ttft_s"])
+        self.stage_queue.observe(timings["queue_s"])
+        self.stage_read.observe(timings["read_s"])
+        self.stage_prefill.observe(timings["prefill_s"])
+        self.stage_delivery.observe(max(0.0, total_s - computed_s))
 
     def render(self) -> bytes:
         """The text exposition format."""
@@ -73,6 +101,7 @@ class RequestTimer:
         self.start_s = time.monotonic()
         self.first_s: float | None = None
         self.second_s: float | None = None
+        self.ttft_s: float | None = None
         self.num_tokens = 0
 
     def tokens(self, count: int) -> None:
@@ -80,7 +109,8 @@ class RequestTimer:
         now = time.monotonic()
         if self.first_s is None and count:
             self.first_s = now
-            self.metrics.ttft.observe(now - self.start_s)
+            self.ttft_s = now - self.start_s
+            self.metrics.ttft.observe(self.ttft_s)
             count -= 1
             self.num_tokens += 1
         if self.second_s is None and count:

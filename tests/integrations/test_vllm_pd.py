@@ -18,7 +18,9 @@ import pytest
 
 from tests.integrations.test_vllm_env import ROOT, peers_python
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # several vLLM starts in one fixture
+# several vLLM starts in one fixture; serial: the hook order is timed against a capped pull,
+# which a busy neighbour on the cores outruns
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.serial]
 
 SCRIPT = Path(__file__).with_name("vllm_pd.py")
 MAX_TOKENS = 24

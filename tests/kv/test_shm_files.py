@@ -25,6 +25,10 @@ from dualpath.kv.shm_files import (
     sweepable_name,
 )
 
+# serial: a killed group's segment must outlive the kill until this test sweeps it, and other
+# workers' engines sweep every dead group's files as they start
+pytestmark = pytest.mark.serial
+
 # A segment as vLLM makes them (multiprocessing.shared_memory, with its resource tracker).
 SEGMENT = """
 import sys, time
@@ -67,6 +71,7 @@ time.sleep(600)
 # Holds a file open without mapping it.
 HOLDER = """
 import os, sys, time
+
 fd = os.open(sys.argv[1], os.O_RDONLY)
 print(fd, flush=True)
 time.sleep(600)

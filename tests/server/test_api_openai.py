@@ -189,6 +189,23 @@ def test_metrics_parse_and_their_counters_move(serve):
                    for k in after), engine
 
 
+def test_metrics_split_each_time_to_first_token_by_stage(serve):
+    stages = ("request_queue_time_seconds", "request_storage_read_time_seconds",
+              "request_prefill_time_seconds", "request_first_token_delivery_seconds")
+    before = serve.metrics()
+    serve.client().completions.create(model=serve.model, prompt="A stage by stage story",
+                                      max_tokens=4, temperature=0)
+    after = serve.metrics()
+    for stage in stages:
+        key = f"dualpath:{stage}_count"
+        assert after[key] == before[key] + 1, key
+    added = {s: after[f"dualpath:{s}_sum"] - before[f"dualpath:{s}_sum"] for s in stages}
+    ttft = (after["dualpath:time_to_first_token_seconds_sum"]
+            - before["dualpath:time_to_first_token_seconds_sum"])
+    assert all(v >= 0 for v in added.values()) and added["request_prefill_time_seconds"] > 0
+    assert sum(added.values()) == pytest.approx(ttft, rel=0.05, abs=0.01)
+
+
 def test_closing_a_stream_midway_aborts_the_request_on_the_engines(serve):
     before = serve.metrics()
     stream = serve.client().chat.completions.create(

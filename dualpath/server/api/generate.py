@@ -198,6 +198,7 @@ def metrics_done(metrics: ServeMetrics, run: _Run, output: ClusterOutput) -> Non
     metrics.computed_tokens.inc(output.num_computed_tokens)
     metrics.generation_tokens.inc(len(output.output_ids))
     metrics.read_paths.labels(str(output.read_path)).inc()
+    metrics.observe_stages(output.timings, run.timer.ttft_s)
 
 
 class _Reply:
