@@ -1,6 +1,7 @@
 """The house's counts (issue 44), before and after: ``python tests/house_counts.py [ROOT]``.
 
 Prefixed files in ``server/`` and ``integrations/``, ``getattr`` duck types in the engine loop,
+the router state's inheritance ladder,
 the lines of ``EngineProcess.__init__`` (with the vLLM branch's own method, if any), the places
 that build a key space or derive an engine's KV dtype, the stop rule's and the EOS set's
 statements, and the layout listings in the docs. (Package-level import loops:
@@ -39,6 +40,20 @@ def construction_lines(root: Path) -> int:
     return total
 
 
+def router_ladder(root: Path) -> int:
+    """Classes of the router's state that inherit another (``class RouterX(RouterY)``); the
+    callers' side (``client``, ``loop``) left out."""
+    total = 0
+    for path in (root / "dualpath/server").rglob("*.py"):
+        if path.name in ("client.py", "loop.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(b, ast.Name) and b.id.startswith("Router") for b in node.bases):
+                total += 1
+    return total
+
+
 def statements(root: Path, pattern: str, skip: tuple[str, ...] = ()) -> int:
     """Matches of ``pattern`` in dualpath/ (a rule's statements), files under ``skip`` left
     out (where the rule itself is defined)."""
@@ -64,6 +79,7 @@ def main(root: Path) -> None:
     rows = {
         "prefixed files in server/ and integrations/": prefixed(root),
         "getattr duck types in engine/loop.py": loop_getattrs(root),
+        "router-state classes inheriting another (the ladder)": router_ladder(root),
         "EngineProcess construction lines": construction_lines(root),
         "key spaces built outside kv/": statements(root, r"KeySpace\(", ("dualpath/kv/",)),
         "KV dtypes derived outside spec and layout": statements(

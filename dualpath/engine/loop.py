@@ -168,11 +168,21 @@ class EngineProcess:
             # what the heartbeat reports: the inbox was read just now, and what it gave us
             self._inbox_read = (time.monotonic(), self.worker.held_requests())
             try:  # may take seconds (a long prefill): the beats say how old this is
-                self.send(self.worker.work())
+                answers = self.worker.work()
             except Exception:  # the workers fail their own requests; this is a bug to log
                 log.exception("engine work failed")
+                continue
+            self.send(self._speakable(answers))
         self.close()
         return ROUTER_GONE_EXIT if self._router_gone else 0
+
+    def _speakable(self, answers: list[Message]) -> list[Message]:
+        """The worker's answers, or none once the instance under them died (its calls broke):
+        the engine's exit, next round, speaks for all its requests, so the router moves each
+        stream once instead of placing it back on this engine first."""
+        if answers and self.parts.failure() is not None:
+            return []
+        return answers
 
     def _hello(self) -> None:
         ident, ep = self.identity, self.ep

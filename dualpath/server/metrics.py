@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from dualpath.server.router.client import Router
+    from dualpath.sessions import Session
 
 log = logging.getLogger("dualpath.metrics")
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -71,10 +72,24 @@ class ServeMetrics:
             "dualpath:request_first_token_delivery_seconds", "Time to first token: the rest, "
             "from the last forward to the caller (messages, loops)", buckets=LATENCY_BUCKETS_S,
             registry=r)
+        self.session_requests = Counter(
+            "dualpath:session_requests", "Requests naming an agent session, by where the id "
+            "came from (header: X-Session-ID or x-dynamo-session-id; body: session_id)",
+            ["source"], registry=r)
+        self.agent_hints = Counter("dualpath:agent_hints", "Requests carrying each agent hint",
+                                   ["hint"], registry=r)
         self.read_paths = Counter("dualpath:read_path_choices",
                                   "Read path of finished requests", ["path"], registry=r)
         if router is not None:
             r.register(ClusterCollector(router))
+
+    def count_session(self, session: Session | None) -> None:
+        """Count a request's session and the hints it carries."""
+        if session is None:
+            return
+        self.session_requests.labels(session.source).inc()
+        for name in session.hint.names() if session.hint is not None else ():
+            self.agent_hints.labels(name).inc()
 
     def observe_stages(self, timings: dict[str, float], ttft_s: float | None) -> None:
         """Split one request's time to first token by stage: ``timings`` is its router timeline

@@ -11,6 +11,7 @@ from dualpath.engine.loop import EngineIdentity, EngineProcess
 from dualpath.errors import TransferError
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
+from dualpath.protocol import Failed
 from dualpath.traffic.lanes import Lane
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", block_size=4)
@@ -64,3 +65,23 @@ def test_a_store_that_cannot_open_still_closes_the_parts(tmp_path):
     with pytest.raises(OSError):
         EngineProcess(EngineIdentity("e0", "decode", 0), parts, "tcp://127.0.0.1:1", key)
     assert parts.closed == 1 and parts.built_with is None
+
+
+class DyingParts:
+    """Parts whose model server dies (``failure`` says so) while the worker works."""
+
+    def __init__(self) -> None:
+        self.dead = False
+
+    def failure(self) -> str | None:
+        return "the vLLM instance exited with -9" if self.dead else None
+
+
+def test_an_engine_whose_instance_died_sends_none_of_the_answers_its_calls_broke_into():
+    engine = EngineProcess.__new__(EngineProcess)  # only the parts matter here
+    engine.parts = parts = DyingParts()
+    answers = [Failed(7, "vllm decode instance: connection reset")]
+    assert engine._speakable(answers) == answers  # alive: its failures are the router's news
+    parts.dead = True
+    assert engine._speakable(answers) == []  # dead: its exit speaks for every request
+    assert engine._speakable([]) == []

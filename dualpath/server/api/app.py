@@ -16,7 +16,10 @@ more token ids than the context). With API keys, the key (compared in constant t
 the router thread is dead or stuck or a role has no live engine) and only a client with the
 key, or any client of a server without keys, which engines serve; transfer endpoints only to a
 client with the key. ``cache_salt`` and, with ``salt_by_api_key``, the presented key salt the
-request's block keys, so tenants never learn from ``cached_tokens`` what others sent.
+request's block keys, so tenants never learn from ``cached_tokens`` what others sent. A session
+id (``X-Session-ID``, ``x-dynamo-session-id`` or the body's ``session_id``) and an
+``agent_hint`` are checked (400 for ids that disagree, bad hints, a hint without a session) and
+counted in ``/metrics``.
 
 With ``return_token_ids`` a whole response carries ``prompt_token_ids`` and its choice the
 generated ``token_ids``; a stream's first chunk carries ``prompt_token_ids`` and every chunk's
@@ -55,8 +58,15 @@ from dualpath.server.api.schema import (
 )
 from dualpath.server.metrics import ServeMetrics
 from dualpath.server.router.client import Router
+from dualpath.sessions import MAX_SESSION_ID_CHARS, SESSION_ID
 
 DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")  # behind the API key, like /v1 and /metrics
+SESSION_PARAMETERS = [  # the headers RL frameworks pin a trajectory with (or body session_id)
+    {"name": name, "in": "header", "required": False,
+     "description": f"the agent session this request continues ({who}); the same as the "
+                    "body's session_id", "schema": {"type": "string", "pattern": SESSION_ID.pattern,
+                                                    "maxLength": MAX_SESSION_ID_CHARS}}
+    for name, who in (("X-Session-ID", "SkyRL's header"), ("x-dynamo-session-id", "Dynamo's"))]
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 411, 413, 429, 503, 504)}
@@ -139,6 +149,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             components[cls.__name__] = doc
             schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": {"$ref": f"#/components/schemas/{cls.__name__}"}}}}
+            schema["paths"][path]["post"]["parameters"] = SESSION_PARAMETERS
         app.openapi_schema = schema
     return app.openapi_schema
 

@@ -55,7 +55,8 @@ class _Run:
         self.timed_out = False
         self.future = router.submit(prepared.prompt_ids, prepared.params, prepared.mode,
                                     prepared.read_path, on_tokens=self._tokens,
-                                    cache_salt=prepared.cache_salt)
+                                    cache_salt=prepared.cache_salt, session=prepared.session)
+        metrics.count_session(prepared.session)
         self.future.add_done_callback(lambda _: self.loop.call_soon_threadsafe(
             self.queue.put_nowait, None))
 

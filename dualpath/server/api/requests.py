@@ -18,6 +18,7 @@ from dualpath.errors import RequestError
 from dualpath.request import SamplingParams
 from dualpath.server.api.access import Keys, Policy
 from dualpath.server.api.schema import APIError, ChatRequest, CompletionRequest
+from dualpath.sessions import SESSION_HEADERS, Session, session_of
 
 # A temperature this close to 0 samples greedily: logits divided by it overflow float32 (at
 # 5e-324 the sampler's softmax was all NaN and the request failed on every engine).
@@ -49,6 +50,7 @@ class Prepared:
     mode: str | None
     read_path: str | None
     cache_salt: str = ""
+    session: Session | None = None  # the agent session it continues, with the harness's hint
 
 
 async def read(request: Request, prepare: Callable[..., tuple[Any, Prepared]],
@@ -58,8 +60,22 @@ async def read(request: Request, prepare: Callable[..., tuple[Any, Prepared]],
     10-20 ms, and a 600 K-character one is tokenized in 0.4 s while /health answers within
     20 ms."""
     raw = await request.body()
-    return await asyncio.to_thread(prepare, raw, request.headers.get("content-type"), model,
-                                   policy, keys.match(request))
+    body, prepared = await asyncio.to_thread(prepare, raw, request.headers.get("content-type"),
+                                             model, policy, keys.match(request))
+    prepared.session = _session(request, body)
+    return body, prepared
+
+
+def _session(request: Request, body: CompletionRequest | ChatRequest) -> Session | None:
+    """The request's session from its headers and body (``dualpath/sessions.py``)."""
+    headers = {name: request.headers[name] for name in SESSION_HEADERS
+               if name in request.headers}
+    hint = body.agent_hint.hint() if body.agent_hint is not None else None
+    try:
+        return session_of(headers, body.session_id, hint)
+    except RequestError as exc:
+        param = "session_id" if body.session_id is not None or headers else "agent_hint"
+        raise APIError(400, str(exc), param=param) from exc
 
 
 def _parse(cls: type[CompletionRequest] | type[ChatRequest], raw: bytes,

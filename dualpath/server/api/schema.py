@@ -4,16 +4,24 @@ Fields the OpenAI API defines and dualpath ignores (``user``, ``logprobs: false`
 accepted and ignored, as vLLM does; fields it cannot honour (``n`` > 1, ``logprobs``) are
 refused with 400. Extensions for trace replay and ablations: ``ignore_eos``, ``min_tokens``,
 ``return_token_ids`` (vLLM's name: the prompt and generated token ids come back with the text),
-``cache_salt`` (vLLM's name: a request hits only prefixes stored under the same salt) and a
-``dualpath`` object (``mode``, ``read_path``; the server decides which modes are allowed).
+``cache_salt`` (vLLM's name: a request hits only prefixes stored under the same salt), a
+``dualpath`` object (``mode``, ``read_path``; the server decides which modes are allowed), and
+for agents ``session_id`` and ``agent_hint`` (``dualpath/sessions.py``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dualpath.sessions import (
+    MAX_HINT_S,
+    MAX_PRIORITY,
+    MAX_SESSION_ID_CHARS,
+    MIN_PRIORITY,
+    AgentHint,
+)
 from dualpath.vocab import Mode, ReadPath
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -61,6 +69,28 @@ class DualPathOptions(BaseModel):
     read_path: ReadPath | None = None
 
 
+class AgentHintBody(BaseModel):
+    """``agent_hint``: what the agent harness says about this session's next turns (the names
+    of vLLM's agent-hint RFC where it has them; ``dualpath/sessions.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
+    lease_s: Annotated[float, Field(ge=0.0, le=MAX_HINT_S)] | None = None
+    next_turn_in_s: Annotated[float, Field(ge=0.0, le=MAX_HINT_S)] | None = None
+    end_of_session: bool = False
+
+    @model_validator(mode="after")
+    def _no_next_turn_after_the_end(self) -> AgentHintBody:
+        if self.end_of_session and (self.lease_s or self.next_turn_in_s is not None):
+            raise ValueError("end_of_session says no turn follows: it takes no lease_s or "
+                             "next_turn_in_s")
+        return self
+
+    def hint(self) -> AgentHint:
+        """As the cluster takes it."""
+        return AgentHint(self.priority, self.lease_s, self.next_turn_in_s, self.end_of_session)
+
+
 class _Sampling(BaseModel):
     """What completions and chat share."""
 
@@ -80,6 +110,10 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False
     cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
     dualpath: DualPathOptions | None = None
+    # the agent session this request continues (or the X-Session-ID / x-dynamo-session-id
+    # header), and the harness's hint about its next turns
+    session_id: Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_CHARS)] | None = None
+    agent_hint: AgentHintBody | None = None
 
     @field_validator("stop")
     @classmethod

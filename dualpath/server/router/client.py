@@ -28,6 +28,7 @@ from dualpath.server.router.types import (
     RequestFailed,
     RequestState,
 )
+from dualpath.sessions import Session
 from dualpath.vocab import Mode, ReadPath, Role
 
 __all__ = ["ClusterOutput", "EngineInfo", "RequestAborted", "RequestFailed", "RequestFuture",
@@ -59,11 +60,12 @@ class Router(RouterLoop):
     def submit(self, prompt_ids: list[int], params: SamplingParams, mode: str | None = None,
                read_path: str | None = None,
                on_tokens: Callable[[tuple[int, ...]], None] | None = None,
-               cache_salt: str = "") -> RequestFuture:
+               cache_salt: str = "", session: Session | None = None) -> RequestFuture:
         """Start a request (mode and read path default to the config's); resolves when done.
 
         ``cache_salt`` (a tenant's, as vLLM spells it) salts the request's block keys: it hits
-        only blocks stored by requests of the same salt.
+        only blocks stored by requests of the same salt. ``session``: the agent session the
+        request continues, with its harness's hint (``dualpath/sessions.py``).
 
         ``on_tokens`` is called on the router thread with each batch of new output tokens as
         they arrive (the first one as soon as the prefill engine sampled it); it must not block.
@@ -71,7 +73,8 @@ class Router(RouterLoop):
         """
         req = RequestState(next(self._ids), tuple(prompt_ids), params,
                            Mode(mode or self.config.mode),
-                           ReadPath(read_path or self.config.read_path), cache_salt=cache_salt)
+                           ReadPath(read_path or self.config.read_path), cache_salt=cache_salt,
+                           session=session)
         future = RequestFuture(req.req_id)
         if req.mode == Mode.BASIC and engine_config_for(self.config, Role.PREFILL).layer_window:
             future.set_exception(RequestError(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from dualpath.errors import DualPathError
 from dualpath.protocol import Heartbeat, Message
 from dualpath.request import SamplingParams
+from dualpath.sessions import Session
 from dualpath.vocab import Mode, Phase, ReadPath, Role
 
 
@@ -125,6 +126,7 @@ class RequestState:
     # and this attempt continues from its KV (prompt + these tokens)
     num_prior_outputs: int = 0
     cache_salt: str = ""  # the tenant's salt of its block keys (kv/hashing.salted_seed)
+    session: Session | None = None  # the agent session it continues (dualpath/sessions.py)
     holds: Holds = field(default_factory=Holds)
     unseen: dict[str, int] = field(default_factory=dict)  # engine -> heartbeats without it
     sent_s: dict[str, float] = field(default_factory=dict)  # engine -> router clock at the
