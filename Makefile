@@ -73,12 +73,13 @@ demo: setup
 # sockets, time out). Then the tests marked `serial` alone (timed against a capped transfer,
 # or racing other processes' /dev/shm sweeps). TEST_WORKERS=0: one process throughout.
 TEST_WORKERS ?= 2
+SERIAL_TESTS = $(shell grep -rl --include='test_*.py' 'pytest.mark.serial' tests)  # (collects less)
 test: setup peers
 	$(BIN)/ruff check dualpath tests
 	@$(BIN)/python -m compileall -qq -j 0 dualpath tests  # each engine process imports them
 	$(BIN)/python -m pytest -q --durations=25 -m "not serial" -n $(TEST_WORKERS) --dist loadfile \
 		--no-loadscope-reorder
-	$(BIN)/python -m pytest -q --durations=5 -m serial
+	$(BIN)/python -m pytest -q --durations=5 -m serial $(SERIAL_TESTS)
 
 bench: setup
 	$(BIN)/dualpath bench engine --json results/bench_engine.json
