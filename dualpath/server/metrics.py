@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("dualpath.metrics")
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+# timeline stage -> (series name, what it holds)
+TTFT_STAGES = {
+    "queue_s": ("queue_time", "queued for placement and for the prefill engine"),
+    "read_s": ("storage_read_time", "the hit's storage read (decode engine's, then prefill "
+               "engine's)"),
+    "prefill_s": ("prefill_time", "the prefill engine's forwards"),
+    "delivery_s": ("first_token_delivery", "the rest, from the last forward to the caller "
+                   "(messages, loops)"),
+}
 STORAGE_KEYS = ("snic_read_bytes", "snic_write_bytes", "read_errors", "write_errors",
                 "read_deadline_misses", "corrupt", "misses", "hits")
 
@@ -58,20 +67,10 @@ class ServeMetrics:
                                          registry=r)
         # where each request's time to first token went (the router's timeline; vLLM names the
         # first and third request_queue_time_seconds and request_prefill_time_seconds)
-        self.stage_queue = Histogram(
-            "dualpath:request_queue_time_seconds", "Time to first token: queued for placement "
-            "and for the prefill engine", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.stage_read = Histogram(
-            "dualpath:request_storage_read_time_seconds", "Time to first token: the hit's "
-            "storage read (decode engine's, then prefill engine's)", buckets=LATENCY_BUCKETS_S,
-            registry=r)
-        self.stage_prefill = Histogram(
-            "dualpath:request_prefill_time_seconds", "Time to first token: the prefill "
-            "engine's forwards", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.stage_delivery = Histogram(
-            "dualpath:request_first_token_delivery_seconds", "Time to first token: the rest, "
-            "from the last forward to the caller (messages, loops)", buckets=LATENCY_BUCKETS_S,
-            registry=r)
+        self.stages = {stage: Histogram(f"dualpath:request_{name}_seconds",
+                                        f"Time to first token: {what}",
+                                        buckets=LATENCY_BUCKETS_S, registry=r)
+                       for stage, (name, what) in TTFT_STAGES.items()}
         self.session_requests = Counter(
             "dualpath:session_requests", "Requests naming an agent session, by where the id "
             "came from (header: X-Session-ID or x-dynamo-session-id; body: session_id)",
@@ -98,10 +97,9 @@ class ServeMetrics:
             return  # no complete timeline (the request never reached its first token)
         computed_s = timings["queue_s"] + timings["read_s"] + timings["prefill_s"]
         total_s = timings["ttft_s"] if ttft_s is None else max(ttft_s, timings["ttft_s"])
-        self.stage_queue.observe(timings["queue_s"])
-        self.stage_read.observe(timings["read_s"])
-        self.stage_prefill.observe(timings["prefill_s"])
-        self.stage_delivery.observe(max(0.0, total_s - computed_s))
+        for stage in ("queue_s", "read_s", "prefill_s"):
+            self.stages[stage].observe(timings[stage])
+        self.stages["delivery_s"].observe(max(0.0, total_s - computed_s))
 
     def render(self) -> bytes:
         """The text exposition format."""
