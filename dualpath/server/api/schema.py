@@ -81,7 +81,7 @@ class AgentHintBody(BaseModel):
 
     @model_validator(mode="after")
     def _no_next_turn_after_the_end(self) -> AgentHintBody:
-        if self.end_of_session and (self.lease_s or self.next_turn_in_s is not None):
+        if self.end_of_session and (self.lease_s is not None or self.next_turn_in_s is not None):
             raise ValueError("end_of_session says no turn follows: it takes no lease_s or "
                              "next_turn_in_s")
         return self
