@@ -98,6 +98,11 @@ class StorageConfig:
     # by then are misses, recomputed (docs/design.md §9: a slow or hung store never stalls a
     # request). None = wait as long as the store takes.
     read_deadline_s: float | None = 5.0
+    # Agent sessions (kv/retention.py): under capacity pressure, ended sessions' chains go
+    # first and live ones last. A session is live this long after its last turn (longer with
+    # a lease_s or next_turn_in_s hint). False: evict by recency alone.
+    session_retention: bool = True
+    session_window_s: float = 300.0
     # mooncake_store backend: blocks live in the memory segments of Mooncake Store clients
     # (segment holders: `python -m dualpath.storage.mooncake_store serve`), mapped by a master.
     mooncake_master: str = "127.0.0.1:50051"  # the master's RPC address, host:port
@@ -112,6 +117,8 @@ class StorageConfig:
     def __post_init__(self) -> None:
         if self.read_deadline_s is not None and not self.read_deadline_s > 0:
             raise ValueError(f"read_deadline_s must be > 0 (or None), got {self.read_deadline_s}")
+        if not self.session_window_s >= 0:
+            raise ValueError(f"session_window_s must be >= 0, got {self.session_window_s}")
 
 
 @dataclass(frozen=True)

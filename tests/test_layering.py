@@ -32,7 +32,9 @@ REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpat
                  "dualpath/server/router/ledger.py", "dualpath/server/router/placement.py",
                  "dualpath/server/router/endings.py", "dualpath/server/router/membership.py",
                  "dualpath/vocab.py",
-                 "dualpath/regime.py", "dualpath/ending.py", "dualpath/sessions.py")
+                 "dualpath/regime.py", "dualpath/ending.py", "dualpath/sessions.py",
+                 "dualpath/kv/retention.py",
+                 "dualpath/server/router/sessions.py")
 OPTIONAL_PURE = ("dualpath/traffic/lanes.py", "dualpath/traffic/token_bucket.py",
                  "dualpath/kv/layout.py")
 PURE_TREES = ("dualpath/scheduler",)

@@ -38,6 +38,7 @@ from dualpath.kv.shm_files import orphaned_pool_files, sweep_dead, wait_unheld
 from dualpath.local_devices import local_gpu_ids
 from dualpath.request import SamplingParams
 from dualpath.server.router.client import ClusterOutput, RequestFuture, Router
+from dualpath.sessions import Session
 from dualpath.storage.node_nic import remove_dead_accounts
 from dualpath.vocab import EngineKind
 
@@ -137,10 +138,12 @@ class ClusterBase:
     def submit(self, prompt_ids: list[int], params: SamplingParams, mode: str | None = None,
                read_path: str | None = None,
                on_tokens: Callable[[tuple[int, ...]], None] | None = None,
-               cache_salt: str = "") -> RequestFuture:
-        """Start one request; ``on_tokens`` and ``cache_salt`` as in :meth:`Router.submit`."""
+               cache_salt: str = "", session: Session | None = None) -> RequestFuture:
+        """Start one request; ``on_tokens``, ``cache_salt`` and ``session`` as in
+        :meth:`Router.submit`."""
         assert self.router is not None, "start() the cluster first"
-        return self.router.submit(prompt_ids, params, mode, read_path, on_tokens, cache_salt)
+        return self.router.submit(prompt_ids, params, mode, read_path, on_tokens, cache_salt,
+                                  session)
 
     def abort(self, future: RequestFuture) -> None:
         """Cancel a submitted request wherever it is; its future fails with RequestAborted."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from dualpath.errors import StorageError
 from dualpath.kv.hashing import BlockKey
+from dualpath.kv.retention import SessionMark
 
 Parts = list[memoryview]  # one block's bytes, possibly scattered over several buffers
 
@@ -91,6 +92,14 @@ class StorageBackend(ABC):
     @abstractmethod
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Remove the blocks; returns how many existed."""
+
+    def mark_session(self, session_key: str, mark: SessionMark) -> bool:
+        """Record that an agent session's chain ends at ``mark.tip`` and how long it is wanted
+        (``retention.py``), so eviction spares live sessions and takes ended ones first;
+        ``session_key`` names the session (the same key replaces its earlier mark). Returns
+        whether this backend keeps it (False: it evicts without regard to sessions);
+        ``OSError`` where it could not be written."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release worker threads and files (idempotent)."""

@@ -40,6 +40,7 @@ from typing import Any
 from dualpath.errors import InvalidKeyError
 from dualpath.kv.hashing import BlockKey, checked_key
 from dualpath.kv.layout import KVLayout
+from dualpath.kv.retention import SessionMark
 from dualpath.storage.base import Parts, StorageBackend
 from dualpath.storage.block_file import (
     HEADER_BYTES,
@@ -53,6 +54,7 @@ from dualpath.storage.block_file import (
 )
 from dualpath.storage.file_reads import preadv_full, read_file_into
 from dualpath.storage.fs_capacity import SUFFIX, SharedCapacity, pid_alive
+from dualpath.storage.session_marks import SessionMarks
 
 log = logging.getLogger("dualpath.storage")
 
@@ -102,10 +104,11 @@ class FsStore(StorageBackend):
         self._local = threading.local()
         self._file_bytes = self.block_bytes + FILE_OVERHEAD
         self._can_touch = True  # False once the mount turns out read-only
+        self.marks = SessionMarks(self.root, self.file_mode, self.dir_mode)
         self.capacity: SharedCapacity | None = None
         if capacity_bytes is not None:
             self.capacity = SharedCapacity(self.root, capacity_bytes, lock=lock,
-                                           file_mode=self.file_mode)
+                                           file_mode=self.file_mode, marks=self.marks)
         self._closing = threading.Event()
         self.swept = threading.Event()  # set once the temp-file sweep of the open has ended
         threading.Thread(target=self._sweep_at_open, name="fs-temp-sweep", daemon=True).start()
@@ -153,6 +156,14 @@ class FsStore(StorageBackend):
         removed = sum(self._unlink(self._path_str(k)) for k in keys)
         self.stats.add(blocks_deleted=removed)
         return removed
+
+    def mark_session(self, session_key: str, mark: SessionMark) -> bool:
+        """Kept where a capacity makes eviction possible; every process sharing the root ranks
+        its blocks by it (``session_marks``)."""
+        if self.capacity is None:
+            return False
+        self.marks.write(session_key, mark)
+        return True
 
     def close(self) -> None:
         self._closing.set()  # a sweep still walking the tree stops at its next folder

@@ -5,8 +5,10 @@ reader's wall clock in ns on every write and use (``os.utime``); hosts sharing a
 clocks in sync. **Usage** is a ledger, ``<root>/.usage``, that writers add to under a lock; it
 only steers, and a pass also runs after every ``RESCAN_FRACTION`` of the capacity written.
 **Eviction** is a pass under ``<root>/.evict.lock``: scan block files (size, mtime, parent), let
-``PrefixLRUIndex`` choose orphans first, then least recently used leaves, down to the capacity
-(95% of it from 1,000 blocks), and unlink them. A writer whose batch takes the ledger over the
+``PrefixLRUIndex`` choose orphans first, then leaves by their sessions' claims (the marks in
+``<root>/.sessions``, ``session_marks``: ended sessions' chains first, live ones last,
+``kv/retention``) and least recently used first, down to the capacity (95% of it from 1,000
+blocks), and unlink them. A writer whose batch takes the ledger over the
 capacity runs a pass unless another writer's already made room; passes remove leaves only, so
 the store stays prefix-closed for readers. The lock (:mod:`dualpath.storage.lock_file`) is
 ``flock``, falling back to an ``O_EXCL`` lease file broken after ``STALE_LOCK_S``; pass
@@ -27,10 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dualpath.kv.retention import block_ranks
 from dualpath.storage.block_file import HEADER_BYTES, BadBlockFile, unpack_header
 from dualpath.storage.file_reads import preadv_full, read_file_into
 from dualpath.storage.index import PrefixLRUIndex
 from dualpath.storage.lock_file import LockFile
+from dualpath.storage.session_marks import SessionMarks
 
 log = logging.getLogger("dualpath.storage")
 
@@ -121,7 +125,7 @@ class SharedCapacity:
     ledger and lock files are created with ``file_mode`` (the store's)."""
 
     def __init__(self, root: Path, capacity_bytes: int, *, lock: str = "flock",
-                 file_mode: int = 0o600) -> None:
+                 file_mode: int = 0o600, marks: SessionMarks | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         self.root = root
@@ -130,10 +134,12 @@ class SharedCapacity:
         self.ledger = Ledger(root / LEDGER_NAME,
                              LockFile(root / (LEDGER_NAME + ".lock"), lock, file_mode), file_mode)
         self.evict_lock = LockFile(root / EVICT_LOCK_NAME, lock, file_mode)
+        self.marks = marks or SessionMarks(root, file_mode)
         self._parents: dict[bytes, bytes | None] = {}  # block hash -> parent, from headers
         self.passes = 0
         self.last_pass_s = 0.0
         self.last_scan_blocks = 0
+        self.last_pass_marks = 0  # session marks the last pass ranked blocks by
 
     def added(self, nbytes: int) -> int:
         """Account ``nbytes`` of new block files; evicts if due. Returns the blocks evicted.
@@ -181,6 +187,12 @@ class SharedCapacity:
         index = PrefixLRUIndex(self.capacity_bytes)
         for block_hash, block in sorted(blocks.items(), key=lambda kv: kv[1].mtime_ns):
             index.add(block_hash, block.parent, block.nbytes)
+        now_ns = time.time_ns()  # marks hold wall-clock times, like the files' mtimes
+        marks = self.marks.load(now_ns)
+        if marks:
+            parents = {block_hash: block.parent for block_hash, block in blocks.items()}
+            index.set_ranks(block_ranks(parents, marks, now_ns))
+        self.last_pass_marks = len(marks)
         measured = index.total_bytes
         freed = evicted = 0
         for block_hash in index.victims():

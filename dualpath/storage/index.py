@@ -3,12 +3,17 @@
 Pure (no clock: recency is a logical counter). Only *leaves* — blocks no stored block extends
 — are evicted, least recently used first, so whole suffixes go before their prefixes; blocks
 whose prefix is gone (*orphans*, which no lookup can reach) are evicted before anything else.
+With ranks (``set_ranks``: agent sessions' claims, ``retention.py``), leaves of a lower rank go
+first and recency orders leaves of one rank.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from dualpath.kv.retention import DEFAULT_RANK, Rank
 
 LOW_WATERMARK = 0.95  # large stores evict down to this fraction of the capacity
 WATERMARK_MIN_ENTRIES = 1000
@@ -30,6 +35,11 @@ class PrefixLRUIndex:
         self._entries: dict[bytes, _Entry] = {}
         self._children: dict[bytes, set[bytes]] = {}
         self._clock = 0
+        self._ranks: Mapping[bytes, Rank] = {}
+
+    def set_ranks(self, ranks: Mapping[bytes, Rank]) -> None:
+        """Each block's rank for the next ``victims`` (absent blocks: ``DEFAULT_RANK``)."""
+        self._ranks = ranks
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._entries
@@ -82,8 +92,8 @@ class PrefixLRUIndex:
         """Remove and return blocks until ``total_bytes <= target`` (default: once over capacity).
 
         Orphans go first (a chain may arrive out of order, so they are kept until space is
-        needed), then leaves, least recently used first. Large stores evict down to a low
-        watermark (95% of capacity) so the scan here stays rare.
+        needed), then leaves, lowest rank first, least recently used first. Large stores
+        evict down to a low watermark (95% of capacity) so the scan here stays rare.
         """
         if target_bytes is not None:
             target = target_bytes
@@ -91,12 +101,13 @@ class PrefixLRUIndex:
             return []
         else:
             target = self._default_target()
-        heap = [(not self.is_orphan(h), e.last_used, h) for h, e in self._entries.items()
-                if self.is_leaf(h) or self.is_orphan(h)]
+        ranks = self._ranks
+        heap = [(not self.is_orphan(h), ranks.get(h, DEFAULT_RANK), e.last_used, h)
+                for h, e in self._entries.items() if self.is_leaf(h) or self.is_orphan(h)]
         heapq.heapify(heap)
         evicted = []
         while heap and self.total_bytes > target:
-            _, last_used, block_hash = heapq.heappop(heap)
+            _, _, last_used, block_hash = heapq.heappop(heap)
             entry = self._entries.get(block_hash)
             if entry is None or entry.last_used != last_used:
                 continue
@@ -107,7 +118,8 @@ class PrefixLRUIndex:
             evicted.extend(self._evict_descendants(block_hash))
             parent = entry.parent
             if parent in self._entries and self.is_leaf(parent):
-                heapq.heappush(heap, (True, self._entries[parent].last_used, parent))
+                heapq.heappush(heap, (True, ranks.get(parent, DEFAULT_RANK),
+                                      self._entries[parent].last_used, parent))
         return evicted
 
     def _default_target(self) -> int:

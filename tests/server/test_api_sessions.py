@@ -10,6 +10,8 @@ prompt and output plus new tokens, same session) hits what the first stored.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
@@ -17,9 +19,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dualpath.config_file import ServeConfig
+from dualpath.kv.retention import SessionMark
 from dualpath.server.api.app import build_app
 from dualpath.server.launch import LocalCluster
 from dualpath.server.metrics import ServeMetrics
+from dualpath.server.router.sessions import session_key
+from dualpath.storage.session_marks import FOLDER, mark_name
 
 from .test_api_errors import MODEL, byte_model, serving, tiny_cluster_config
 
@@ -29,10 +34,15 @@ BODY = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
 
 
 @pytest.fixture(scope="module")
-def api(tiny_chaotic_dir, tmp_path_factory) -> Iterator[httpx.Client]:
-    tmp = tmp_path_factory.mktemp("api-sessions")
-    with LocalCluster(tiny_chaotic_dir, tiny_cluster_config(tmp / "kv"),
-                      log_dir=tmp / "logs") as cluster:
+def store_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("api-sessions") / "kv"
+
+
+@pytest.fixture(scope="module")
+def api(tiny_chaotic_dir, store_root) -> Iterator[httpx.Client]:
+    config = tiny_cluster_config(store_root)  # a capped store: eviction, so session marks
+    config = replace(config, storage=replace(config.storage, capacity_gb=1.0))
+    with LocalCluster(tiny_chaotic_dir, config, log_dir=store_root.parent / "logs") as cluster:
         router = cluster.router
         app = build_app(router, byte_model(tiny_chaotic_dir, router), ServeConfig(),
                         ServeMetrics(router))
@@ -123,12 +133,15 @@ def test_a_rollouts_next_turn_in_the_same_session_hits_the_first(api):
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # a full block
 
 
-def test_the_openapi_document_shows_the_session_headers_and_the_hint(api):
-    doc = api.get("/openapi.json").json()
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        names = {p["name"] for p in doc["paths"][path]["post"]["parameters"]}
-        assert names == {"X-Session-ID", "x-dynamo-session-id"}, path
-    schemas = doc["components"]["schemas"]
-    assert {"session_id", "agent_hint"} <= schemas["CompletionRequest"]["properties"].keys()
-    assert set(schemas["AgentHintBody"]["properties"]) == {
-        "priority", "lease_s", "next_turn_in_s", "end_of_session"}
+def test_each_finished_turn_leaves_its_sessions_mark_on_its_stored_chain(api, store_root):
+    session = {"X-Session-ID": "marked-1"}
+    path = store_root / FOLDER / mark_name(session_key("marked-1", ""))
+    first = complete(api, session, agent_hint={"lease_s": 600}).json()
+    leased = SessionMark.from_json(path.read_bytes())
+    assert leased.live_until_ns - leased.seen_ns == 600 * 10**9 and not leased.ended
+    assert list(store_root.rglob(leased.tip.hex() + ".kvb"))  # the tip is a stored block
+    context = first["prompt_token_ids"] + first["choices"][0]["token_ids"] + [1, 2, 3]
+    complete(api, session, prompt=context, agent_hint={"end_of_session": True})
+    ended = SessionMark.from_json(path.read_bytes())
+    assert ended.ended and ended.tip != leased.tip
+    assert list(store_root.rglob(ended.tip.hex() + ".kvb"))

@@ -53,6 +53,7 @@ from dualpath.protocol import (
     encode,
 )
 from dualpath.scheduler.global_scheduler import GlobalScheduler
+from dualpath.server.router.sessions import SessionBook
 from dualpath.server.router.setup import bind, cluster_keys, kv_tokens, scheduler_params
 from dualpath.server.router.state import RouterState
 from dualpath.server.router.types import (
@@ -97,6 +98,9 @@ class RouterLoop:
         self.block_size = layout.block_size
         self.key_space = key_space_for(model_id(model_dir), layout, config.engine_kind)
         self.store = open_store(config.storage, layout)
+        self.sessions = SessionBook(self.key_space, config.storage.session_window_s,
+                                    config.storage.session_retention)
+        self.mark_errors = 0  # session marks the store could not take
         capacity = Capacity(self.block_size, kv_tokens(config, layout, Role.DECODE),
                             config.host_pool_blocks, config.save_staging_blocks,
                             kv_tokens(config, layout, Role.PREFILL))
@@ -229,6 +233,7 @@ class RouterLoop:
         for req_id, result in effects.done:
             self._listeners.pop(req_id, None)
             self._remember_oracle(req_id, result)
+            self._mark_session(req_id, result)
             future = self._futures.pop(req_id, None)
             if future is None or future.done():
                 continue
@@ -260,6 +265,7 @@ class RouterLoop:
         if req.mode == Mode.ORACLE:
             self._oracle_ids.add(req.req_id)
         req.num_hit_blocks = self._hit_blocks(req)
+        self.sessions.admit(req.req_id, req.session, req.mode, req.cache_salt)
         return self.state.submit(req, self._clock())
 
     def _remember_oracle(self, req_id: int, out: ClusterOutput | Exception) -> None:
@@ -273,6 +279,17 @@ class RouterLoop:
         if len(self._oracle_blocks) > ORACLE_BLOCKS_KEPT:  # a bench mode: bound it anyway
             self._oracle_blocks.clear()
         self._oracle_blocks.update(self.key_space.keys(out.prompt_ids + out.output_ids[:-1]))
+
+    def _mark_session(self, req_id: int, result: ClusterOutput | Exception) -> None:
+        """Tell the store where a finished turn left its session's chain (``sessions.py``)."""
+        write = self.sessions.finish(req_id, result, time.time_ns())
+        if write is None:
+            return
+        try:
+            self.store.mark_session(write.session_key, write.mark)
+        except OSError as exc:  # costs the session its claim, never the request
+            self.mark_errors += 1
+            log.warning("router: the store could not take a session mark: %s", exc)
 
     def _lose(self, name: str, reason: str, exited: bool = False) -> Effects:
         for future in self._metrics.pop(name, []):

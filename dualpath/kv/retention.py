@@ -1,0 +1,170 @@
+"""Session-aware retention: which stored blocks a full store gives up first (pure: no clock,
+no I/O; times are passed in as wall-clock ns).
+
+A *session mark* says that a chain of stored blocks (its *tip* and every ancestor of it) is an
+agent session's context, when the session last finished a turn, until when it counts as
+*live* (its lease, its expected return, or a recent turn) and whether the harness ended it.
+The router writes one mark per session after each turn (``server/router/sessions.py``); an
+eviction pass, in whichever process runs it, ranks every stored block by the marks:
+
+1. ``ENDED``: only on chains of ended or expired sessions (nobody is coming back for it);
+2. ``ANONYMOUS``: on no session's chain (a request that named no session);
+3. ``SHARED``: on an ended or expired session's chain, and a prefix that two or more chains
+   continue (a system prompt, a forked trajectory's common past): the next session is likely
+   to start there;
+4. ``LIVE``: on a live session's chain; a higher hint ``priority`` goes later.
+
+The index evicts leaves only, so within a rank a chain's tail goes before the prefix it
+extends; ties go least recently used first, as before. Without marks every block is
+``ANONYMOUS`` and eviction is plain prefix-closed LRU.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import IntEnum
+
+from dualpath.sessions import AgentHint
+
+NS_PER_S = 1_000_000_000
+DEFAULT_WINDOW_S = 300.0  # a session seen this recently is live without a hint
+NEXT_TURN_SLACK = 2.0  # an expected return keeps the session live this many times as long
+MARK_KEPT_S = 86_400.0  # a mark outlives its session's liveness by this much, then goes
+
+
+class Retention(IntEnum):
+    """A stored block's claim to stay, lowest evicted first."""
+
+    ENDED = 0
+    ANONYMOUS = 1
+    SHARED = 2
+    LIVE = 3
+
+
+Rank = tuple[int, int]  # (Retention, priority): compared as a tuple, lowest evicted first
+DEFAULT_RANK: Rank = (Retention.ANONYMOUS, 0)
+
+
+class BadMark(ValueError):
+    """A session mark that cannot be parsed (a damaged or foreign file)."""
+
+
+@dataclass(frozen=True)
+class SessionMark:
+    """One session's stored chain and how long it is wanted."""
+
+    tip: bytes  # hash of the chain's last full block
+    seen_ns: int  # wall clock of the session's last finished turn
+    live_until_ns: int  # live until then, unless ended
+    ended: bool = False  # the harness said no turn follows
+    priority: int = 0  # the harness's priority: higher stays longer among live chains
+
+    def live(self, now_ns: int) -> bool:
+        """Whether the session may still come back for its chain."""
+        return not self.ended and now_ns < self.live_until_ns
+
+    def stale(self, now_ns: int) -> bool:
+        """Whether the mark itself can go: its session stopped being live long ago."""
+        end_ns = self.seen_ns if self.ended else self.live_until_ns
+        return now_ns - end_ns > MARK_KEPT_S * NS_PER_S
+
+    def to_json(self) -> bytes:
+        """The mark as a small JSON document (what an ``fs`` store keeps per session)."""
+        return json.dumps({"tip": self.tip.hex(), "seen_ns": self.seen_ns,
+                           "live_until_ns": self.live_until_ns, "ended": self.ended,
+                           "priority": self.priority}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> SessionMark:
+        """A mark from ``to_json``'s bytes; ``BadMark`` for anything else."""
+        try:
+            data = json.loads(raw)
+            mark = cls(bytes.fromhex(data["tip"]), int(data["seen_ns"]),
+                       int(data["live_until_ns"]), bool(data["ended"]), int(data["priority"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadMark(f"not a session mark: {exc}") from None
+        if not mark.tip:
+            raise BadMark("a session mark without a tip")
+        return mark
+
+
+def mark_for(tip: bytes, seen_ns: int, hint: AgentHint | None,
+             window_s: float = DEFAULT_WINDOW_S) -> SessionMark:
+    """The mark a finished turn leaves: live for ``window_s``, or as long as its hint's lease
+    or (``NEXT_TURN_SLACK`` times) its expected return, whichever is longest."""
+    live_s = window_s
+    if hint is not None and hint.lease_s is not None:
+        live_s = max(live_s, hint.lease_s)
+    if hint is not None and hint.next_turn_in_s is not None:
+        live_s = max(live_s, hint.next_turn_in_s * NEXT_TURN_SLACK)
+    return SessionMark(tip, seen_ns, seen_ns + round(live_s * NS_PER_S),
+                       hint is not None and hint.end_of_session,
+                       hint.priority if hint is not None else 0)
+
+
+def block_ranks(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMark],
+                now_ns: int) -> dict[bytes, Rank]:
+    """Each stored block's rank (blocks absent from the result are ``DEFAULT_RANK``).
+
+    ``parents`` maps every stored block to its parent's hash (None for a first block); a
+    mark whose tip is not stored protects nothing.
+    """
+    live_priority: dict[bytes, int] = {}
+    marked: set[bytes] = set()
+    tips: set[bytes] = set()
+    for mark in marks:
+        if mark.tip not in parents:
+            continue
+        tips.add(mark.tip)
+        if mark.live(now_ns):
+            _walk_live(parents, mark.tip, mark.priority, live_priority)
+        else:
+            _walk_marked(parents, mark.tip, marked)
+    shared = _shared_blocks(parents, tips) if marked else set()
+    ranks: dict[bytes, Rank] = {
+        h: (Retention.SHARED if h in shared else Retention.ENDED, 0) for h in marked}
+    ranks.update((h, (Retention.LIVE, p)) for h, p in live_priority.items())
+    return ranks
+
+
+def _walk_live(parents: Mapping[bytes, bytes | None], tip: bytes, priority: int,
+               live_priority: dict[bytes, int]) -> None:
+    """Mark ``tip`` and its stored ancestors live at ``priority`` (at least)."""
+    block: bytes | None = tip
+    while block is not None and block in parents:
+        if live_priority.get(block, priority - 1) >= priority:
+            return  # an earlier walk covered the rest of the chain at this priority or above
+        live_priority[block] = priority
+        block = parents[block]
+
+
+def _walk_marked(parents: Mapping[bytes, bytes | None], tip: bytes, marked: set[bytes]) -> None:
+    """Mark ``tip`` and its stored ancestors as on an ended or expired session's chain."""
+    block: bytes | None = tip
+    while block is not None and block in parents and block not in marked:
+        marked.add(block)
+        block = parents[block]
+
+
+def _shared_blocks(parents: Mapping[bytes, bytes | None], tips: set[bytes]) -> set[bytes]:
+    """Blocks that two or more chains continue: more than one leaf or session tip lies at or
+    below them."""
+    children: dict[bytes, int] = {}
+    for parent in parents.values():
+        if parent is not None and parent in parents:
+            children[parent] = children.get(parent, 0) + 1
+    ends = {h: int(h in tips or h not in children) for h in parents}
+    waiting = dict(children)
+    ready = [h for h in parents if h not in children]
+    while ready:  # leaves up: a block is done once all its children are
+        block = ready.pop()
+        parent = parents[block]
+        if parent is None or parent not in parents:
+            continue
+        ends[parent] += ends[block]
+        waiting[parent] -= 1
+        if not waiting[parent]:
+            ready.append(parent)
+    return {h for h, count in ends.items() if count >= 2}

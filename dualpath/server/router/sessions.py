@@ -1,0 +1,75 @@
+"""The router's book of agent sessions (pure: times come in as arguments).
+
+A request that names a session (``dualpath/sessions.py``) is noted when it is admitted; when
+it finishes, the book turns it into the session's new mark for the store
+(``kv/retention.py``): the chain now ends at the last full block of its prompt and
+output (the blocks its decode engine stores), live for the configured window or as long as
+the hint asks, or ended. Requests that store nothing (oracle, recompute) and failed requests
+leave no mark. The mark is keyed by the session id under the request's cache salt, so two
+tenants' sessions of one name stay apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.kv.hashing import KeySpace
+from dualpath.kv.retention import DEFAULT_WINDOW_S, SessionMark, mark_for
+from dualpath.server.router.types import ClusterOutput
+from dualpath.sessions import Session
+from dualpath.vocab import Mode
+
+
+@dataclass(frozen=True)
+class _Noted:
+    session: Session
+    cache_salt: str
+
+
+@dataclass(frozen=True)
+class MarkWrite:
+    """A mark to write to the store, under its session's key."""
+
+    session_key: str
+    mark: SessionMark
+
+
+class SessionBook:
+    """Sessions of requests in flight, and the marks their finished turns leave."""
+
+    def __init__(self, key_space: KeySpace, window_s: float = DEFAULT_WINDOW_S,
+                 enabled: bool = True) -> None:
+        self.key_space = key_space
+        self.window_s = window_s
+        self.enabled = enabled  # False: the store evicts without regard to sessions
+        self._noted: dict[int, _Noted] = {}
+        self.marks_made = 0
+
+    def admit(self, req_id: int, session: Session | None, mode: Mode, cache_salt: str) -> None:
+        """Note a request's session, if it has one and its blocks will be stored."""
+        if self.enabled and session is not None and mode not in (Mode.ORACLE, Mode.RECOMPUTE):
+            self._noted[req_id] = _Noted(session, cache_salt)
+
+    def finish(self, req_id: int, result: ClusterOutput | Exception,
+               now_ns: int) -> MarkWrite | None:
+        """The mark a finished request leaves (None: no session, no full block, or a
+        failure)."""
+        noted = self._noted.pop(req_id, None)
+        if noted is None or not isinstance(result, ClusterOutput):
+            return None
+        stored_ids = result.prompt_ids + result.output_ids[:-1]  # the last token's KV: never
+        keys = self.key_space.salted(noted.cache_salt).keys(stored_ids)
+        if not keys:
+            return None
+        self.marks_made += 1
+        return MarkWrite(session_key(noted.session.session_id, noted.cache_salt),
+                         mark_for(keys[-1].block_hash, now_ns, noted.session.hint,
+                                  self.window_s))
+
+    def __len__(self) -> int:
+        return len(self._noted)
+
+
+def session_key(session_id: str, cache_salt: str) -> str:
+    """What a session's mark is stored under: its id within its tenant's salt."""
+    return f"{cache_salt}\0{session_id}"

@@ -1,0 +1,62 @@
+"""The router's session book (``server/router/sessions.py``): the mark a finished turn leaves."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath.kv.hashing import KeySpace
+from dualpath.kv.retention import NS_PER_S
+from dualpath.server.router.sessions import SessionBook, session_key
+from dualpath.server.router.types import ClusterOutput
+from dualpath.sessions import AgentHint, Session
+from dualpath.vocab import Mode
+
+SPACE = KeySpace("model", "layout", 4)
+NOW = 10**18
+
+
+def output(req_id: int, prompt: list[int], tokens: list[int]) -> ClusterOutput:
+    return ClusterOutput(req_id, prompt, tokens, "length", 0, "pe", "p0", "d0")
+
+
+def test_a_turn_marks_the_last_block_its_decode_engine_stores():
+    book = SessionBook(SPACE, window_s=60)
+    book.admit(1, Session("traj", "header"), Mode.DUALPATH, "")
+    write = book.finish(1, output(1, list(range(10)), [50, 51, 52]), NOW)
+    assert write is not None and write.session_key == session_key("traj", "")
+    # 10 + 3 tokens, the last one's KV never computed: 12 -> 3 full blocks of 4
+    assert write.mark.tip == SPACE.keys([*range(10), 50, 51])[-1].block_hash
+    assert write.mark.live(NOW + 59 * NS_PER_S) and not write.mark.live(NOW + 60 * NS_PER_S)
+    assert len(book) == 0
+
+
+def test_the_salt_keeps_two_tenants_sessions_and_chains_apart():
+    book = SessionBook(SPACE)
+    book.admit(1, Session("traj", "body"), Mode.DUALPATH, "a")
+    book.admit(2, Session("traj", "body"), Mode.DUALPATH, "b")
+    one = book.finish(1, output(1, list(range(8)), [1]), NOW)
+    two = book.finish(2, output(2, list(range(8)), [1]), NOW)
+    assert one is not None and two is not None
+    assert one.session_key != two.session_key and one.mark.tip != two.mark.tip
+    assert one.mark.tip == SPACE.salted("a").keys(list(range(8)))[-1].block_hash
+
+
+def test_an_ending_hint_ends_the_session():
+    book = SessionBook(SPACE)
+    book.admit(1, Session("t", "body", AgentHint(end_of_session=True, priority=5)),
+               Mode.BASIC, "")
+    write = book.finish(1, output(1, list(range(8)), [1]), NOW)
+    assert write is not None and write.mark.ended and write.mark.priority == 5
+
+
+@pytest.mark.parametrize("case", ["no session", "oracle", "recompute", "failed", "disabled",
+                                  "short", "unknown"])
+def test_turns_that_store_nothing_or_failed_leave_no_mark(case):
+    book = SessionBook(SPACE, enabled=case != "disabled")
+    mode = {"oracle": Mode.ORACLE, "recompute": Mode.RECOMPUTE}.get(case, Mode.DUALPATH)
+    if case != "unknown":
+        book.admit(1, None if case == "no session" else Session("t", "body"), mode, "")
+    prompt = [1, 2] if case == "short" else list(range(8))
+    result = RuntimeError("lost") if case == "failed" else output(1, prompt, [3])
+    assert book.finish(1, result, NOW) is None
+    assert len(book) == 0
