@@ -129,6 +129,18 @@ def block_ranks(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMa
     return ranks
 
 
+def surviving_tip(parents: Mapping[bytes, bytes | None], tip: bytes,
+                  gone: set[bytes]) -> bytes | None:
+    """The deepest block of ``tip``'s chain that is stored and not ``gone``: where a mark
+    moves once eviction took its tip (None: nothing of the chain is left)."""
+    block: bytes | None = tip
+    while block is not None and block in parents:
+        if block not in gone:
+            return block
+        block = parents[block]
+    return None
+
+
 def _walk_live(parents: Mapping[bytes, bytes | None], tip: bytes, priority: int,
                live_priority: dict[bytes, int]) -> None:
     """Mark ``tip`` and its stored ancestors live at ``priority`` (at least)."""

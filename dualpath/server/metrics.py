@@ -37,7 +37,8 @@ TTFT_STAGES = {
                    "(messages, loops)"),
 }
 STORAGE_KEYS = ("snic_read_bytes", "snic_write_bytes", "read_errors", "write_errors",
-                "read_deadline_misses", "corrupt", "misses", "hits")
+                "read_deadline_misses", "corrupt", "misses", "hits", "blocks_evicted",
+                "live_blocks_evicted", "ended_blocks_evicted", "live_evicted_before_ended")
 
 
 class ServeMetrics:

@@ -45,7 +45,11 @@ class StorageStats:
 
     FIELDS = ("hits", "misses", "corrupt", "read_errors", "bytes_read", "bytes_written",
               "blocks_written", "writes_skipped", "write_errors", "blocks_evicted",
-              "blocks_deleted")
+              "blocks_deleted",
+              # by the sessions' claims (kv/retention.py): live sessions' blocks evicted,
+              # ended or expired ones', and live ones evicted while an ended one was kept
+              # (the order promises 0)
+              "live_blocks_evicted", "ended_blocks_evicted", "live_evicted_before_ended")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -108,7 +108,8 @@ class FsStore(StorageBackend):
         self.capacity: SharedCapacity | None = None
         if capacity_bytes is not None:
             self.capacity = SharedCapacity(self.root, capacity_bytes, lock=lock,
-                                           file_mode=self.file_mode, marks=self.marks)
+                                           file_mode=self.file_mode, marks=self.marks,
+                                           stats=self.stats)
         self._closing = threading.Event()
         self.swept = threading.Event()  # set once the temp-file sweep of the open has ended
         threading.Thread(target=self._sweep_at_open, name="fs-temp-sweep", daemon=True).start()

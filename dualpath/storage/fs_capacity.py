@@ -29,7 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dualpath.kv.retention import block_ranks
+from dualpath.kv.retention import (
+    DEFAULT_RANK,
+    Rank,
+    Retention,
+    SessionMark,
+    block_ranks,
+    surviving_tip,
+)
+from dualpath.storage.base import StorageStats
 from dualpath.storage.block_file import HEADER_BYTES, BadBlockFile, unpack_header
 from dualpath.storage.file_reads import preadv_full, read_file_into
 from dualpath.storage.index import PrefixLRUIndex
@@ -125,7 +133,8 @@ class SharedCapacity:
     ledger and lock files are created with ``file_mode`` (the store's)."""
 
     def __init__(self, root: Path, capacity_bytes: int, *, lock: str = "flock",
-                 file_mode: int = 0o600, marks: SessionMarks | None = None) -> None:
+                 file_mode: int = 0o600, marks: SessionMarks | None = None,
+                 stats: StorageStats | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         self.root = root
@@ -135,6 +144,7 @@ class SharedCapacity:
                              LockFile(root / (LEDGER_NAME + ".lock"), lock, file_mode), file_mode)
         self.evict_lock = LockFile(root / EVICT_LOCK_NAME, lock, file_mode)
         self.marks = marks or SessionMarks(root, file_mode)
+        self.stats = stats or StorageStats()  # the store's: passes add eviction counts by claim
         self._parents: dict[bytes, bytes | None] = {}  # block hash -> parent, from headers
         self.passes = 0
         self.last_pass_s = 0.0
@@ -189,13 +199,16 @@ class SharedCapacity:
             index.add(block_hash, block.parent, block.nbytes)
         now_ns = time.time_ns()  # marks hold wall-clock times, like the files' mtimes
         marks = self.marks.load(now_ns)
-        if marks:
-            parents = {block_hash: block.parent for block_hash, block in blocks.items()}
-            index.set_ranks(block_ranks(parents, marks, now_ns))
+        parents = {block_hash: block.parent for block_hash, block in blocks.items()}
+        ranks = block_ranks(parents, marks.values(), now_ns) if marks else {}
+        index.set_ranks(ranks)
         self.last_pass_marks = len(marks)
         measured = index.total_bytes
+        victims = index.victims()
+        self.stats.add(**claims_evicted(ranks, victims))
+        self._follow_chains(marks, parents, set(victims))
         freed = evicted = 0
-        for block_hash in index.victims():
+        for block_hash in victims:
             block = blocks[block_hash]
             try:
                 os.unlink(block.path)
@@ -212,6 +225,17 @@ class SharedCapacity:
         self.last_pass_s = time.perf_counter() - start
         self.last_scan_blocks = len(blocks)
         return evicted
+
+    def _follow_chains(self, marks: dict[str, SessionMark], parents: dict[bytes, bytes | None],
+                       gone: set[bytes]) -> None:
+        """A mark whose tip this pass takes moves to what is left of its chain, so the next
+        pass still knows whose blocks they are."""
+        for name, mark in marks.items():
+            if mark.tip in gone:
+                try:
+                    self.marks.retarget(name, mark, surviving_tip(parents, mark.tip, gone))
+                except OSError as exc:
+                    log.warning("could not move the session mark %s: %s", name, exc)
 
     def scan(self) -> dict[bytes, BlockFile]:
         """Every block file under ``root`` (dot files — temp, ledger, locks — skipped)."""
@@ -261,6 +285,16 @@ class SharedCapacity:
                 return block_hash, BlockFile(entry.path, None, st.st_size, st.st_mtime_ns)
         parents[block_hash] = parent  # a block's parent is part of its hash: cache it
         return block_hash, BlockFile(entry.path, parent, st.st_size, st.st_mtime_ns)
+
+
+def claims_evicted(ranks: dict[bytes, Rank], victims: list[bytes]) -> dict[str, int]:
+    """A pass's victims counted by their sessions' claims, and the live ones it took while an
+    ended or expired session's block stayed (the order promises none)."""
+    live = sum(ranks.get(h, DEFAULT_RANK)[0] == Retention.LIVE for h in victims)
+    ended = sum(ranks.get(h, DEFAULT_RANK)[0] == Retention.ENDED for h in victims)
+    ended_kept = sum(r[0] == Retention.ENDED for r in ranks.values()) - ended
+    return {"live_blocks_evicted": live, "ended_blocks_evicted": ended,
+            "live_evicted_before_ended": live if ended_kept else 0}
 
 
 def pid_alive(pid: int) -> bool:

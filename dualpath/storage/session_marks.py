@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from dualpath.kv.retention import BadMark, SessionMark
@@ -45,7 +46,9 @@ class SessionMarks:
     def write(self, session_key: str, mark: SessionMark) -> None:
         """Replace ``session_key``'s mark (``OSError`` if the folder cannot be written)."""
         self._make_folder()
-        path = self.folder / mark_name(session_key)
+        self._replace(self.folder / mark_name(session_key), mark)
+
+    def _replace(self, path: Path, mark: SessionMark) -> None:
         tmp = self.folder / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
         try:
@@ -61,14 +64,14 @@ class SessionMarks:
                 os.unlink(tmp)
             raise
 
-    def load(self, now_ns: int) -> list[SessionMark]:
-        """Every usable mark; damaged, stale and surplus ones (and dead temp files) are
-        removed."""
+    def load(self, now_ns: int) -> dict[str, SessionMark]:
+        """Every usable mark by its file name; damaged, stale and surplus ones (and dead temp
+        files) are removed."""
         found: list[tuple[SessionMark, str]] = []
         try:
             entries = list(os.scandir(self.folder))
         except (FileNotFoundError, NotADirectoryError):
-            return []
+            return {}
         for entry in entries:
             mark = self._read(entry, now_ns)
             if mark is not None:
@@ -76,7 +79,24 @@ class SessionMarks:
         found.sort(key=lambda item: item[0].seen_ns, reverse=True)
         for _, path in found[MAX_MARKS:]:
             self._remove(path)
-        return [mark for mark, _ in found[:MAX_MARKS]]
+        return {os.path.basename(path): mark for mark, path in found[:MAX_MARKS]}
+
+    def retarget(self, name: str, mark: SessionMark, tip: bytes | None) -> None:
+        """Move the mark ``name`` to ``tip`` (an eviction took its old one), or drop it when
+        nothing of its chain is left; a mark its session replaced since ``load`` is left as it
+        is. (A turn that ends between this check and the rename loses its mark to the moved
+        one: its new blocks count as nobody's until the session's next turn.)"""
+        path = self.folder / name
+        try:
+            with open(path, "rb") as f:
+                if SessionMark.from_json(f.read(MAX_MARK_BYTES + 1)) != mark:
+                    return
+        except (OSError, BadMark):
+            return
+        if tip is None:
+            self._remove(str(path))
+            return
+        self._replace(path, replace(mark, tip=tip))
 
     def _read(self, entry: os.DirEntry[str], now_ns: int) -> SessionMark | None:
         if entry.name.startswith("."):

@@ -15,6 +15,7 @@ from dualpath.kv.retention import (
     SessionMark,
     block_ranks,
     mark_for,
+    surviving_tip,
 )
 from dualpath.sessions import AgentHint
 from dualpath.storage.index import PrefixLRUIndex
@@ -106,6 +107,14 @@ def test_a_live_walk_raises_a_lower_priority_on_a_shared_prefix():
     blocks = {**chain("p", 1), **chain("a", 1, b"p0"), **chain("b", 1, b"p0")}
     ranks = block_ranks(blocks, [live(b"a0", 1), live(b"b0", 9)], NOW)
     assert ranks[b"p0"] == (Retention.LIVE, 9) and ranks[b"a0"] == (Retention.LIVE, 1)
+
+
+def test_a_mark_moves_to_the_deepest_block_eviction_left():
+    blocks = chain("a", 4)
+    assert surviving_tip(blocks, b"a3", {b"a3", b"a2"}) == b"a1"
+    assert surviving_tip(blocks, b"a3", set()) == b"a3"
+    assert surviving_tip(blocks, b"a3", set(blocks)) is None
+    assert surviving_tip(blocks, b"gone", set()) is None
 
 
 # -- the index's order ----------------------------------------------------------------------------

@@ -13,10 +13,11 @@ import pytest
 
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.layout import KVLayout
-from dualpath.kv.retention import NS_PER_S, SessionMark
+from dualpath.kv.retention import NS_PER_S, Retention, SessionMark
 from dualpath.storage import session_marks
 from dualpath.storage.block_file import HEADER_BYTES
 from dualpath.storage.fs import FsStore
+from dualpath.storage.fs_capacity import claims_evicted
 from dualpath.storage.session_marks import FOLDER, SessionMarks, mark_name
 
 SMALL = KVLayout(4, 2, 8, "float16", 16)  # 4096-byte full blocks
@@ -78,7 +79,34 @@ def test_another_process_evicts_the_ended_session_first_and_keeps_the_live_one(t
         assert _stored(store, ENDED) == [False, False, False]
         assert _stored(store, LIVE) == [True, True, True]
         assert _stored(store, anonymous) == [True, True, False, False]
-        assert store.capacity is not None and store.capacity.last_pass_marks == 2
+        # the ended mark went with the last of its chain; the live one stays
+        assert store.capacity is not None and store.capacity.last_pass_marks == 1
+        assert store.stats["ended_blocks_evicted"] == 3
+        assert store.stats["live_blocks_evicted"] == store.stats["live_evicted_before_ended"] == 0
+
+
+def test_a_mark_follows_its_chain_when_eviction_takes_its_tip(tmp_path):
+    with FsStore(tmp_path, SMALL, workers=1, capacity_bytes=CAP_BLOCKS * FILE_BYTES) as store:
+        _put(store, ENDED)
+        mark = _mark(ENDED[-1].block_hash, ended=True)
+        store.mark_session("\0ended", mark)
+        _put(store, _keys(6, salt=3))  # 9 blocks: the ended tail goes
+        moved = SessionMark.from_json((tmp_path / FOLDER / mark_name("\0ended")).read_bytes())
+        assert moved.tip == ENDED[1].block_hash and moved.seen_ns == mark.seen_ns
+        _put(store, _keys(2, salt=4))  # the rest of the chain, then the mark
+        assert _stored(store, ENDED) == [False] * 3
+        assert not (tmp_path / FOLDER / mark_name("\0ended")).exists()
+
+
+def test_a_mark_its_session_replaced_meanwhile_is_not_moved(tmp_path):
+    marks = SessionMarks(tmp_path)
+    old, new = _mark(b"old"), _mark(b"new")
+    marks.write("\0s", old)
+    loaded = marks.load(time.time_ns())
+    marks.write("\0s", new)  # the session's next turn
+    marks.retarget(mark_name("\0s"), loaded[mark_name("\0s")], b"parent")
+    marks.retarget(mark_name("\0s"), loaded[mark_name("\0s")], None)
+    assert list(marks.load(time.time_ns()).values()) == [new]
 
 
 def test_without_marks_the_oldest_chain_goes_whoever_it_belongs_to(tmp_path):
@@ -100,6 +128,18 @@ def test_a_session_whose_lease_ran_out_is_evicted_like_an_ended_one(tmp_path):
         _put(store, _keys(3, salt=3))
         assert _stored(store, ENDED) == [True, True, False]
         assert _stored(store, LIVE) == [True, True, True]
+        assert store.stats["ended_blocks_evicted"] == 1
+
+
+def test_a_pass_counts_live_blocks_it_took_while_an_ended_one_stayed():
+    ranks = {b"l0": (Retention.LIVE, 0), b"l1": (Retention.LIVE, 0),
+             b"e0": (Retention.ENDED, 0), b"e1": (Retention.ENDED, 0)}
+    assert claims_evicted(ranks, [b"e1", b"e0", b"l1"]) == {
+        "live_blocks_evicted": 1, "ended_blocks_evicted": 2, "live_evicted_before_ended": 0}
+    assert claims_evicted(ranks, [b"l1", b"e1"]) == {
+        "live_blocks_evicted": 1, "ended_blocks_evicted": 1, "live_evicted_before_ended": 1}
+    assert claims_evicted({}, [b"x"]) == {
+        "live_blocks_evicted": 0, "ended_blocks_evicted": 0, "live_evicted_before_ended": 0}
 
 
 def test_a_store_without_a_capacity_keeps_no_marks(tmp_path):
@@ -115,7 +155,7 @@ def test_marks_replace_each_other_and_any_session_id_is_a_safe_name(tmp_path):
         marks.write(key, _mark(b"second"))
         assert (tmp_path / FOLDER / mark_name(key)).is_file()
     assert sorted(p.parent for p in tmp_path.rglob("*.mark")) == [tmp_path / FOLDER] * 3
-    assert [m.tip for m in marks.load(time.time_ns())] == [b"second"] * 3
+    assert [m.tip for m in marks.load(time.time_ns()).values()] == [b"second"] * 3
     assert stat.S_IMODE((tmp_path / FOLDER).stat().st_mode) == 0o700
     assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / FOLDER).iterdir()} == {0o600}
 
@@ -134,7 +174,7 @@ def test_damaged_stale_and_surplus_marks_are_dropped(tmp_path, monkeypatch):
     for i in range(4):
         marks.write(f"\0s{i}", SessionMark(b"t%d" % i, now + i, now + NS_PER_S))
     monkeypatch.setattr(session_marks, "MAX_MARKS", 3)
-    assert [m.tip for m in marks.load(now)] == [b"t3", b"t2", b"t1"]  # the newest three
+    assert [m.tip for m in marks.load(now).values()] == [b"t3", b"t2", b"t1"]  # the newest three
     assert sorted(p.name for p in (tmp_path / FOLDER).iterdir()) == sorted(
         mark_name(f"\0s{i}") for i in (1, 2, 3))
     assert marks.dropped == 4
@@ -144,4 +184,4 @@ def test_an_unwritable_marks_folder_is_an_oserror_for_the_caller(tmp_path):
     (tmp_path / FOLDER).write_bytes(b"not a folder")
     with pytest.raises(OSError):
         SessionMarks(tmp_path).write("\0s", _mark(b"t"))
-    assert SessionMarks(tmp_path).load(time.time_ns()) == []
+    assert SessionMarks(tmp_path).load(time.time_ns()) == {}
