@@ -6,10 +6,13 @@ its ``submit``/``abort``): each turn's prompt is :meth:`AgentTurn.prompt` of the
 so far (the previous prompt and the tokens it generated), the turn generates exactly ``gen``
 tokens (``ignore_eos``), and the agent submits its next turn as soon as the previous one
 returned (zero think time); agents run concurrently from their start offsets. Every turn yields
-a :class:`TurnRecord`. ``bench cluster``, ``bench agents`` (``--via python``), ``bench
-layerwise`` and the demo use it; the replay through a server's OpenAI API
-(:mod:`dualpath.bench.agents.http`, also under ``bench soak``) talks HTTP from an event loop
-instead of threads, but builds every prompt by the same :meth:`AgentTurn.prompt`.
+a :class:`TurnRecord`. A :class:`Pacing` replays more of an agent's life: its recorded tool time
+before each turn, a bound on the agents running at once (the next one starts when one ends),
+and a session per agent (its id on every turn, ``end_of_session`` on its last). ``bench
+cluster``, ``bench agents`` (``--via python``), ``bench layerwise`` and the demo use it; the
+replay through a server's OpenAI API (:mod:`dualpath.bench.agents.http`, also under ``bench
+soak``) talks HTTP from an event loop instead of threads, but builds every prompt by the same
+:meth:`AgentTurn.prompt`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dualpath.errors import DualPathError
 from dualpath.request import SamplingParams
+from dualpath.sessions import AgentHint, Session
 from dualpath.workloads.turns import AgentTurn
 
 if TYPE_CHECKING:
@@ -45,6 +49,37 @@ class TurnRecord:
     timings: dict[str, float] = field(default_factory=dict)  # the router's TTFT breakdown
 
 
+@dataclass(frozen=True)
+class Pacing:
+    """How a replay paces its agents beyond "each turn as soon as the last returned"."""
+
+    think_factor: float = 0.0  # wait each turn's recorded tool time times this (0: none)
+    max_think_s: float = 5.0  # ... but never longer than this (traces hold day-long gaps)
+    max_agents: int | None = None  # agents running at once (None: all, by their offsets)
+    sessions: bool = False  # each agent names its session; its last turn ends it
+
+    def think_s(self, turn: AgentTurn) -> float:
+        """How long the agent runs its tools before ``turn``."""
+        return min(self.max_think_s, turn.think_s * self.think_factor)
+
+
+def _pool(runs: list[_Agent], max_agents: int) -> list[float]:
+    """Start offsets that run at most ``max_agents`` at once: the first ones at 0, the others
+    (-1: no timer) each started when an earlier one ends."""
+    waiting = list(runs[max_agents:])
+    lock = threading.Lock()
+
+    def next_one() -> None:
+        with lock:
+            run = waiting.pop(0) if waiting else None
+        if run is not None:
+            run.start()
+
+    for run in runs:
+        run.on_done = next_one
+    return [0.0 if i < max_agents else -1.0 for i in range(len(runs))]
+
+
 class _Agent:
     """One agent's trajectory: submits turn after turn, records when it finished.
 
@@ -55,8 +90,12 @@ class _Agent:
 
     def __init__(self, cluster: LocalCluster, turns: list[AgentTurn], mode: str,
                  done: threading.Event, progress: Any, context: list[int] | None = None,
-                 began: float = 0.0, cut_after_s: float | None = None) -> None:
+                 began: float = 0.0, cut_after_s: float | None = None,
+                 pacing: Pacing = Pacing(), session_id: str = "") -> None:
         self.cluster, self.turns, self.mode = cluster, turns, mode
+        self.pacing, self.session_id = pacing, session_id
+        self.on_done: Any = None  # called once, when the agent ends (a pool starts the next)
+        self._timer: threading.Timer | None = None  # a tool call under way
         self.done, self.progress, self.began = done, progress, began
         self.cut_after_s = cut_after_s
         self.context: list[int] = list(context or [])  # prompt + output of the last turn
@@ -74,12 +113,16 @@ class _Agent:
         """Submit nothing more and abort the turn in flight (its result is ignored)."""
         with self._lock:
             self._stopped, future = True, self._future
+            if self._timer is not None:
+                self._timer.cancel()
         if future is not None and not future.done():
             self.cluster.abort(future)
 
     def _set_done(self) -> None:
         self.done_at = time.perf_counter()
         self.done.set()
+        if self.on_done is not None:
+            self.on_done()
 
     def start(self) -> None:
         """Submit the first turn (a turn that cannot be built ends the agent with its error)."""
@@ -105,10 +148,35 @@ class _Agent:
                     and self.submitted - self.began > self.cut_after_s)
         self._future = self.cluster.submit(
             self.prompt, params, mode=self.mode,
-            on_tokens=lambda t, n=self.turn: self._streamed(n, t))
+            on_tokens=lambda t, n=self.turn: self._streamed(n, t), session=self._session())
         if past_cut and not self.done.is_set():
             self._set_done()
         self._future.add_done_callback(self._returned)
+
+    def _session(self) -> Session | None:
+        """The session this turn names (with ``Pacing.sessions``)."""
+        if not self.pacing.sessions:
+            return None
+        last = self.turn == len(self.turns) - 1
+        return Session(self.session_id, "body", AgentHint(end_of_session=True) if last else None)
+
+    def _after_tools(self) -> None:
+        """The next turn, once the tool time the trace recorded before it has passed."""
+        think_s = self.pacing.think_s(self.turns[self.turn])
+        if think_s <= 0:
+            self._submit()
+            return
+        self._timer = threading.Timer(think_s, self._submit_now)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _submit_now(self) -> None:
+        try:
+            with self._lock:
+                self._submit()
+        except Exception as exc:  # reported by run_turns
+            self.error = exc
+            self._set_done()
 
     def _streamed(self, turn: int, tokens: tuple[int, ...]) -> None:
         """Note when turn ``turn``'s tokens arrived (tokens come in order, per turn)."""
@@ -139,7 +207,7 @@ class _Agent:
                 self.finished_at = time.perf_counter()
                 self._set_done()
                 return
-            self._submit()
+            self._after_tools()
         except Exception as exc:  # reported by run_turns
             self.error = exc
             self._set_done()
@@ -150,13 +218,14 @@ def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
               label: str = "bench cluster",
               contexts: list[list[int]] | None = None,
               start_offsets_s: list[float] | None = None,
-              cut_after_s: float | None = None) -> dict[str, Any]:
+              cut_after_s: float | None = None, pacing: Pacing = Pacing()) -> dict[str, Any]:
     """Run every agent to its last turn, each turn as soon as its previous one returned;
     ``contexts`` are the agents' contexts before their first turn here (default: empty);
     agent i starts ``start_offsets_s[i]`` seconds after the run (default: all at once).
     With ``cut_after_s``, the run ends once every turn submitted up to that many seconds
     after its start has returned: agents keep submitting until then (the load does not
-    change), and the turns then in flight are aborted, unrecorded.
+    change), and the turns then in flight are aborted, unrecorded. ``pacing``: tool times, a
+    bound on the agents at once (then offsets are not used) and sessions (:class:`Pacing`).
 
     Returns the mode, the JCT (until the last agent's last turn, or the cut), the turn count,
     the prompt, hit and computed token totals, every agent's :class:`TurnRecord` list
@@ -166,10 +235,14 @@ def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
     events = [threading.Event() for _ in agents]
     starts = contexts if contexts is not None else [[] for _ in agents]
     start = time.perf_counter()
-    runs = [_Agent(cluster, turns, mode, ev, progress, context, start, cut_after_s)
-            for turns, ev, context in zip(agents, events, starts, strict=True)]
+    runs = [_Agent(cluster, turns, mode, ev, progress, context, start, cut_after_s, pacing,
+                   f"{label}-{mode}-agent{i}")
+            for i, (turns, ev, context) in enumerate(zip(agents, events, starts, strict=True))]
+    offsets = start_offsets_s or [0.0] * len(runs)
+    if pacing.max_agents is not None:
+        offsets = _pool(runs, pacing.max_agents)
     timers = [threading.Timer(offset, run.start)
-              for run, offset in zip(runs, start_offsets_s or [0.0] * len(runs), strict=True)]
+              for run, offset in zip(runs, offsets, strict=True) if offset >= 0]
     for timer in timers:
         timer.daemon = True
         timer.start()

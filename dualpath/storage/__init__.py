@@ -20,7 +20,8 @@ def open_store(config: StorageConfig, layout: KVLayout) -> StorageBackend:
         from dualpath.storage.fs import FsStore
 
         return FsStore(config.root, layout, fsync=config.fsync, o_direct=config.o_direct,
-                       workers=config.workers, capacity_bytes=capacity)
+                       workers=config.workers, capacity_bytes=capacity,
+                       by_sessions=config.session_retention)
     if config.backend == "memory":
         from dualpath.storage.memory import MemoryStore
 

@@ -85,13 +85,15 @@ class FsStore(StorageBackend):
     processes exclude each other: ``flock`` (falls back to ``excl`` where refused) or ``excl``
     (O_EXCL lock files, for mounts whose flock is host-local). ``group_shared``: files 0640 and
     folders 0750 rather than 0600 and 0700 (None: whether the root carries the setgid bit; a
-    root this creates for ``True`` gets it, so later openers share it too).
+    root this creates for ``True`` gets it, so later openers share it too). ``by_sessions``:
+    eviction ranks blocks by the session marks (``mark_session``); False evicts by recency
+    alone and only counts what each pass took by the marks.
     """
 
     def __init__(self, root: str | Path, layout: KVLayout, *, fsync: bool = False,
                  o_direct: bool = False, workers: int = 4,
                  capacity_bytes: int | None = None, lock: str = "flock",
-                 group_shared: bool | None = None) -> None:
+                 group_shared: bool | None = None, by_sessions: bool = True) -> None:
         super().__init__(layout.full_block_bytes)
         self.root = Path(root).absolute()
         self.group_shared = _open_root(self.root, group_shared)
@@ -109,7 +111,7 @@ class FsStore(StorageBackend):
         if capacity_bytes is not None:
             self.capacity = SharedCapacity(self.root, capacity_bytes, lock=lock,
                                            file_mode=self.file_mode, marks=self.marks,
-                                           stats=self.stats)
+                                           stats=self.stats, by_sessions=by_sessions)
         self._closing = threading.Event()
         self.swept = threading.Event()  # set once the temp-file sweep of the open has ended
         threading.Thread(target=self._sweep_at_open, name="fs-temp-sweep", daemon=True).start()

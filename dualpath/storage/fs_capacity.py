@@ -134,7 +134,7 @@ class SharedCapacity:
 
     def __init__(self, root: Path, capacity_bytes: int, *, lock: str = "flock",
                  file_mode: int = 0o600, marks: SessionMarks | None = None,
-                 stats: StorageStats | None = None) -> None:
+                 stats: StorageStats | None = None, by_sessions: bool = True) -> None:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         self.root = root
@@ -145,6 +145,8 @@ class SharedCapacity:
         self.evict_lock = LockFile(root / EVICT_LOCK_NAME, lock, file_mode)
         self.marks = marks or SessionMarks(root, file_mode)
         self.stats = stats or StorageStats()  # the store's: passes add eviction counts by claim
+        # False: evict by recency alone (the marks still count what each pass took)
+        self.by_sessions = by_sessions
         self._parents: dict[bytes, bytes | None] = {}  # block hash -> parent, from headers
         self.passes = 0
         self.last_pass_s = 0.0
@@ -201,7 +203,8 @@ class SharedCapacity:
         marks = self.marks.load(now_ns)
         parents = {block_hash: block.parent for block_hash, block in blocks.items()}
         ranks = block_ranks(parents, marks.values(), now_ns) if marks else {}
-        index.set_ranks(ranks)
+        if self.by_sessions:
+            index.set_ranks(ranks)
         self.last_pass_marks = len(marks)
         measured = index.total_bytes
         victims = index.victims()

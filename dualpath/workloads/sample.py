@@ -103,7 +103,8 @@ def reduce_session(data: dict[str, Any], first_turn: int = FIRST_TURN,
     """The top-level requests of a Weka session up to request ``first_turn - 1 + turns``
     (1-based) and the sub-agent entries listed from request ``first_turn - 1`` on before the
     next one, each sub-agent cut to ``turns`` requests; of every request only ``type``,
-    ``in``, ``out``, ``hash_ids`` (and a sub-agent's ``agent_id``)."""
+    ``in``, ``out``, ``hash_ids``, ``think_time`` (the tool time before it, where recorded) and
+    a sub-agent's ``agent_id``."""
     kept, top, last = [], 0, first_turn - 1 + turns
     for r in data["requests"]:
         if r.get("type") == "subagent":
@@ -119,7 +120,8 @@ def reduce_session(data: dict[str, Any], first_turn: int = FIRST_TURN,
 
 
 def _slim(r: dict[str, Any]) -> dict[str, Any]:
-    return {"type": r.get("type"), "in": r["in"], "out": r["out"], "hash_ids": r["hash_ids"]}
+    return {"type": r.get("type"), "in": r["in"], "out": r["out"], "hash_ids": r["hash_ids"],
+            "think_time": r.get("think_time", 0.0)}
 
 
 def _compact(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -130,7 +132,8 @@ def _compact(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({**r, "requests": _compact(r["requests"])})
         else:
             out.append({"type": r["type"], "in": r["in"], "out": r["out"],
-                        "ids": encode_ids(r["hash_ids"])})
+                        "ids": encode_ids(r["hash_ids"]),
+                        **({"think": r["think_time"]} if r.get("think_time") else {})})
     return out
 
 
@@ -142,7 +145,7 @@ def _expand(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({**r, "requests": _expand(r["requests"])})
         else:
             out.append({"type": r["type"], "in": r["in"], "out": r["out"],
-                        "hash_ids": decode_ids(r["ids"])})
+                        "hash_ids": decode_ids(r["ids"]), "think_time": r.get("think", 0.0)})
     return out
 
 

@@ -200,7 +200,7 @@ def _trace_agent(agent: _Agent, o: WorkloadOptions, tokens: _Tokens,
             break
         keep = min(_common_blocks(ids, prev[0]) * per_block, prev[1], length - 1)
         new = _request_tokens(tokens, agent.scope, index, ids, per_block, length, keep)
-        chain.append(AgentTurn(new=new, gen=gen, keep=keep))
+        chain.append(AgentTurn(new=new, gen=gen, keep=keep, think_s=r.think_s / o.scale))
         prev = (ids, length)
     replayed = traj.requests[start - lead:start - lead + len(chain)]
     if len(chain) <= lead:
@@ -209,7 +209,8 @@ def _trace_agent(agent: _Agent, o: WorkloadOptions, tokens: _Tokens,
     if not lead:
         return _Made(chain, chain[0], replayed, lead, cut)
     primer, first = chain[0], chain[1]
-    whole_first = AgentTurn(primer.new[:first.keep] + first.new, first.gen, keep=0)
+    whole_first = AgentTurn(primer.new[:first.keep] + first.new, first.gen, keep=0,
+                            think_s=first.think_s)
     # untimed: what it stores is its prompt (its generated tokens never recur in a trace)
     return _Made([whole_first, *chain[2:]], AgentTurn(primer.new, 1, keep=0), replayed, lead,
                  cut)

@@ -30,11 +30,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Request:
-    """One recorded request: input and output tokens and its block hash ids."""
+    """One recorded request: input and output tokens, its block hash ids, and the agent's
+    tool time before it (the trace's ``think_time``, seconds; 0 when not recorded)."""
 
     tokens_in: int
     tokens_out: int
     ids: tuple[int, ...]
+    think_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -88,11 +90,14 @@ class Turn:
 class AgentTurn:
     """One turn of an agent: the first ``keep`` tokens of its context so far (the previous
     turn's prompt and generated tokens; None keeps all of it), then ``new`` tokens; generates
-    exactly ``gen`` tokens. A ``keep`` shorter than the context replays a compaction."""
+    exactly ``gen`` tokens. A ``keep`` shorter than the context replays a compaction.
+    ``think_s``: the agent's tool time before the turn (the trace's, scaled like its tokens),
+    which a replay waits out only when asked to (``bench agents --think-times``)."""
 
     new: list[int]
     gen: int
     keep: int | None = None
+    think_s: float = 0.0
 
     def prompt(self, context: Sequence[int]) -> list[int]:
         """The prompt this turn sends after ``context`` (the previous prompt and its output).

@@ -60,7 +60,10 @@ def read_session(name: str, data: Any, where: str) -> Session:
 
 def _request(r: Any) -> Request:
     """One request entry (KeyError, TypeError or ValueError when malformed)."""
-    return Request(int(r["in"]), int(r["out"]), tuple(r["hash_ids"]))
+    think_s = float(r.get("think_time") or 0.0)
+    if not think_s >= 0:
+        raise ValueError(f"think_time must be >= 0, got {r.get('think_time')!r}")
+    return Request(int(r["in"]), int(r["out"]), tuple(r["hash_ids"]), think_s)
 
 
 def weka_sessions(members: Iterable[tuple[str, Any]], source: str) -> Iterator[Session]:

@@ -49,10 +49,10 @@ def test_an_ending_hint_ends_the_session():
     assert write is not None and write.mark.ended and write.mark.priority == 5
 
 
-@pytest.mark.parametrize("case", ["no session", "oracle", "recompute", "failed", "disabled",
-                                  "short", "unknown"])
+@pytest.mark.parametrize("case", ["no session", "oracle", "recompute", "failed", "short",
+                                  "unknown"])
 def test_turns_that_store_nothing_or_failed_leave_no_mark(case):
-    book = SessionBook(SPACE, enabled=case != "disabled")
+    book = SessionBook(SPACE)
     mode = {"oracle": Mode.ORACLE, "recompute": Mode.RECOMPUTE}.get(case, Mode.DUALPATH)
     if case != "unknown":
         book.admit(1, None if case == "no session" else Session("t", "body"), mode, "")

@@ -109,6 +109,15 @@ def test_a_mark_its_session_replaced_meanwhile_is_not_moved(tmp_path):
     assert list(marks.load(time.time_ns()).values()) == [new]
 
 
+def test_by_recency_alone_the_live_chain_goes_first_and_is_counted(tmp_path):
+    _run_agent(tmp_path, with_marks=True)
+    with FsStore(tmp_path, SMALL, workers=1, capacity_bytes=CAP_BLOCKS * FILE_BYTES,
+                 by_sessions=False) as store:
+        _put(store, _keys(3, salt=3))
+        assert _stored(store, LIVE) == [True, True, False]
+        assert store.stats["live_evicted_before_ended"] == 1
+
+
 def test_without_marks_the_oldest_chain_goes_whoever_it_belongs_to(tmp_path):
     _run_agent(tmp_path, with_marks=False)
     with FsStore(tmp_path, SMALL, workers=1, capacity_bytes=CAP_BLOCKS * FILE_BYTES) as store:

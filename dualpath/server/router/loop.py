@@ -98,8 +98,7 @@ class RouterLoop:
         self.block_size = layout.block_size
         self.key_space = key_space_for(model_id(model_dir), layout, config.engine_kind)
         self.store = open_store(config.storage, layout)
-        self.sessions = SessionBook(self.key_space, config.storage.session_window_s,
-                                    config.storage.session_retention)
+        self.sessions = SessionBook(self.key_space, config.storage.session_window_s)
         self.mark_errors = 0  # session marks the store could not take
         capacity = Capacity(self.block_size, kv_tokens(config, layout, Role.DECODE),
                             config.host_pool_blocks, config.save_staging_blocks,

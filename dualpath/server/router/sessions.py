@@ -37,17 +37,15 @@ class MarkWrite:
 class SessionBook:
     """Sessions of requests in flight, and the marks their finished turns leave."""
 
-    def __init__(self, key_space: KeySpace, window_s: float = DEFAULT_WINDOW_S,
-                 enabled: bool = True) -> None:
+    def __init__(self, key_space: KeySpace, window_s: float = DEFAULT_WINDOW_S) -> None:
         self.key_space = key_space
         self.window_s = window_s
-        self.enabled = enabled  # False: the store evicts without regard to sessions
         self._noted: dict[int, _Noted] = {}
         self.marks_made = 0
 
     def admit(self, req_id: int, session: Session | None, mode: Mode, cache_salt: str) -> None:
         """Note a request's session, if it has one and its blocks will be stored."""
-        if self.enabled and session is not None and mode not in (Mode.ORACLE, Mode.RECOMPUTE):
+        if session is not None and mode not in (Mode.ORACLE, Mode.RECOMPUTE):
             self._noted[req_id] = _Noted(session, cache_salt)
 
     def finish(self, req_id: int, result: ClusterOutput | Exception,
