@@ -64,6 +64,10 @@ COMMANDS: dict[tuple[str, ...], Command] = {
                                  "presets, Weka, Mooncake) through the cluster or its OpenAI "
                                  "API: every mode, offline JCT, online APS, TTFT breakdown, "
                                  "NICs (JSON + PNG)"),
+    ("bench", "sessions"): Command("dualpath.bench.sessions", "agent sessions with their tool "
+                                   "times: DRAM copies off vs on (TTFT), and a store at half "
+                                   "the working set evicting by recency vs by session (hit "
+                                   "rate, JCT) (JSON + PNG)"),
     ("bench", "layerwise"): Command("dualpath.bench.layerwise.mechanisms", "the paper's "
                                     "mechanisms: layerwise memory, QoS lanes under EP traffic, "
                                     "split reads (JSON + PNG)"),

@@ -103,6 +103,13 @@ class StorageConfig:
     # a lease_s or next_turn_in_s hint). False: evict by recency alone.
     session_retention: bool = True
     session_window_s: float = 300.0
+    # Warm sessions (storage/warm.py): each engine keeps the blocks it read or stored for an
+    # agent session in DRAM, up to this many MB (whole sessions go, least recent first, leases
+    # last), so the session's next turn placed there skips the storage NIC. 0: off.
+    warm_session_mb: float = 256.0
+    # ... and a session expected back (a next_turn_in_s hint, or its own past gaps) whose warm
+    # copy went is read into a decode engine's DRAM during its tool time (our engines only)
+    session_prefetch: bool = True
     # mooncake_store backend: blocks live in the memory segments of Mooncake Store clients
     # (segment holders: `python -m dualpath.storage.mooncake_store serve`), mapped by a master.
     mooncake_master: str = "127.0.0.1:50051"  # the master's RPC address, host:port
@@ -117,6 +124,8 @@ class StorageConfig:
     def __post_init__(self) -> None:
         if self.read_deadline_s is not None and not self.read_deadline_s > 0:
             raise ValueError(f"read_deadline_s must be > 0 (or None), got {self.read_deadline_s}")
+        if not self.warm_session_mb >= 0:
+            raise ValueError(f"warm_session_mb must be >= 0, got {self.warm_session_mb}")
         if not self.session_window_s >= 0:
             raise ValueError(f"session_window_s must be >= 0, got {self.session_window_s}")
 

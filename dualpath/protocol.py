@@ -214,6 +214,8 @@ class Heartbeat(Message):
     progress_age_s: float = 0.0
     step_budget_s: float = 0.0
     fenced: tuple[int, ...] = ()  # DE: req ids whose buffer it keeps for a writer (``Unfence``)
+    # agent sessions whose warm DRAM copy it let go (room, expiry) since its last beat
+    warm_dropped: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,10 @@ class AllocBuffer(Message):
     num_read_blocks: int
     read_from_block: int = 0  # split read: the DE reads [read_from_block, num_read_blocks)
     cache_salt: str = ""  # the tenant's salt of the block keys (kv/hashing.salted_seed)
+    # an agent session's request: keep the blocks this DE reads and stores for it warm in DRAM
+    # (storage/warm.py) under this key ("": none), leased for warm_lease_s
+    warm_session: str = ""
+    warm_lease_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -263,6 +269,8 @@ class Prefill(Message):
     # tokens already streamed, and the token sampled here is output token number this-many
     num_prior_outputs: int = 0
     cache_salt: str = ""  # the tenant's salt of the block keys (kv/hashing.salted_seed)
+    warm_session: str = ""  # keep the blocks this PE reads warm (see AllocBuffer)
+    warm_lease_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -283,6 +291,19 @@ class Decode(Message):
     # draws count them, and this engine streams from ``first_token`` on (which it drops if they
     # already ended the request)
     num_prior_outputs: int = 0
+
+
+@dataclass(frozen=True)
+class Prefetch(Message):
+    """DE: read an agent session's stored chain into DRAM during its tool time
+    (``StorageClient.prefetch``: lowest priority, gone at expiry unless used)."""
+
+    type: ClassVar[str] = "prefetch"
+    warm_session: str  # the key its next turn's messages carry (AllocBuffer.warm_session)
+    token_ids: tuple[int, ...]  # the chain: the last turn's prompt and output
+    cache_salt: str = ""
+    warm_lease_s: float = 0.0
+    expires_in_s: float = 60.0  # read nothing after this, and drop it then unless used
 
 
 @dataclass(frozen=True)

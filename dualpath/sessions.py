@@ -11,6 +11,7 @@ the next turn is expected) and ``end_of_session`` (no next turn: its KV may go f
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -75,3 +76,22 @@ def session_of(headers: dict[str, str], body_id: str | None,
         return None
     source = "body" if set(found) == {"session_id"} else "header"
     return Session(next(iter(found.values())), source, hint)
+
+
+def session_key(session_id: str, cache_salt: str) -> str:
+    """What names a session inside the cluster: its id within its tenant's salt."""
+    return f"{cache_salt}\0{session_id}"
+
+
+def warm_key(session: Session | None, cache_salt: str) -> str:
+    """The short key engines keep a session's warm blocks under ("": no session): a hash, so
+    no client text travels to the engines."""
+    if session is None:
+        return ""
+    return hashlib.sha256(session_key(session.session_id, cache_salt).encode()).hexdigest()[:32]
+
+
+def warm_lease_s(session: Session | None) -> float:
+    """How long engines keep the session's warm blocks before any unleased session's."""
+    hint = session.hint if session is not None else None
+    return hint.lease_s or 0.0 if hint is not None else 0.0

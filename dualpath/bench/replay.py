@@ -63,6 +63,9 @@ class Pacing:
         return min(self.max_think_s, turn.think_s * self.think_factor)
 
 
+NO_PACING = Pacing()  # each turn as soon as the last returned, every agent by its offset
+
+
 def _pool(runs: list[_Agent], max_agents: int) -> list[float]:
     """Start offsets that run at most ``max_agents`` at once: the first ones at 0, the others
     (-1: no timer) each started when an earlier one ends."""
@@ -91,7 +94,7 @@ class _Agent:
     def __init__(self, cluster: LocalCluster, turns: list[AgentTurn], mode: str,
                  done: threading.Event, progress: Any, context: list[int] | None = None,
                  began: float = 0.0, cut_after_s: float | None = None,
-                 pacing: Pacing = Pacing(), session_id: str = "") -> None:
+                 pacing: Pacing = NO_PACING, session_id: str = "") -> None:
         self.cluster, self.turns, self.mode = cluster, turns, mode
         self.pacing, self.session_id = pacing, session_id
         self.on_done: Any = None  # called once, when the agent ends (a pool starts the next)
@@ -218,7 +221,7 @@ def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
               label: str = "bench cluster",
               contexts: list[list[int]] | None = None,
               start_offsets_s: list[float] | None = None,
-              cut_after_s: float | None = None, pacing: Pacing = Pacing()) -> dict[str, Any]:
+              cut_after_s: float | None = None, pacing: Pacing = NO_PACING) -> dict[str, Any]:
     """Run every agent to its last turn, each turn as soon as its previous one returned;
     ``contexts`` are the agents' contexts before their first turn here (default: empty);
     agent i starts ``start_offsets_s[i]`` seconds after the run (default: all at once).

@@ -49,6 +49,7 @@ from dualpath.protocol import (
 )
 from dualpath.request import Sequence
 from dualpath.storage.client import StorageClient
+from dualpath.storage.warm import WarmTag, warm_tag
 from dualpath.traffic.lanes import Lane
 from dualpath.traffic.manager import TrafficManager
 
@@ -65,6 +66,7 @@ class _CopyIn:
     seq: Sequence
     slots: list[int]
     copies: Future[None]
+    warm: WarmTag | None = None  # its AllocBuffer's session (its stored blocks stay warm)
     aborted: bool = False
 
 
@@ -212,7 +214,8 @@ class DecodeWorker(DecodeStorage):
             log.info("request %d: decode started (%d prompt tokens)", msg.req_id, len(tokens))
             _, slots = self.buffers.take(msg.req_id)
             copies = all_of([] if msg.oracle else self._copy_in(slots, seq.block_table))
-            self._copying.append(_CopyIn(msg, seq, slots, copies))
+            self._copying.append(_CopyIn(msg, seq, slots, copies,
+                                         warm_tag(alloc.warm_session, alloc.warm_lease_s)))
         return self._end_copies()
 
     def _copy_in(self, slots: list[int], table: list[int]) -> list[Future[None]]:
@@ -245,7 +248,7 @@ class DecodeWorker(DecodeStorage):
             num_streamed = copy.msg.num_prior_outputs or 1
             self._active[seq.seq_id] = ActiveRequest(req_id, seq, copy.msg.num_stored_blocks,
                                                      persist=not copy.msg.oracle,
-                                                     num_streamed=num_streamed)
+                                                     num_streamed=num_streamed, warm=copy.warm)
             out.extend(self._after_step([seq] if seq.is_finished else []))
         return out + self.buffers.start_allocs()
 

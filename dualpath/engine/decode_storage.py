@@ -21,6 +21,7 @@ from dualpath.kv.host_pool import HostPool
 from dualpath.protocol import Finished, Message
 from dualpath.request import Sequence
 from dualpath.storage.client import StorageClient
+from dualpath.storage.warm import WarmTag
 from dualpath.traffic.lanes import Lane
 from dualpath.traffic.manager import TrafficManager
 
@@ -33,6 +34,7 @@ class ActiveRequest:
     persist: bool = True  # oracle requests hold meaningless KV: never store it
     num_streamed: int = 1  # output tokens the router has (the first came from the PE)
     num_saving: int = 0  # its blocks staged or being written
+    warm: WarmTag | None = None  # an agent session's: its stored blocks stay warm too
 
 
 class DecodeStorage:
@@ -109,7 +111,8 @@ class DecodeStorage:
         if copied.exception() is not None:
             self._events.put(("saved", (slot, copied, active)))
             return
-        future = self.storage.submit_write([key], [self.host_pool.buffer(slot)])  # type: ignore[list-item]
+        future = self.storage.submit_write([key], [self.host_pool.buffer(slot)],  # type: ignore[list-item]
+                                           keep=active.warm)
         future.add_done_callback(lambda f, s=slot: self._events.put(("saved", (s, f, active))))
 
     def _overdue_finishes(self) -> list[Message]:

@@ -61,6 +61,7 @@ from dualpath.protocol import (
     Message,
     Metrics,
     Peers,
+    Prefetch,
     Prefill,
     Shutdown,
     decode,
@@ -69,6 +70,7 @@ from dualpath.protocol import (
 from dualpath.storage import open_store
 from dualpath.storage.client import StorageClient
 from dualpath.storage.node_nic import node_nic_account
+from dualpath.storage.warm import WarmTag
 from dualpath.traffic.engine_plane import admit_peers, data_plane
 from dualpath.traffic.ep import EpPeer, ep_metrics_off
 from dualpath.vocab import Role
@@ -264,7 +266,24 @@ class EngineProcess:
                          inbox_age_s=round(max(0.0, now - read_s), 3),
                          progress_age_s=round(max(0.0, now - max(read_s, progress_s)), 3),
                          step_budget_s=round(budget_s, 3),
-                         fenced=self.worker.fenced_requests())
+                         fenced=self.worker.fenced_requests(), warm_dropped=self._warm_dropped())
+
+    def _warm_dropped(self) -> tuple[str, ...]:
+        """Sessions whose DRAM copy went since the last beat (expired prefetches included)."""
+        warm = self.storage.warm
+        if warm is None:
+            return ()
+        warm.expire()
+        return warm.take_dropped()
+
+    def _prefetch(self, msg: Prefetch) -> None:
+        """Read a session's stored chain into this node's DRAM, in the background (our
+        engines only: a vLLM instance reads through its own connector)."""
+        if self.engine is None or self.storage.warm is None:
+            return
+        keys = self.engine.key_space.salted(msg.cache_salt).keys(msg.token_ids)
+        self.storage.prefetch(keys, WarmTag(msg.warm_session, max(0.0, msg.warm_lease_s)),
+                              time.monotonic() + max(0.0, msg.expires_in_s))
 
     def _handle(self, raw: bytes) -> None:
         try:
@@ -289,6 +308,9 @@ class EngineProcess:
             return [Metrics(self.identity.name, self.metrics())]
         if isinstance(msg, Shutdown):
             self._running = False
+            return []
+        if isinstance(msg, Prefetch):
+            self._prefetch(msg)
             return []
         return self.worker.handle(msg)
 

@@ -55,6 +55,7 @@ from dualpath.protocol import Abort, Aborted, Failed, Message, Prefill, Prefille
 from dualpath.request import Sequence
 from dualpath.scheduler.batch import AttentionCostModel, build_prefill_batch
 from dualpath.storage.client import ReadFuture, StorageClient
+from dualpath.storage.warm import warm_tag
 from dualpath.traffic.manager import TrafficManager
 from dualpath.vocab import PrefillMode
 
@@ -166,7 +167,9 @@ class PrefillWorker:
             space = self.engine.key_space.salted(job.msg.cache_salt)
             keys = space.keys(job.msg.prompt_ids)[: job.num_pe_read_blocks]
             job.read_submitted_s = time.monotonic()
-            job.read = self.storage.submit_read(keys, [self.host_pool.buffer(s) for s in job.slots])
+            job.read = self.storage.submit_read(
+                keys, [self.host_pool.buffer(s) for s in job.slots],
+                keep=warm_tag(job.msg.warm_session, job.msg.warm_lease_s))
             job.read.add_done_callback(lambda _, j=job: setattr(j, "read_done_s",
                                                                 time.monotonic()))
 

@@ -25,6 +25,7 @@ from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
 from dualpath.protocol import AllocBuffer, BufferReady, Failed, Message, Unfence
 from dualpath.storage.client import StorageClient
+from dualpath.storage.warm import warm_tag
 
 # (req_id, first block read, the read's future): a read's I/O ended, on a storage thread
 ReadIoDone = Callable[[int, int, Future[list[bool]]], None]
@@ -109,7 +110,8 @@ class PromptBuffers:
         keys = space.keys(msg.prompt_ids)[first : msg.num_read_blocks]
         parts = self.block_parts(slots, first, first + len(keys))
         self.reading.add(msg.req_id)
-        future = self.storage.submit_read(keys, parts)
+        future = self.storage.submit_read(keys, parts,
+                                          keep=warm_tag(msg.warm_session, msg.warm_lease_s))
         # BufferReady only once no read into the buffer can still run: the PE then fills the
         # blocks the deadline gave up on, and no late block can overwrite them
         future.io_done.add_done_callback(

@@ -169,7 +169,8 @@ class GlobalScheduler:
         names = [g for g in groups if fetch is None or g in fetch]
         if self._global and names:
             group_tok = {g: view.group_tokens(g) + self._private_tok.get(g, 0) for g in groups}
-            for req, group in de_phase1(self._global, group_tok):
+            warm_des = {e.name: (g, e.free_kv_tokens) for g, des in groups.items() for e in des}
+            for req, group in de_phase1(self._global, group_tok, warm_des):
                 self._private.setdefault(group, deque()).append(req)
                 self._private_tok[group] = self._private_tok.get(group, 0) + req.num_tokens
             self._global.clear()
@@ -212,7 +213,8 @@ class GlobalScheduler:
             room -= self._host_taken.get(pe, 0)
         path, pe_read, de_read = read_plan(hit, read_q.get(pe_node, 0), read_q.get(de_node, 0),
                                            self.params,
-                                           ReadWish(req.read_path, req.pe_only, room), path)
+                                           ReadWish(req.read_path, req.pe_only, room,
+                                                    req.warm_engine == de), path)
         self._host_taken[pe] = self._host_taken.get(pe, 0) + pe_read // self.params.block_size
         read_q[pe_node] = read_q.get(pe_node, 0) + pe_read
         read_q[de_node] = read_q.get(de_node, 0) + de_read

@@ -103,8 +103,11 @@ def pe_fetch(waiting: Iterable[PendingRequest], group_engines: Sequence[EngineLo
 
 
 def de_phase1(requests: Iterable[PendingRequest], group_tok: MutableMapping[str, int],
+              warm_des: Mapping[str, tuple[str, int]] | None = None,
               ) -> list[tuple[PendingRequest, str]]:
-    """Phase 1: each request to the DE group with the least total ``tok`` (ties: name).
+    """Phase 1: each request to the DE group with the least total ``tok`` (ties: name); a
+    request whose session is warm on a DE (``warm_engine``, a key of ``warm_des``: DE name ->
+    its group and free KV tokens) to that DE's group, when the DE has room for it.
 
     ``group_tok`` (group -> Σ tok of its DEs) grows in place by each placed request's tokens.
     """
@@ -114,6 +117,13 @@ def de_phase1(requests: Iterable[PendingRequest], group_tok: MutableMapping[str,
     if not heap:
         return out
     for req in requests:
+        warm_group, free = (warm_des or {}).get(req.warm_engine, ("", 0))
+        if warm_group in group_tok and free >= req.num_tokens:
+            group_tok[warm_group] += req.num_tokens
+            heap = [(tok, group) for group, tok in group_tok.items()]
+            heapq.heapify(heap)
+            out.append((req, warm_group))
+            continue
         tok, group = heap[0]
         tok += req.num_tokens
         heapq.heapreplace(heap, (tok, group))
@@ -140,6 +150,11 @@ def high_token_threshold(private_queue: Iterable[PendingRequest],
 
 def _pick_de(req: PendingRequest, engines: Sequence[EngineLoad], z: float) -> EngineLoad | None:
     need = req.num_tokens
+    warm = next((e for e in engines if e.name == req.warm_engine), None)
+    if warm is not None and warm.free_kv_tokens >= need and (
+            warm.tok + need <= z or warm.tok <= min(e.tok for e in engines
+                                                    if e.free_kv_tokens >= need)):
+        return warm  # its session's blocks are in that DE's DRAM, and it is not overloaded
     best_low: tuple[int, int, str, EngineLoad] | None = None
     best_high: tuple[int, int, str, EngineLoad] | None = None
     for e in engines:
@@ -161,10 +176,13 @@ def de_phase2(private_queue: Sequence[PendingRequest], group_engines: Sequence[E
               params: SchedulerParams) -> list[tuple[PendingRequest, str]]:
     """Phase 2: place the head of a DE group's private queue, request by request.
 
-    Z is computed once (:func:`high_token_threshold`). Among DEs with free KV for the head
-    request, those staying at or below Z are preferred, least ``seq`` first; else the least
-    ``tok`` one above Z. The chosen DE's ``seq``, ``tok`` and free KV change in place. The
-    fetch ends at the first request no DE has memory for. Returns a head of the queue.
+    Z is computed once (:func:`high_token_threshold`). A request whose agent session is warm on
+    a DE (``warm_engine``) goes there when it has free KV and stays at or below Z (or holds
+    the fewest tokens of the DEs with room). Otherwise,
+    among DEs with free KV for the head request, those staying at or below Z are preferred,
+    least ``seq`` first; else the least ``tok`` one above Z. The chosen DE's ``seq``, ``tok``
+    and free KV change in place. The fetch ends at the first request no DE has memory for.
+    Returns a head of the queue.
     """
     if not group_engines:
         return []
@@ -210,7 +228,9 @@ def read_plan(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
     """The read path of one request and the hit tokens each side reads:
     ``(read_path, pe_read_tokens, de_read_tokens)``; the one place a read path is decided.
 
-    The scheduler's choice — ``scheduled`` (round robin's turn) or, by default, ``params``'
+    A request whose session is warm on its DE (``wish.warm_de``) reads there, on the DE path,
+    unless its mode or its own path says otherwise or round robin has its turn. Else the
+    scheduler's choice — ``scheduled`` (round robin's turn) or, by default, ``params``'
     forced path, else a split that levels the two nodes' read queues (``split_read``), else the
     shorter queue (Algorithm 1) — then the request's ``wish``: a mode that reads on the PE
     (basic, layerwise) always does; a path the request forces wins (a forced split halves the
@@ -220,6 +240,8 @@ def read_plan(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,
     wish = wish or ReadWish()
     if wish.pe_only:
         return ReadPath.PE, hit_tokens, 0
+    if wish.warm_de and wish.read_path == ReadPath.AUTO and scheduled is None:
+        return ReadPath.DE, 0, hit_tokens  # from the DE's DRAM: no storage NIC to balance
     if scheduled is not None:
         chosen, pe_tokens = scheduled, hit_tokens if scheduled == ReadPath.PE else 0
     else:
@@ -247,6 +269,7 @@ class ReadWish:
     read_path: ReadPath = ReadPath.AUTO  # the request's own path (auto: the scheduler's)
     pe_only: bool = False  # its mode reads on the PE (basic, layerwise)
     free_host_blocks: int | None = None  # the chosen PE's host-pool room (None: unbounded)
+    warm_de: bool = False  # the chosen DE keeps its session's blocks warm: read them there
 
 
 def _queue_plan(hit_tokens: int, pe_queue_tokens: int, de_queue_tokens: int,

@@ -219,6 +219,9 @@ class PendingRequest:
     num_hit_tokens: int = 0
     read_path: ReadPath = ReadPath.AUTO  # the request's own path (auto: the scheduler's choice)
     pe_only: bool = False  # its mode reads every hit on the PE (basic, layerwise)
+    # the decode engine that keeps its agent session's blocks warm in DRAM ("": none known):
+    # placed there, the request reads its hit on the DE path without the storage NIC
+    warm_engine: str = ""
 
     def __post_init__(self) -> None:
         if self.num_tokens <= 0:

@@ -38,7 +38,8 @@ TTFT_STAGES = {
 }
 STORAGE_KEYS = ("snic_read_bytes", "snic_write_bytes", "read_errors", "write_errors",
                 "read_deadline_misses", "corrupt", "misses", "hits", "blocks_evicted",
-                "live_blocks_evicted", "ended_blocks_evicted", "live_evicted_before_ended")
+                "live_blocks_evicted", "ended_blocks_evicted", "live_evicted_before_ended",
+                "warm_hits", "warm_damaged", "warm_kept_blocks", "warm_sessions_dropped")
 
 
 class ServeMetrics:

@@ -28,6 +28,7 @@ from dualpath.config import StorageConfig
 from dualpath.kv.hashing import BlockKey
 from dualpath.storage.base import StorageBackend
 from dualpath.storage.node_nic import NodeNicAccount, SharedBucket
+from dualpath.storage.warm import WarmBlocks, WarmTag
 from dualpath.traffic.token_bucket import TokenBucket
 
 BURST_BLOCKS = 1  # a capped NIC may send one block ahead of its average rate
@@ -35,6 +36,7 @@ BURST_BLOCKS = 1  # a capped NIC may send one block ahead of its average rate
 # dropped (not stored: a miss later, never wrong KV). Without it, a stop behind a slow store or
 # a tight write cap waits for every queued block (at 2 KB/s, the launcher's 15 s and a SIGKILL).
 CLOSE_DRAIN_S = 3.0
+PREFETCH_YIELD_S = 0.005  # a prefetch waiting for the node's request reads looks again this often
 ERROR_FIELDS = ("read_errors", "write_errors", "lookup_errors", "read_deadline_misses")
 
 log = logging.getLogger("dualpath.storage")
@@ -179,6 +181,9 @@ class StorageClient:
                  clock: Callable[[], float] = time.monotonic,
                  node_nic: NodeNicAccount | None = None) -> None:
         config = config or StorageConfig()
+        # agent sessions' blocks kept in this process's DRAM (None: off): reads ask it first
+        self.warm = WarmBlocks(round(config.warm_session_mb * 1e6), clock) if (
+            config.warm_session_mb > 0) else None
         self.backend = backend
         self.block_size = block_size
         self.read_deadline_s = config.read_deadline_s
@@ -193,6 +198,9 @@ class StorageClient:
         # must not hold the workers that latency-critical reads need
         workers = max(1, config.workers)
         self._read_pool = ThreadPoolExecutor(workers, thread_name_prefix="storage-read")
+        # prefetches of sessions' chains into ``warm``: one at a time, behind every request
+        self._prefetch_pool = ThreadPoolExecutor(1, thread_name_prefix="storage-prefetch")
+        self.prefetch_blocks_read = 0
         self._write_pool = ThreadPoolExecutor(workers, thread_name_prefix="storage-write")
         self._deadlines = _Deadlines()
         self._errors = dict.fromkeys(ERROR_FIELDS, 0)
@@ -219,8 +227,11 @@ class StorageClient:
             self._count_error("lookup_errors", exc)
             return 0
 
-    def submit_read(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> ReadFuture:
-        """Start reading blocks into buffers; returns a future of per-block success.
+    def submit_read(self, keys: Sequence[BlockKey], buffers: Sequence[Any],
+                    keep: WarmTag | None = None) -> ReadFuture:
+        """Start reading blocks into buffers; returns a future of per-block success. A block
+        this node holds warm (``warm.py``) is copied from DRAM, without the storage NIC;
+        with ``keep``, each block read is kept warm as that session's.
 
         The contract:
 
@@ -245,14 +256,17 @@ class StorageClient:
         with self._lock:
             self._read.pending_tokens += len(pairs) * self.block_size
         deadline = None if self.read_deadline_s is None else time.monotonic() + self.read_deadline_s
-        read.tasks = [self._read_pool.submit(self._read_block, read, i, key, buffer, deadline)
+        read.tasks = [self._read_pool.submit(self._read_block, read, i, key, buffer, deadline,
+                                             keep)
                       for i, (key, buffer) in enumerate(pairs)]
         if deadline is not None:
             self._deadlines.add(deadline, lambda: self._expire(read))
         return read.future
 
-    def submit_write(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> Future[list[bool]]:
-        """Start storing blocks, in order (a chain's parent lands before its child).
+    def submit_write(self, keys: Sequence[BlockKey], buffers: Sequence[Any],
+                     keep: WarmTag | None = None) -> Future[list[bool]]:
+        """Start storing blocks, in order (a chain's parent lands before its child); with
+        ``keep``, each block stored is kept warm as that session's too.
 
         The future gives per-block success and never raises for a storage fault: a failed
         write (store down, read-only, full, ...) is False, counted in ``write_errors``, and
@@ -261,7 +275,49 @@ class StorageClient:
         pairs = list(zip(keys, buffers, strict=True))
         with self._lock:
             self._write.pending_tokens += len(pairs) * self.block_size
-        return self._write_pool.submit(lambda: [self._write_block(k, b) for k, b in pairs])
+        return self._write_pool.submit(lambda: [self._write_block(k, b, keep) for k, b in pairs])
+
+    def prefetch(self, keys: Sequence[BlockKey], tag: WarmTag,
+                 expires_s: float) -> Future[int]:
+        """Read a session's stored chain into this node's DRAM (``warm``) in the background,
+        on the lowest priority: a block waits while any request's read is queued here, and
+        nothing is read after ``expires_s`` (this client's clock) or once the budget has no
+        room left for it. A block that is missing or fails verification ends it there (what
+        follows it cannot be a hit; the turn reads the rest from storage, or misses, as any
+        read). The future gives the blocks now held."""
+        if self.warm is None:
+            done: Future[int] = Future()
+            done.set_result(0)
+            return done
+        return self._prefetch_pool.submit(self._prefetch, list(keys), tag, expires_s)
+
+    def _prefetch(self, keys: list[BlockKey], tag: WarmTag, expires_s: float) -> int:
+        assert self.warm is not None
+        held = 0
+        scratch = bytearray(self.backend.block_bytes)
+        for key in keys:
+            if self._closing.is_set() or self._clock() >= expires_s:
+                break
+            if self.warm.keep(tag, [key], [None], prefetch_until_s=expires_s):
+                held += 1  # here already: now this session's too
+                continue
+            while self._read.pending_tokens and not self._closing.wait(PREFETCH_YIELD_S):
+                pass  # requests first
+            self._pace(self._read, None)
+            try:
+                ok = bool(self.backend.get_into([key], [scratch])[0])
+            except Exception as exc:  # a miss, as for any read
+                self._count_error("read_errors", exc)
+                ok = False
+            if not ok:
+                break  # the chain is cut here: what follows cannot be a hit
+            with self._lock:
+                self._read.bytes_moved += self.backend.block_bytes
+                self.prefetch_blocks_read += 1
+            if not self.warm.keep(tag, [key], [scratch], prefetch_until_s=expires_s):
+                break  # no room: the budget holds what it can
+            held += 1
+        return held
 
     def read(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
         """Read blocks and wait for the result and for the I/O into ``buffers`` to end."""
@@ -293,6 +349,10 @@ class StorageClient:
         errors["write_errors"] += stats.pop("write_errors", 0)
         out.update(stats)
         out.update(errors)
+        if self.warm is not None:
+            self.warm.expire()
+            out.update(self.warm.snapshot())
+            out["prefetch_blocks_read"] = self.prefetch_blocks_read
         return out
 
     def close(self, drain_s: float = CLOSE_DRAIN_S) -> None:
@@ -301,6 +361,7 @@ class StorageClient:
         A write the backend is running when the drain ends is waited for."""
         self._drain_end_s = time.monotonic() + drain_s
         self._closing.set()
+        self._prefetch_pool.shutdown(wait=True, cancel_futures=True)
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
         if self._writes_dropped:
@@ -313,23 +374,30 @@ class StorageClient:
 
     # -- reads -----------------------------------------------------------------------------
     def _read_block(self, read: _Read, i: int, key: BlockKey, buffer: Any,
-                    deadline: float | None) -> None:
-        """One block of a read, on a worker: pace, read unless the deadline passed, report."""
+                    deadline: float | None, keep: WarmTag | None) -> None:
+        """One block of a read, on a worker: from DRAM if warm, else pace and read unless the
+        deadline passed; report."""
         if read.expired:
             return  # skipped at the deadline, and its tokens released there
-        late = not self._pace(self._read, deadline)
+        maybe_warm = self.warm is not None and self.warm.holds(key)
+        late = not maybe_warm and not self._pace(self._read, deadline)
         if not read.begin(i):
             return
-        ok = False
+        warm = ok = False
         try:
-            if not late:  # else: the NIC cap would start it after the deadline: a miss now
+            warm = ok = maybe_warm and self.warm is not None and self.warm.get_into(key, buffer)
+            if maybe_warm and not warm:  # its copy was damaged (or just dropped): the store
+                late = not self._pace(self._read, deadline)
+            if not warm and not late:  # late: the NIC cap would start it after the deadline
                 ok = bool(self.backend.get_into([key], [buffer])[0])
+            if ok and keep is not None and self.warm is not None:
+                self.warm.keep(keep, [key], [buffer])  # a warm hit: the session holds it too
         except Exception as exc:  # store down, permission, I/O error, ...: a miss
             self._count_error("read_errors", exc)
         finally:
             with self._lock:
                 self._read.pending_tokens -= self.block_size
-                if ok:
+                if ok and not warm:
                     self._read.bytes_moved += self.backend.block_bytes
                 if late:
                     self._errors["read_deadline_misses"] += 1
@@ -354,11 +422,13 @@ class StorageClient:
             read.future.io_done.set_result(None)
 
     # -- writes ----------------------------------------------------------------------------
-    def _write_block(self, key: BlockKey, buffer: Any) -> bool:
+    def _write_block(self, key: BlockKey, buffer: Any, keep: WarmTag | None) -> bool:
         ok = False
         try:
             if self._write_turn():
                 ok = bool(self.backend.put_from([key], [buffer])[0])
+            if ok and keep is not None and self.warm is not None:
+                self.warm.keep(keep, [key], [buffer])
         except Exception as exc:  # store down, read-only, full, ...: not cached, never raised
             self._count_error("write_errors", exc)
         finally:

@@ -208,7 +208,7 @@ class SharedCapacity:
         self.last_pass_marks = len(marks)
         measured = index.total_bytes
         victims = index.victims()
-        self.stats.add(**claims_evicted(ranks, victims))
+        self.stats.add(**claims_evicted(ranks, victims, index.orphans_evicted))
         self._follow_chains(marks, parents, set(victims))
         freed = evicted = 0
         for block_hash in victims:
@@ -290,10 +290,13 @@ class SharedCapacity:
         return block_hash, BlockFile(entry.path, parent, st.st_size, st.st_mtime_ns)
 
 
-def claims_evicted(ranks: dict[bytes, Rank], victims: list[bytes]) -> dict[str, int]:
+def claims_evicted(ranks: dict[bytes, Rank], victims: list[bytes],
+                   orphans: set[bytes] = frozenset()) -> dict[str, int]:  # type: ignore[assignment]
     """A pass's victims counted by their sessions' claims, and the live ones it took while an
-    ended or expired session's block stayed (the order promises none)."""
-    live = sum(ranks.get(h, DEFAULT_RANK)[0] == Retention.LIVE for h in victims)
+    ended or expired session's block stayed (the order promises none; orphans, which no
+    lookup reaches, go first whoever they belong to and are not counted as live)."""
+    live = sum(ranks.get(h, DEFAULT_RANK)[0] == Retention.LIVE for h in victims
+               if h not in orphans)
     ended = sum(ranks.get(h, DEFAULT_RANK)[0] == Retention.ENDED for h in victims)
     ended_kept = sum(r[0] == Retention.ENDED for r in ranks.values()) - ended
     return {"live_blocks_evicted": live, "ended_blocks_evicted": ended,

@@ -36,6 +36,7 @@ class PrefixLRUIndex:
         self._children: dict[bytes, set[bytes]] = {}
         self._clock = 0
         self._ranks: Mapping[bytes, Rank] = {}
+        self.orphans_evicted: set[bytes] = set()  # the last ``victims`` call's orphans
 
     def set_ranks(self, ranks: Mapping[bytes, Rank]) -> None:
         """Each block's rank for the next ``victims`` (absent blocks: ``DEFAULT_RANK``)."""
@@ -106,8 +107,9 @@ class PrefixLRUIndex:
                 for h, e in self._entries.items() if self.is_leaf(h) or self.is_orphan(h)]
         heapq.heapify(heap)
         evicted = []
+        self.orphans_evicted = set()
         while heap and self.total_bytes > target:
-            _, _, last_used, block_hash = heapq.heappop(heap)
+            reachable, _, last_used, block_hash = heapq.heappop(heap)
             entry = self._entries.get(block_hash)
             if entry is None or entry.last_used != last_used:
                 continue
@@ -115,7 +117,10 @@ class PrefixLRUIndex:
                 continue
             self.remove(block_hash)
             evicted.append(block_hash)
-            evicted.extend(self._evict_descendants(block_hash))
+            descendants = self._evict_descendants(block_hash)
+            evicted.extend(descendants)
+            if not reachable:
+                self.orphans_evicted.update([block_hash, *descendants])
             parent = entry.parent
             if parent in self._entries and self.is_leaf(parent):
                 heapq.heappush(heap, (True, ranks.get(parent, DEFAULT_RANK),

@@ -30,7 +30,7 @@ class GatedStore:
     def __init__(self) -> None:
         self.reads: list[ReadFuture] = []
 
-    def submit_read(self, keys, buffers) -> ReadFuture:
+    def submit_read(self, keys, buffers, keep=None) -> ReadFuture:
         future = ReadFuture()
         future.io_done = Future()
         future.set_running_or_notify_cancel()

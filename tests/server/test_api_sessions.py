@@ -145,3 +145,21 @@ def test_each_finished_turn_leaves_its_sessions_mark_on_its_stored_chain(api, st
     ended = SessionMark.from_json(path.read_bytes())
     assert ended.ended and ended.tip != leased.tip
     assert list(store_root.rglob(ended.tip.hex() + ".kvb"))
+
+
+def storage_counter(api: httpx.Client, counter: str) -> float:
+    return sum(v for k, v in metrics(api).items()
+               if k.startswith("dualpath:storage_total") and f"'counter', '{counter}'" in k)
+
+
+def test_a_sessions_next_turn_reads_its_blocks_from_the_decode_engines_dram(api):
+    session = {"X-Session-ID": "warm-1"}
+    prompt = [*PROMPT, *range(60, 100)]  # 60 tokens: 3 full blocks stored by the first turn
+    first = complete(api, session, prompt=prompt).json()
+    before = storage_counter(api, "warm_hits")
+    context = first["prompt_token_ids"] + first["choices"][0]["token_ids"] + [5, 6, 7]
+    second = complete(api, session, prompt=context).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+    assert storage_counter(api, "warm_hits") >= before + 3
+    plain = complete(api, prompt=context).json()  # no session: the same tokens, from storage
+    assert plain["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]

@@ -651,3 +651,34 @@ def test_random_frames_from_any_peer_never_break_the_router_state(frames):
         apply(state.abort(req_id, "end of test"), done, sends, state)
     run_to_quiet(state, model, done, sends, 99.0)
     assert zero(state) == {} and sorted(done) == [1, 2, 3]
+
+
+def test_a_sessions_next_turn_goes_to_the_decode_engine_that_keeps_it_warm():
+    from dualpath.sessions import AgentHint, Session, warm_key
+
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    session = Session("traj-9", "header", AgentHint(lease_s=30))
+
+    def turn(req_id: int, with_session: bool = True) -> tuple[AllocBuffer, Prefill]:
+        req = request(req_id, hit_blocks=2)
+        req.session = session if with_session else None
+        apply(state.submit(req, 0.0), done, sends, state)
+        alloc = next(m for _, m in sends if isinstance(m, AllocBuffer))
+        seen = []
+        while sends:
+            engine, msg = sends.pop(0)
+            seen.append(msg)
+            for reply in model.answer(engine, msg):
+                apply(state.on_message(engine, reply, 0.0), done, sends, state)
+        return alloc, next(m for m in seen if isinstance(m, Prefill))
+
+    alloc, prefill = turn(1)
+    assert alloc.warm_session == prefill.warm_session == warm_key(session, "")
+    assert alloc.warm_lease_s == 30.0
+    first_de = state.decisions[-1][2]
+    for req_id in (2, 3):
+        _, prefill = turn(req_id)
+        assert state.decisions[-1][2] == first_de and prefill.read_path == ReadPath.DE
+    alloc, _ = turn(4, with_session=False)
+    assert alloc.warm_session == "" and alloc.warm_lease_s == 0.0

@@ -194,3 +194,8 @@ def test_an_unwritable_marks_folder_is_an_oserror_for_the_caller(tmp_path):
     with pytest.raises(OSError):
         SessionMarks(tmp_path).write("\0s", _mark(b"t"))
     assert SessionMarks(tmp_path).load(time.time_ns()) == {}
+
+
+def test_orphans_of_a_live_chain_go_first_and_are_not_counted_as_live():
+    ranks = {b"l0": (Retention.LIVE, 0), b"e0": (Retention.ENDED, 0)}
+    assert claims_evicted(ranks, [b"l0"], {b"l0"})["live_evicted_before_ended"] == 0

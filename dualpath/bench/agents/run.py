@@ -27,7 +27,7 @@ from dualpath.bench.agents.nics import (
     cluster_node_bytes,
     prometheus_node_bytes,
 )
-from dualpath.bench.replay import TurnRecord, run_turns
+from dualpath.bench.replay import NO_PACING, Pacing, TurnRecord, run_turns
 from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
 from dualpath.server.launch import LocalCluster
@@ -95,13 +95,13 @@ class PythonRun:
             time.sleep(0.2)
 
     def run(self, agents: list[list[AgentTurn]], offsets_s: list[float] | None,
-            progress: Any, timeout_s: float,
-            cut_after_s: float | None = None) -> tuple[list[dict[str, Any]], float]:
+            progress: Any, timeout_s: float, cut_after_s: float | None = None,
+            pacing: Pacing = NO_PACING) -> tuple[list[dict[str, Any]], float]:
         """Every agent to its last turn (or until every turn submitted by ``cut_after_s``
-        returned: :func:`run_turns`); the records and the JCT (seconds)."""
+        returned), paced by ``pacing`` (:func:`run_turns`); the records and the JCT (s)."""
         row = run_turns(self.cluster, agents, self.submit_mode, progress, timeout_s,
                         label="bench agents", start_offsets_s=offsets_s,
-                        cut_after_s=cut_after_s)
+                        cut_after_s=cut_after_s, pacing=pacing)
         records = [python_record(a, t, r) for a, recs in enumerate(row["records"])
                    for t, r in enumerate(recs)]
         return records, row["jct_s"]

@@ -64,7 +64,7 @@ from dualpath.server.router.types import (
     RequestState,
 )
 from dualpath.storage import open_store
-from dualpath.vocab import Mode, ReadPath, Role
+from dualpath.vocab import EngineKind, Mode, ReadPath, Role
 
 log = logging.getLogger("dualpath.router")
 HEARTBEAT_TICK_S = 0.1  # how often the loop checks engine silence
@@ -104,7 +104,9 @@ class RouterLoop:
                             config.host_pool_blocks, config.save_staging_blocks,
                             kv_tokens(config, layout, Role.PREFILL))
         self.state = RouterState(GlobalScheduler(scheduler_params(config, layout.full_block_bytes)),
-                                 capacity, config.engine_timeout_s, config.heartbeat_s)
+                                 capacity, config.engine_timeout_s, config.heartbeat_s,
+                                 prefetch=config.storage.session_prefetch
+                                 and config.engine_kind == EngineKind.DUALPATH)
         self.bad_messages = 0  # handler errors, logged and skipped
         self.refused_messages = 0  # frames dropped unread: malformed, or speaking for another
         self._ids = itertools.count(1)

@@ -14,6 +14,7 @@ from dualpath.server.router.types import Effects, Records, RequestState
 from dualpath.vocab import Mode, Phase, ReadPath, Role
 
 DECISIONS_KEPT = 10_000
+WARM_SESSIONS_KEPT = 100_000  # where sessions are warm: the most recent ones
 
 
 class Placement:
@@ -25,7 +26,25 @@ class Placement:
         self.ledger = ledger
         # the latest placements (req, pe, de, path, hit), bounded: a server runs for days
         self.decisions: deque[tuple[int, str, str, str, int]] = deque(maxlen=DECISIONS_KEPT)
+        # an agent session's warm key -> the DE that last read and stored its blocks, and so
+        # keeps them in DRAM (storage/warm.py) unless its budget let them go since
+        self.warm_at: dict[str, str] = {}
         self._next_wire = 1
+
+    def warmed(self, req: RequestState) -> None:
+        """A request finished: its session's blocks are warm on its DE now."""
+        key = req.warm.get("warm_session")
+        if not key or not req.de:
+            return
+        self.warm_at.pop(str(key), None)  # the most recent last
+        self.warm_at[str(key)] = req.de
+        if len(self.warm_at) > WARM_SESSIONS_KEPT:
+            del self.warm_at[next(iter(self.warm_at))]
+
+    def _warm_engine(self, req: RequestState) -> str:
+        """The live DE where the request's session is warm ("": none)."""
+        engine = self.warm_at.get(str(req.warm.get("warm_session", "")), "")
+        return engine if engine in self.records.engines else ""
 
     def view(self) -> ClusterView:
         """The scheduler's snapshot of engines and node read queues."""
@@ -52,7 +71,8 @@ class Placement:
         req.path = None
         self.scheduler.submit(PendingRequest(req.req_id, len(req.kv_ids),
                                              self.ledger.read_tokens(req), req.read_path,
-                                             req.mode in (Mode.BASIC, Mode.LAYERWISE)))
+                                             req.mode in (Mode.BASIC, Mode.LAYERWISE),
+                                             self._warm_engine(req)))
 
     def cancel(self, req: RequestState) -> None:
         """Take a queued request out of the scheduler."""
@@ -86,4 +106,4 @@ class Placement:
         de_reads = req.num_hit_blocks if req.path != ReadPath.PE and req.reads else 0
         out.send(req.de, AllocBuffer(req.wire_id, req.kv_ids, num_blocks, de_reads,
                                      read_from_block=req.num_pe_read_blocks,
-                                     cache_salt=req.cache_salt))
+                                     cache_salt=req.cache_salt, **req.warm))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dualpath.kv.hashing import KeySpace
 from dualpath.kv.retention import DEFAULT_WINDOW_S, SessionMark, mark_for
 from dualpath.server.router.types import ClusterOutput
-from dualpath.sessions import Session
+from dualpath.sessions import Session, session_key
 from dualpath.vocab import Mode
 
 
@@ -66,8 +66,3 @@ class SessionBook:
 
     def __len__(self) -> int:
         return len(self._noted)
-
-
-def session_key(session_id: str, cache_salt: str) -> str:
-    """What a session's mark is stored under: its id within its tenant's salt."""
-    return f"{cache_salt}\0{session_id}"

@@ -54,6 +54,7 @@ from dualpath.server.router.endings import Endings, Fences
 from dualpath.server.router.ledger import Ledger
 from dualpath.server.router.membership import Membership
 from dualpath.server.router.placement import Placement
+from dualpath.server.router.prefetch import Prefetches
 from dualpath.server.router.types import (
     Capacity,
     ClusterOutput,
@@ -75,7 +76,10 @@ class RouterState:
     """Requests, engines, nodes and reservations, with every transition between them."""
 
     def __init__(self, scheduler: GlobalScheduler, capacity: Capacity,
-                 engine_timeout_s: float, heartbeat_s: float | None = None) -> None:
+                 engine_timeout_s: float, heartbeat_s: float | None = None,
+                 prefetch: bool = True) -> None:
+        """``prefetch``: read sessions' chains into a decode engine's DRAM during their tool
+        time when their warm copy went (``prefetch.py``)."""
         self.capacity = capacity
         self.engine_timeout_s = engine_timeout_s
         self.heartbeat_s = engine_timeout_s / 10 if heartbeat_s is None else heartbeat_s
@@ -86,6 +90,8 @@ class RouterState:
         self.endings = Endings(records, self.ledger, self.placement, self.fencing)
         self.members = Membership(records, self.ledger, self.fencing, self.endings,
                                   engine_timeout_s, self.heartbeat_s)
+        self.prefetches = Prefetches(records, self.placement.warm_at,
+                                     self.ledger.read_queue_tokens, prefetch)
         self.dropped_messages = 0  # late, duplicated or unknown messages ignored
 
     # -- the parts' tables, as callers read them ------------------------------------------------
@@ -147,6 +153,7 @@ class RouterState:
         most = (len(req.prompt_ids) - 1) // self.capacity.block_size  # compute >= 1 token
         req.num_hit_blocks = min(req.num_hit_blocks, most, self.capacity.host_pool_blocks)
         self.requests[req.req_id] = req
+        self.prefetches.returned(req, now_s)
         self.placement.enqueue(req)
         self.placement.schedule(out)
         return out
@@ -171,6 +178,7 @@ class RouterState:
                 self.dropped_messages += 1
         elif isinstance(msg, Heartbeat):
             self.members.heartbeat(engine, msg, now_s, out)
+            self.prefetches.lost(engine, msg.warm_dropped)
         elif engine not in self.engines:
             # a lost engine speaking: it hears so at its heartbeat; a PE's answer for an attempt
             # still lifts that attempt's fence (it writes no more there)
@@ -190,6 +198,7 @@ class RouterState:
         self.records.now_s = now_s
         self.members.lose_silent(now_s, out)
         self.members.fail_orphaned(now_s, out)
+        self.prefetches.check(now_s, out)
         self.members.announce_peers(out)
         self.placement.schedule(out)
         return out
@@ -299,7 +308,7 @@ class RouterState:
                                  de.endpoint, msg.buffer_addr, PrefillMode.of(req.mode), req.params,
                                  num_pe_read_blocks=req.num_pe_read_blocks,
                                  num_prior_outputs=req.num_prior_outputs,
-                                 cache_salt=req.cache_salt))
+                                 cache_salt=req.cache_salt, **req.warm))
 
     def _prefilled(self, req: RequestState, msg: Prefilled, out: Effects) -> None:
         req.num_hit_blocks = msg.num_hit_blocks
@@ -323,5 +332,7 @@ class RouterState:
                                req.path, req.pe, req.de, req.num_computed_tokens, req.attempts,
                                timeline(req.marks, req.pe_timings))
         self.ledger.release(req)
+        self.placement.warmed(req)
+        self.prefetches.ended(req, result, self.records.now_s)
         self.records.forget(req)
         out.finish(req.req_id, result)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from dualpath.errors import DualPathError
 from dualpath.protocol import Heartbeat, Message
 from dualpath.request import SamplingParams
-from dualpath.sessions import Session
+from dualpath.sessions import Session, warm_key, warm_lease_s
 from dualpath.vocab import Mode, Phase, ReadPath, Role
 
 
@@ -146,6 +146,15 @@ class RequestState:
         """The tokens whose KV this attempt assembles: the prompt, then earlier attempts'
         outputs."""
         return self.prompt_ids + tuple(self.output_ids[: self.num_prior_outputs])
+
+    @property
+    def warm(self) -> dict[str, str | float]:
+        """The warm-session fields of its ``AllocBuffer`` and ``Prefill`` (none for modes
+        that store and read nothing)."""
+        if self.mode in (Mode.ORACLE, Mode.RECOMPUTE) or self.session is None:
+            return {}
+        return {"warm_session": warm_key(self.session, self.cache_salt),
+                "warm_lease_s": warm_lease_s(self.session)}
 
     @property
     def reads(self) -> bool:

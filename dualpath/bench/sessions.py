@@ -1,0 +1,345 @@
+"""``dualpath bench sessions``: what knowing agent sessions is worth, side by side in one run.
+
+The workload is ``bench agents``' (the Weka sample's turns 21-24 of each session, tokens / 64)
+with what an agent's life adds to it (``bench/replay.py: Pacing``): each turn first waits the
+tool time the trace recorded before it (scaled like the tokens, capped), at most
+``max_agents`` agents run at once (the next starts when one ends, so sessions end while others
+are in a tool call) and each names its session, ending it on its last turn. Every agent's
+context up to its window (its primer) is stored first, untimed, as a deployment's store holds
+its sessions' past. Every row runs dualpath on a fresh cluster over a store primed alike.
+
+* ``warm``: an unbounded store; ``cold`` keeps nothing in DRAM, ``warm`` keeps each session's
+  blocks in its decode engine's DRAM (``storage.warm_session_mb``) and places its next turn
+  there (``storage/warm.py``). Reported: TTFT p50 and p90, JCT, the share of hit blocks read
+  from DRAM.
+* ``retention``: the store's capacity is ``store_fraction`` of the working set (every full
+  block the run stores, primers included, counted from the turns before it runs:
+  :func:`working_set_blocks`), DRAM copies off; ``recency`` evicts least recently used first,
+  ``sessions`` by the agents' sessions (``kv/retention.py``). Reported: the hit rate, JCT, the
+  blocks evicted by the sessions' claims, and live sessions' blocks evicted while an ended
+  session's block was kept (the session order promises 0).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from statistics import median
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dualpath.bench.replay import Pacing
+from dualpath.commands.args import names
+from dualpath.storage.block_file import HEADER_BYTES
+from dualpath.workloads.turns import AgentTurn
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
+
+
+@dataclass(frozen=True)
+class Row:
+    """One cluster of the run: its store's cap (a fraction of the working set, or none), its
+    eviction order and its warm DRAM budget."""
+
+    name: str
+    experiment: str
+    store_fraction: float | None  # None: unbounded
+    session_retention: bool
+    warm_session_mb: float
+
+
+def rows_for(options: SessionsOptions) -> list[Row]:
+    """The rows of the experiments asked for, in order."""
+    rows = {"warm": [Row("cold", "warm", None, True, 0.0),
+                     Row("warm", "warm", None, True, options.warm_session_mb)],
+            "retention": [Row("recency", "retention", options.store_fraction, False, 0.0),
+                          Row("sessions", "retention", options.store_fraction, True, 0.0)]}
+    return [row for name in options.experiments for row in rows[name]]
+
+
+EXPERIMENTS = ("warm", "retention")
+COUNT_KEYS = ("blocks_evicted", "live_blocks_evicted", "ended_blocks_evicted",
+              "live_evicted_before_ended", "warm_hits", "warm_sessions_dropped")
+
+
+@dataclass(frozen=True)
+class SessionsOptions:
+    """What ``dualpath bench sessions`` runs; the defaults are the run in docs/results.md."""
+
+    experiments: tuple[str, ...] = EXPERIMENTS
+
+    agents: int = 16
+    turns: int = 4
+    scale: float = 64.0
+    max_agents: int = 4
+    store_fraction: float = 0.5  # retention: the store's cap over the working set
+    warm_session_mb: float = 256.0  # warm: each engine's DRAM budget
+    think_factor: float = 1.0  # the recorded tool time (already scaled like the tokens) x this
+    max_think_s: float = 4.0
+    read_cap_mb_s: float = 180.0  # the demo's storage-NIC cap
+    model: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    timeout_s: float = 1200.0
+    json: str = "results/sessions.json"
+    dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.store_fraction <= 1:
+            raise ValueError(f"--store-fraction must be in (0, 1], got {self.store_fraction}")
+        if self.max_agents < 1 or self.agents < 1:
+            raise ValueError("--agents and --max-agents must be >= 1")
+        unknown = [e for e in self.experiments if e not in EXPERIMENTS]
+        if unknown or not self.experiments:
+            raise ValueError(f"--experiments: {', '.join(EXPERIMENTS)} (got {unknown or 'none'})")
+
+
+def working_set_blocks(agents: list[list[AgentTurn]], primers: list[AgentTurn],
+                       block_size: int) -> int:
+    """The full blocks a run stores: every turn's prompt and output but its last token (what
+    its decode engine stores), each agent after its primer, outputs as placeholders no prompt
+    shares. Chains are told apart by their token prefixes, as block hashes are."""
+    seen: set[tuple[int, ...]] = set()
+    fresh = iter(range(-1, -10**12, -1))  # output placeholders: never a real token id
+    for primer, turns in zip(primers, agents, strict=True):
+        context = primer.prompt([])  # the primer's one output is never stored
+        _add_blocks(seen, context, block_size)
+        for turn in turns:
+            stored = turn.prompt(context) + [next(fresh) for _ in range(turn.gen)]
+            _add_blocks(seen, stored[:-1], block_size)
+            context = stored
+    return len(seen)
+
+
+def _add_blocks(seen: set[tuple[int, ...]], tokens: list[int], block_size: int) -> None:
+    for end in range(block_size, len(tokens) + 1, block_size):
+        seen.add(tuple(tokens[:end]))
+
+
+def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row: Row,
+            workload: Any, store_gb: float, work: Path, bar: Progress,
+            vocab_size: int) -> dict[str, Any]:
+    """One row: a fresh dualpath cluster over its store, warmed, primed, then the agents
+    paced (:class:`Pacing`); its records, the stores' eviction and warm counts."""
+    from dualpath.bench.agents.ladder import cluster_config
+    from dualpath.bench.agents.run import PythonRun
+    from dualpath.bench.agents.turns import prime
+    from dualpath.bench.demo import warmup_turns
+
+    store = work / row.name / "kv"
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
+    config = cluster_config(agents_options, "dualpath", store)
+    capacity_gb = None if row.store_fraction is None else row.store_fraction * store_gb
+    config = replace(config, storage=replace(config.storage, capacity_gb=capacity_gb,
+                                             session_retention=row.session_retention,
+                                             warm_session_mb=row.warm_session_mb))
+    pacing = Pacing(options.think_factor, options.max_think_s, options.max_agents, True)
+    task = bar.add_task(f"{row.name}: warming up", total=sum(map(len, workload.agents)))
+    with PythonRun(model_dir, config, "dualpath", work / row.name / "logs") as run:
+        run.run(warmup_turns(vocab_size, agents_options.block_size, options.seed),
+                None, lambda: None, 300.0)
+        run.empty()
+        prime(run, agents_options, workload.primer_turns(), bar, task, "dualpath")
+        bar.update(task, description=f"{row.name}: agents")
+        records, jct_s = run.run(workload.agents, None, lambda: bar.advance(task),
+                                 options.timeout_s, pacing=pacing)
+        run.wait_for_writes()
+        engines = run.cluster.metrics()
+    counts = {k: sum(int(m.get(f"storage_{k}", 0) or 0) for m in engines.values())
+              for k in COUNT_KEYS}
+    return {"row": row.name, "experiment": row.experiment, "jct_s": jct_s, "records": records,
+            **summarize(records, agents_options.block_size, counts["warm_hits"]),
+            "evicted": counts, "config": asdict(config)}
+
+
+def summarize(records: list[dict[str, Any]], block_size: int = 1,
+              warm_hits: int = 0) -> dict[str, Any]:
+    """Hit rate, the share of hit tokens read from DRAM, TTFT percentiles of a row's turns."""
+    prompt = sum(r["prompt_tokens"] for r in records)
+    hit = sum(r["hit_tokens"] for r in records)
+    ttfts = sorted(r["ttft_s"] for r in records)
+    return {"turns": len(records), "prompt_tokens": prompt, "hit_tokens": hit,
+            "hit_rate": hit / max(1, prompt),
+            "warm_hit_share": min(1.0, warm_hits * block_size / hit) if hit else 0.0,
+            "ttft_p50_s": median(ttfts) if ttfts else None,
+            "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None}
+
+
+def build_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The comparisons: warm against cold, session order against recency alone."""
+    out: dict[str, Any] = {}
+    if "warm" in rows and "cold" in rows:
+        cold, warm = rows["cold"], rows["warm"]
+        out.update({
+            "ttft_p50_cold_s": cold["ttft_p50_s"], "ttft_p50_warm_s": warm["ttft_p50_s"],
+            "ttft_p50_reduction": 1 - warm["ttft_p50_s"] / cold["ttft_p50_s"],
+            "ttft_p90_cold_s": cold["ttft_p90_s"], "ttft_p90_warm_s": warm["ttft_p90_s"],
+            "jct_speedup_warm": cold["jct_s"] / warm["jct_s"],
+            "warm_hit_share": warm["warm_hit_share"]})
+    if "recency" in rows and "sessions" in rows:
+        old, new = rows["recency"], rows["sessions"]
+        out.update({
+            "hit_rate_recency": old["hit_rate"], "hit_rate_sessions": new["hit_rate"],
+            "hit_rate_gain_points": 100 * (new["hit_rate"] - old["hit_rate"]),
+            "jct_recency_s": old["jct_s"], "jct_sessions_s": new["jct_s"],
+            "jct_speedup_sessions": old["jct_s"] / new["jct_s"],
+            "live_evicted_before_ended_recency": old["evicted"]["live_evicted_before_ended"],
+            "live_evicted_before_ended_sessions": new["evicted"]["live_evicted_before_ended"]})
+    return out
+
+
+def run_bench(options: SessionsOptions, console: Console | None = None) -> dict[str, Any]:
+    """Both rows side by side; the report (JSON with a top-level ``summary``, a PNG)."""
+    from dualpath.bench.agents.ladder import AgentsOptions
+    from dualpath.bench.agents.turns import load_bench_workload
+    from dualpath.bench.report import kv_bytes_per_token, machine_profile
+    from dualpath.local_devices import bench_dtype, resolve_local_device
+    from dualpath.model.default_model import resolve_model
+    from dualpath.model.spec import load_spec
+
+    console = console or Console()
+    began = time.perf_counter()
+    device = resolve_local_device("auto")
+    agents_options = AgentsOptions(
+        agents=options.agents, turns=options.turns, scale=options.scale, model=options.model,
+        read_cap_mb_s=options.read_cap_mb_s, device=device,
+        dtype=bench_dtype(options.dtype, device), seed=options.seed)
+    model_dir = resolve_model(options.model)
+    vocab_size = load_spec(model_dir).vocab_size
+    workload = load_bench_workload(agents_options, vocab_size)
+    block_size = agents_options.block_size
+    blocks = working_set_blocks(workload.agents, workload.primer_turns(), block_size)
+    block_bytes = kv_bytes_per_token(model_dir, agents_options.dtype) * block_size
+    store_gb = blocks * (block_bytes + HEADER_BYTES) / 1e9  # the working set's block files
+    regime = {"working_set_blocks": blocks, "block_file_bytes": block_bytes + HEADER_BYTES,
+              "working_set_gb": store_gb, "store_fraction": options.store_fraction,
+              "warm_session_mb": options.warm_session_mb,
+              "agents": options.agents, "max_agents": options.max_agents,
+              "turns": options.turns, "scale": options.scale,
+              "think_factor": options.think_factor, "max_think_s": options.max_think_s,
+              "read_cap_mb_s": options.read_cap_mb_s, "dtype": agents_options.dtype}
+    console.print(f"bench sessions: {options.agents} Weka sessions, {options.max_agents} at "
+                  f"once, tool times x{options.think_factor:g} (<= {options.max_think_s:g} s); "
+                  f"working set {blocks} blocks ({store_gb:.3f} GB)")
+    work = Path(options.dir or tempfile.mkdtemp(prefix="dualpath-bench-sessions-"))
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console) as bar:
+            for row in rows_for(options):
+                rows[row.name] = run_row(options, agents_options, model_dir, row, workload,
+                                         store_gb, work, bar, vocab_size)
+    finally:
+        if options.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    result = {"summary": {**build_summary(rows), "regime": regime}, "rows": rows,
+              "date": datetime.date.today().isoformat(), "machine": machine_profile(),
+              "wall_s": time.perf_counter() - began, "options": asdict(options)}
+    print_report(result, console)
+    if options.json:
+        write_report(result, Path(options.json), console)
+    return result
+
+
+def print_report(result: dict[str, Any], console: Console) -> None:
+    """Each experiment's rows as a table, then the comparisons."""
+    regime = result["summary"]["regime"]
+    titles = {"warm": "unbounded store: DRAM copies off and on",
+              "retention": f"store at {regime['store_fraction']:.0%} of the working set"}
+    for experiment, title in titles.items():
+        rows = [r for r in result["rows"].values() if r["experiment"] == experiment]
+        if not rows:
+            continue
+        table = Table(title=title)
+        for col in ("row", "hit rate", "from DRAM", "JCT (s)", "TTFT p50 (s)", "p90",
+                    "evicted", "live", "ended", "live before ended"):
+            table.add_column(col)
+        for row in rows:
+            e = row["evicted"]
+            table.add_row(row["row"], f"{row['hit_rate']:.1%}", f"{row['warm_hit_share']:.0%}",
+                          f"{row['jct_s']:.1f}", f"{row['ttft_p50_s']:.2f}",
+                          f"{row['ttft_p90_s']:.2f}", str(e["blocks_evicted"]),
+                          str(e["live_blocks_evicted"]), str(e["ended_blocks_evicted"]),
+                          str(e["live_evicted_before_ended"]))
+        console.print(table)
+    s = result["summary"]
+    if "ttft_p50_reduction" in s:
+        console.print(f"warm vs cold: TTFT p50 {s['ttft_p50_reduction']:.0%} lower, JCT "
+                      f"{s['jct_speedup_warm']:.2f}x, {s['warm_hit_share']:.0%} of hits from DRAM")
+    if "hit_rate_gain_points" in s:
+        console.print(f"sessions vs recency: hit rate {s['hit_rate_gain_points']:+.1f} points, "
+                      f"JCT {s['jct_speedup_sessions']:.2f}x")
+
+
+def write_report(result: dict[str, Any], path: Path, console: Console) -> None:
+    """The JSON and, beside it, a PNG of hit rate, JCT and TTFT p50 per row."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    colors = ["#999" if r["row"] in ("cold", "recency") else "#2a7" for r in rows.values()]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for ax, key, label, scale in ((axes[0], "hit_rate", "hit rate (%)", 100),
+                                  (axes[1], "jct_s", "JCT (s)", 1),
+                                  (axes[2], "ttft_p50_s", "TTFT p50 (s)", 1)):
+        ax.bar(list(rows), [rows[p][key] * scale for p in rows], color=colors)
+        ax.set_title(label)
+    fig.suptitle("agent sessions: DRAM copies (cold, warm) and eviction at "
+                 f"{result['summary']['regime']['store_fraction']:.0%} of the working set "
+                 "(recency, sessions)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+    console.print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+HELP = {
+    "experiments": "warm (DRAM copies off, on), retention (recency, sessions at a cap)",
+    "warm_session_mb": "warm: each engine's DRAM budget for sessions' blocks",
+    "agents": "Weka sessions replayed (the sample's first ones)",
+    "turns": "timed turns per session (from the sample's turn 21)",
+    "scale": "trace tokens (and tool seconds) per replayed one",
+    "max_agents": "sessions running at once; the next starts when one ends",
+    "store_fraction": "retention: the store's capacity over the run's working set",
+    "think_factor": "each turn first waits its recorded tool time (scaled) times this",
+    "max_think_s": "the longest tool time waited (the traces hold day-long gaps)",
+    "read_cap_mb_s": "each node's storage-NIC read cap",
+    "model": "a model folder (default: SmolLM2-135M-Instruct)",
+    "dtype": "the engines' dtype (auto: bf16 where the CPU computes it natively)",
+    "seed": "the warm-up's seed", "timeout_s": "per row",
+    "json": "where the result goes (a PNG beside it; '' for none)",
+    "dir": "work folder, kept (default: a temporary one)",
+}
+
+
+def add_arguments(p: ArgumentParser) -> None:
+    """The options of :class:`SessionsOptions`."""
+    for name, value in asdict(SessionsOptions()).items():
+        flag = "--" + name.replace("_", "-")
+        if name == "experiments":
+            p.add_argument(flag, type=names, default=value, dest=name,
+                           help=f"{HELP[name]} (default {','.join(value)})")
+            continue
+        kind = type(value) if value is not None else str
+        p.add_argument(flag, type=kind, default=value, dest=name,
+                       help=f"{HELP[name]} (default {value})")
+
+
+def run(options: SessionsOptions) -> int:
+    """Run the benchmark with the options given."""
+    run_bench(options)
+    return 0

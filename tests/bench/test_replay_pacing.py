@@ -1,0 +1,139 @@
+"""The replay's pacing (``bench/replay.py: Pacing``): tool times, a bound on the agents at
+once, sessions; and ``bench retention``'s working-set count."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import pytest
+
+from dualpath.bench.replay import Pacing, run_turns
+from dualpath.bench.sessions import SessionsOptions, build_summary, rows_for, working_set_blocks
+from dualpath.workloads.turns import AgentTurn
+
+
+@dataclass
+class _Out:
+    output_ids: list[int]
+    num_hit_tokens: int = 0
+    num_computed_tokens: int = 0
+    read_path: str = "pe"
+    num_attempts: int = 1
+    timings: dict | None = None
+
+
+class FakeCluster:
+    """Answers each request after ``serve_s`` from a thread; records what it was sent."""
+
+    def __init__(self, serve_s: float = 0.02) -> None:
+        self.serve_s = serve_s
+        self.sent: list[tuple[float, list[int], object]] = []
+        self.running = 0
+        self.most_running = 0
+        self._lock = threading.Lock()
+
+    def submit(self, prompt, params, mode=None, on_tokens=None, session=None):
+        future: Future = Future()
+        with self._lock:
+            self.sent.append((time.perf_counter(), list(prompt), session))
+        threading.Thread(target=self._answer, args=(future, params.max_tokens, on_tokens),
+                         daemon=True).start()
+        return future
+
+    def _answer(self, future: Future, count: int, on_tokens) -> None:
+        with self._lock:
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        time.sleep(self.serve_s)
+        with self._lock:
+            self.running -= 1
+        on_tokens(tuple(range(count)))
+        future.set_result(_Out(list(range(count))))
+
+    def abort(self, future) -> None:
+        future.cancel()
+
+
+def agent(*thinks: float) -> list[AgentTurn]:
+    return [AgentTurn([1, 2, 3], 2, think_s=t) for t in thinks]
+
+
+def test_a_turn_waits_its_scaled_tool_time_capped_and_the_first_never_waits():
+    cluster = FakeCluster()
+    run_turns(cluster, [agent(9.0, 0.1, 9.0)], "dualpath",
+              pacing=Pacing(think_factor=2.0, max_think_s=0.3))
+    times = [t for t, _, _ in cluster.sent]
+    assert times[1] - times[0] >= 0.02 + 0.2 - 0.01  # served, then 0.1 s x 2
+    assert 0.02 + 0.3 - 0.01 <= times[2] - times[1] < 2.0  # 9 s x 2, capped at 0.3 s
+
+
+def test_without_pacing_tool_times_are_not_waited():
+    cluster = FakeCluster()
+    began = time.perf_counter()
+    run_turns(cluster, [agent(9.0, 9.0)], "dualpath")
+    assert time.perf_counter() - began < 1.0
+    assert all(session is None for _, _, session in cluster.sent)
+
+
+def test_at_most_max_agents_run_and_every_agent_ends():
+    cluster = FakeCluster(serve_s=0.05)
+    row = run_turns(cluster, [agent(0, 0) for _ in range(5)], "dualpath",
+                    pacing=Pacing(max_agents=2))
+    assert cluster.most_running == 2 and row["turns"] == 10
+
+
+def test_each_agent_names_its_session_and_ends_it_on_its_last_turn():
+    cluster = FakeCluster()
+    run_turns(cluster, [agent(0, 0, 0), agent(0)], "dualpath", pacing=Pacing(sessions=True))
+    by_session: dict[str, list] = {}
+    for _, _, session in cluster.sent:
+        by_session.setdefault(session.session_id, []).append(session)
+    assert sorted(map(len, by_session.values())) == [1, 3]
+    for turns in by_session.values():
+        ends = [s.hint is not None and s.hint.end_of_session for s in turns]
+        assert ends == [False] * (len(turns) - 1) + [True]
+
+
+def test_the_working_set_counts_shared_prefixes_once_and_outputs_as_stored():
+    primer = AgentTurn(list(range(8)), 1, keep=0)  # 2 blocks of 4
+    turns = [AgentTurn([*range(8), 50, 51], 3, keep=0),  # 10 + 3 - 1 = 12: 3 blocks
+             AgentTurn([60, 61, 62], 2)]  # 13 + 3 + 2 - 1 = 17 (keeps all): 4 blocks
+    assert working_set_blocks([turns], [primer], 4) == 4
+    other = [AgentTurn(list(range(8)), 1, keep=0)]  # another agent on the same prefix
+    assert working_set_blocks([turns, other], [primer, AgentTurn(list(range(8)), 1)], 4) == 4
+    compacted = [*turns, AgentTurn([70, 71, 72, 73], 1, keep=4)]  # forks after one block
+    assert working_set_blocks([compacted], [primer], 4) == 5
+
+
+def test_the_summary_compares_warm_with_cold_and_sessions_with_recency():
+    rows = {p: {"hit_rate": h, "jct_s": j, "ttft_p50_s": t, "ttft_p90_s": 2 * t,
+                "warm_hit_share": w, "evicted": {"live_evicted_before_ended": n}}
+            for p, h, j, t, w, n in (("cold", 0.9, 30.0, 2.0, 0.0, 0),
+                                     ("warm", 0.9, 20.0, 0.5, 0.8, 0),
+                                     ("recency", 0.5, 20.0, 1.0, 0.0, 40),
+                                     ("sessions", 0.7, 10.0, 1.0, 0.0, 0))}
+    summary = build_summary(rows)
+    assert summary["ttft_p50_reduction"] == pytest.approx(0.75)
+    assert summary["jct_speedup_warm"] == 1.5 and summary["warm_hit_share"] == 0.8
+    assert summary["hit_rate_gain_points"] == pytest.approx(20.0)
+    assert summary["jct_speedup_sessions"] == 2.0
+    assert summary["live_evicted_before_ended_recency"] == 40
+    assert "hit_rate_gain_points" not in build_summary({k: rows[k] for k in ("cold", "warm")})
+
+
+def test_the_rows_differ_only_in_what_each_experiment_compares():
+    rows = rows_for(SessionsOptions(store_fraction=0.4, warm_session_mb=64))
+    assert [(r.name, r.store_fraction, r.session_retention, r.warm_session_mb) for r in rows] == [
+        ("cold", None, True, 0.0), ("warm", None, True, 64), ("recency", 0.4, False, 0.0),
+        ("sessions", 0.4, True, 0.0)]
+
+
+@pytest.mark.parametrize("bad", [{"store_fraction": 0}, {"store_fraction": 1.5},
+                                 {"max_agents": 0}, {"experiments": ("warm", "nope")},
+                                 {"experiments": ()}])
+def test_bad_options_are_refused(bad):
+    with pytest.raises(ValueError):
+        SessionsOptions(**bad)
