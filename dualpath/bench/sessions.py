@@ -12,6 +12,11 @@ its sessions' past. Every row runs dualpath on a fresh cluster over a store prim
   blocks in its decode engine's DRAM (``storage.warm_session_mb``) and places its next turn
   there (``storage/warm.py``). Reported: TTFT p50 and p90, JCT, the share of hit blocks read
   from DRAM.
+* ``api``: through the OpenAI API, ``dualpath serve`` (its defaults: DRAM copies on, the
+  testbed's storage cap) beside plain ``vllm serve`` (the peers' vLLM-CPU, as many instances as
+  the cluster has engines, bf16, its own prefix cache with its default KV space, sessions
+  sticky by ``X-Session-ID`` as RL frameworks pin them); each agent's primer goes to its
+  instance untimed. Reported: TTFT p50 and p90, JCT, errors.
 * ``retention``: the store's capacity is ``store_fraction`` of the working set (every full
   block the run stores, primers included, counted from the turns before it runs:
   :func:`working_set_blocks`), DRAM copies off; ``recency`` evicts least recently used first,
@@ -22,6 +27,7 @@ its sessions' past. Every row runs dualpath on a fresh cluster over a store prim
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import shutil
@@ -36,6 +42,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dualpath.bench.agents.run import http_record
 from dualpath.bench.replay import Pacing
 from dualpath.commands.args import names
 from dualpath.storage.block_file import HEADER_BYTES
@@ -61,12 +68,14 @@ def rows_for(options: SessionsOptions) -> list[Row]:
     """The rows of the experiments asked for, in order."""
     rows = {"warm": [Row("cold", "warm", None, True, 0.0),
                      Row("warm", "warm", None, True, options.warm_session_mb)],
+            "api": [Row("dualpath-api", "api", None, True, options.warm_session_mb),
+                    Row("vllm-api", "api", None, True, 0.0)],
             "retention": [Row("recency", "retention", options.store_fraction, False, 0.0),
                           Row("sessions", "retention", options.store_fraction, True, 0.0)]}
     return [row for name in options.experiments for row in rows[name]]
 
 
-EXPERIMENTS = ("warm", "retention")
+EXPERIMENTS = ("warm", "api", "retention")
 COUNT_KEYS = ("blocks_evicted", "live_blocks_evicted", "ended_blocks_evicted",
               "live_evicted_before_ended", "warm_hits", "warm_sessions_dropped")
 
@@ -80,7 +89,7 @@ class SessionsOptions:
     agents: int = 16
     turns: int = 4
     scale: float = 64.0
-    max_agents: int = 4
+    max_agents: int = 2
     store_fraction: float = 0.5  # retention: the store's cap over the working set
     warm_session_mb: float = 256.0  # warm: each engine's DRAM budget
     think_factor: float = 1.0  # the recorded tool time (already scaled like the tokens) x this
@@ -162,6 +171,58 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
             "evicted": counts, "config": asdict(config)}
 
 
+def run_api_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row: Row,
+                workload: Any, store_gb: float, work: Path, bar: Progress,
+                vocab_size: int) -> dict[str, Any]:
+    """One row through the OpenAI API: ``dualpath serve`` or plain ``vllm serve``, warmed,
+    primed, then the agents paced with their sessions."""
+    from dualpath.bench.agents.ladder import cluster_config
+    from dualpath.bench.agents.plain_vllm import PlainVllmFleet
+    from dualpath.bench.agents.run import HttpRun
+    from dualpath.bench.agents.turns import prime
+    from dualpath.bench.demo import warmup_turns
+    from dualpath.config import VllmConfig
+    from dualpath.vocab import EngineKind
+
+    store = work / row.name / "kv"
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
+    config = cluster_config(agents_options, "dualpath", store)
+    pacing = Pacing(options.think_factor, options.max_think_s, options.max_agents, True)
+    warmup = warmup_turns(vocab_size, agents_options.block_size, options.seed)
+    task = bar.add_task(f"{row.name}: starting", total=sum(map(len, workload.agents)))
+    advance = lambda: bar.advance(task)  # noqa: E731
+    if row.name == "vllm-api":
+        config = replace(config, engine_kind=EngineKind.VLLM, vllm=VllmConfig(
+            max_model_len=agents_options.max_context, extra_args=("--enforce-eager",)))
+        instances = agents_options.prefill + agents_options.decode
+        with PlainVllmFleet(model_dir, config, instances, work / row.name / "logs",
+                            "vllm") as fleet:
+            bar.update(task, description=f"{row.name}: warming up")
+            fleet.warm_up(warmup)
+            fleet.run([[p] for p in workload.primer_turns()], lambda: None, options.timeout_s)
+            bar.update(task, description=f"{row.name}: agents")
+            records, jct_s = fleet.run(workload.agents, advance, options.timeout_s, pacing)
+    else:
+        from dualpath.bench.agents.plain_vllm import replay_sticky
+
+        with HttpRun(model_dir, config, work / row.name / "logs") as run:
+            bar.update(task, description=f"{row.name}: warming up")
+            run.run(warmup, None, lambda: None, 300.0)
+            run.empty()
+            prime(run, agents_options, workload.primer_turns(), bar, task, "dualpath")
+            bar.update(task, description=f"{row.name}: agents")
+            began = time.monotonic()
+            per_agent = asyncio.run(replay_sticky([run.base_url], run.model, workload.agents,
+                                                  advance, options.timeout_s, pacing, True))
+            jct_s = time.monotonic() - began
+            records = [http_record(r, began) for recs in per_agent for r in recs]
+    errors = sum(1 for r in records if r.get("error"))
+    return {"row": row.name, "experiment": row.experiment, "jct_s": jct_s, "records": records,
+            **summarize([r for r in records if not r.get("error")]), "errors": errors,
+            "evicted": dict.fromkeys(COUNT_KEYS, 0), "config": asdict(config)}
+
+
 def summarize(records: list[dict[str, Any]], block_size: int = 1,
               warm_hits: int = 0) -> dict[str, Any]:
     """Hit rate, the share of hit tokens read from DRAM, TTFT percentiles of a row's turns."""
@@ -186,6 +247,14 @@ def build_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "ttft_p90_cold_s": cold["ttft_p90_s"], "ttft_p90_warm_s": warm["ttft_p90_s"],
             "jct_speedup_warm": cold["jct_s"] / warm["jct_s"],
             "warm_hit_share": warm["warm_hit_share"]})
+    if "dualpath-api" in rows and "vllm-api" in rows:
+        ours, vllm = rows["dualpath-api"], rows["vllm-api"]
+        out.update({
+            "api_ttft_p50_dualpath_s": ours["ttft_p50_s"],
+            "api_ttft_p50_vllm_s": vllm["ttft_p50_s"],
+            "api_ttft_p50_ratio": ours["ttft_p50_s"] / vllm["ttft_p50_s"],
+            "api_jct_speedup_vs_vllm": vllm["jct_s"] / ours["jct_s"],
+            "api_errors": ours["errors"] + vllm["errors"]})
     if "recency" in rows and "sessions" in rows:
         old, new = rows["recency"], rows["sessions"]
         out.update({
@@ -237,8 +306,9 @@ def run_bench(options: SessionsOptions, console: Console | None = None) -> dict[
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as bar:
             for row in rows_for(options):
-                rows[row.name] = run_row(options, agents_options, model_dir, row, workload,
-                                         store_gb, work, bar, vocab_size)
+                run = run_api_row if row.experiment == "api" else run_row
+                rows[row.name] = run(options, agents_options, model_dir, row, workload,
+                                     store_gb, work, bar, vocab_size)
     finally:
         if options.dir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -255,6 +325,7 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     """Each experiment's rows as a table, then the comparisons."""
     regime = result["summary"]["regime"]
     titles = {"warm": "unbounded store: DRAM copies off and on",
+              "api": "through the OpenAI API: dualpath serve and plain vllm serve",
               "retention": f"store at {regime['store_fraction']:.0%} of the working set"}
     for experiment, title in titles.items():
         rows = [r for r in result["rows"].values() if r["experiment"] == experiment]
@@ -276,6 +347,9 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     if "ttft_p50_reduction" in s:
         console.print(f"warm vs cold: TTFT p50 {s['ttft_p50_reduction']:.0%} lower, JCT "
                       f"{s['jct_speedup_warm']:.2f}x, {s['warm_hit_share']:.0%} of hits from DRAM")
+    if "api_ttft_p50_ratio" in s:
+        console.print(f"API: dualpath's TTFT p50 {s['api_ttft_p50_ratio']:.2f}x vLLM's, JCT "
+                      f"{s['api_jct_speedup_vs_vllm']:.2f}x faster, {s['api_errors']} errors")
     if "hit_rate_gain_points" in s:
         console.print(f"sessions vs recency: hit rate {s['hit_rate_gain_points']:+.1f} points, "
                       f"JCT {s['jct_speedup_sessions']:.2f}x")
@@ -308,7 +382,8 @@ def write_report(result: dict[str, Any], path: Path, console: Console) -> None:
 
 
 HELP = {
-    "experiments": "warm (DRAM copies off, on), retention (recency, sessions at a cap)",
+    "experiments": "warm (DRAM copies off, on), api (dualpath serve, vllm serve), retention "
+                   "(recency, sessions at a cap)",
     "warm_session_mb": "warm: each engine's DRAM budget for sessions' blocks",
     "agents": "Weka sessions replayed (the sample's first ones)",
     "turns": "timed turns per session (from the sample's turn 21)",

@@ -127,8 +127,8 @@ def test_the_summary_compares_warm_with_cold_and_sessions_with_recency():
 def test_the_rows_differ_only_in_what_each_experiment_compares():
     rows = rows_for(SessionsOptions(store_fraction=0.4, warm_session_mb=64))
     assert [(r.name, r.store_fraction, r.session_retention, r.warm_session_mb) for r in rows] == [
-        ("cold", None, True, 0.0), ("warm", None, True, 64), ("recency", 0.4, False, 0.0),
-        ("sessions", 0.4, True, 0.0)]
+        ("cold", None, True, 0.0), ("warm", None, True, 64), ("dualpath-api", None, True, 64),
+        ("vllm-api", None, True, 0.0), ("recency", 0.4, False, 0.0), ("sessions", 0.4, True, 0.0)]
 
 
 @pytest.mark.parametrize("bad", [{"store_fraction": 0}, {"store_fraction": 1.5},

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx2
 
+from dualpath.bench.replay import Pacing
 from dualpath.workloads.turns import AgentTurn
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -175,13 +176,14 @@ async def _failed_status(response: httpx2.Response) -> TurnFailed:
 
 async def post_turn(client: httpx2.AsyncClient, prompt: list[int], gen_tokens: int, *,
                     model: str, agent: int = 0, turn: int = 0,
-                    extra: dict[str, Any] | None = None) -> HttpTurnRecord:
+                    extra: dict[str, Any] | None = None,
+                    headers: dict[str, str] | None = None) -> HttpTurnRecord:
     """Send one turn and read its stream to the end; the record of a served turn carries the
     generated ids (``output_ids``). Raises :class:`TurnFailed` when it was not served."""
     submitted = time.monotonic()
     stream = _Stream()
     try:
-        async with client.stream("POST", COMPLETIONS_PATH,
+        async with client.stream("POST", COMPLETIONS_PATH, headers=headers,
                                  json=turn_body(prompt, gen_tokens, model, extra)) as response:
             if response.status_code != 200:
                 raise await _failed_status(response)
@@ -213,21 +215,44 @@ def _loop_time(monotonic_s: float | None) -> float | None:
     return asyncio.get_running_loop().time() + (monotonic_s - time.monotonic())
 
 
+@dataclass(frozen=True)
+class HttpSession:
+    """An agent's session on the API: its id in ``X-Session-ID`` (what RL frameworks send;
+    servers that know no sessions ignore it), and with ``hints`` the ``agent_hint``
+    ``end_of_session`` on its last turn (dualpath's API); its tool times by ``pacing``."""
+
+    session_id: str
+    pacing: Pacing
+    hints: bool = True
+
+    def fields(self, extra: dict[str, Any] | None,
+               last: bool) -> tuple[dict[str, Any] | None, dict[str, str]]:
+        """A turn's body additions and headers."""
+        headers = {"X-Session-ID": self.session_id}
+        if not (self.hints and last):
+            return extra, headers
+        return {**(extra or {}), "agent_hint": {"end_of_session": True}}, headers
+
+
 async def run_agent_http(client: httpx2.AsyncClient, turns: list[AgentTurn], *, model: str,
                          agent: int = 0, first_turn: int = 0, context: list[int] | None = None,
                          extra: dict[str, Any] | None = None,
                          progress: Callable[[HttpTurnRecord], None] = _ignore,
                          stop_s: float | None = None,
                          deadline_s: float | None = None,
-                         on_send: Callable[[float], None] = _ignore) -> tuple[
+                         on_send: Callable[[float], None] = _ignore,
+                         session: HttpSession | None = None) -> tuple[
                              list[HttpTurnRecord], list[int]]:
-    """One agent's turns in order, each as soon as the previous returned; its records and its
-    context after the last turn served. No turn starts at or after ``stop_s`` (monotonic), and
-    a turn still running at ``deadline_s`` is cut off and recorded as failed; after a failed
-    turn the agent stops. Turns are numbered from ``first_turn``; ``on_send`` gets the
-    ``time.monotonic()`` each is sent at."""
+    """One agent's turns in order, each as soon as the previous returned (or, with a
+    ``session``, after the tool time recorded before it, naming the session); its records and
+    its context after the last turn served. No turn starts at or after ``stop_s``
+    (monotonic), and a turn still running at ``deadline_s`` is cut off and recorded as failed;
+    after a failed turn the agent stops. Turns are numbered from ``first_turn``; ``on_send``
+    gets the ``time.monotonic()`` each is sent at."""
     context, records = list(context or []), []
     for index, turn in enumerate(turns, first_turn):
+        if session is not None and index > first_turn:
+            await asyncio.sleep(session.pacing.think_s(turn))
         if stop_s is not None and time.monotonic() >= stop_s:
             break
         submitted = time.monotonic()
@@ -240,8 +265,10 @@ async def run_agent_http(client: httpx2.AsyncClient, turns: list[AgentTurn], *, 
         on_send(submitted)
         try:
             async with asyncio.timeout_at(_loop_time(deadline_s)):
+                last = index == first_turn + len(turns) - 1
+                body, headers = (extra, None) if session is None else session.fields(extra, last)
                 record = await post_turn(client, prompt, turn.gen, model=model, agent=agent,
-                                         turn=index, extra=extra)
+                                         turn=index, extra=body, headers=headers)
         except TurnFailed as exc:
             record = _error_record(agent, index, submitted, len(prompt), exc.status,
                                    exc.message)
@@ -262,7 +289,9 @@ async def run_agents_http(base_url: str, agents: list[list[AgentTurn]], *, model
                           progress: Callable[[HttpTurnRecord], None] = _ignore,
                           timeout_s: float = 3600.0,
                           extra: dict[str, Any] | None = None,
-                          cut_after_s: float | None = None) -> list[list[HttpTurnRecord]]:
+                          cut_after_s: float | None = None,
+                          pacing: Pacing | None = None,
+                          session_hints: bool = True) -> list[list[HttpTurnRecord]]:
     """Replay every agent's turns through ``base_url`` (the server's root, e.g.
     ``http://127.0.0.1:8000``); per agent, its :class:`HttpTurnRecord` list.
 
@@ -272,7 +301,9 @@ async def run_agents_http(base_url: str, agents: list[list[AgentTurn]], *, model
     still running ``timeout_s`` after the call are cut off and recorded as failed. With
     ``cut_after_s``, the replay ends once every turn sent up to that many seconds after the
     call has returned (agents keep sending until then); the turns then in flight are
-    cancelled, unrecorded (the server aborts a request whose client went away).
+    cancelled, unrecorded (the server aborts a request whose client went away). With
+    ``pacing``, each agent names its session (``HttpSession``; ``session_hints``: and ends it
+    on its last turn), waits its tool times, and at most ``pacing.max_agents`` run at once.
     """
     offsets = start_offsets_s if start_offsets_s is not None else [0.0] * len(agents)
     if len(offsets) != len(agents):
@@ -285,12 +316,19 @@ async def run_agents_http(base_url: str, agents: list[list[AgentTurn]], *, model
         window.records[record.agent].append(record)
         progress(record)
 
+    slots = asyncio.Semaphore(pacing.max_agents if pacing and pacing.max_agents else
+                              max(1, len(agents)))
+
     async def agent_run(client: httpx2.AsyncClient, index: int) -> None:
+        session = None if pacing is None else HttpSession(f"agent-{index}", pacing,
+                                                          session_hints)
         try:
             await asyncio.sleep(max(0.0, start + offsets[index] - time.monotonic()))
-            await run_agent_http(client, agents[index], model=model, agent=index, extra=extra,
-                                 progress=note, stop_s=deadline, deadline_s=deadline,
-                                 on_send=lambda t: window.sent(index, t))
+            async with slots:
+                await run_agent_http(client, agents[index], model=model, agent=index,
+                                     extra=extra, progress=note, stop_s=deadline,
+                                     deadline_s=deadline, on_send=lambda t: window.sent(index, t),
+                                     session=session)
         finally:
             window.measured(index)
 

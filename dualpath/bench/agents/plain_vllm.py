@@ -31,9 +31,10 @@ from typing import Any
 
 from rich.progress import Progress
 
-from dualpath.bench.agents.http import HttpTurnRecord, open_client, run_agent_http
+from dualpath.bench.agents.http import HttpSession, HttpTurnRecord, open_client, run_agent_http
 from dualpath.bench.agents.kv_budget import PLAIN_ROW, sticky_instance
 from dualpath.bench.agents.run import http_record, replay_http
+from dualpath.bench.replay import Pacing
 from dualpath.bench.report import host_cpu_shares, host_cpu_ticks
 from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
@@ -43,22 +44,33 @@ __all__ = ["PLAIN_ROW", "PlainVllmFleet", "plain_row", "replay_sticky"]
 
 
 async def replay_sticky(urls: list[str], model: str, agents: list[list[AgentTurn]],
-                        progress: Any, timeout_s: float) -> list[list[HttpTurnRecord]]:
+                        progress: Any, timeout_s: float, pacing: Pacing | None = None,
+                        session_hints: bool = False) -> list[list[HttpTurnRecord]]:
     """Every agent's turns on its instance (agent ``i`` on ``urls[i mod len(urls)]``), all
     agents at once; per agent, its records. Turns still running ``timeout_s`` after the call
-    are cut off and recorded as failed."""
+    are cut off and recorded as failed. With ``pacing``, each agent names its session
+    (``HttpSession``), waits its tool times, and at most ``pacing.max_agents`` run at once."""
     deadline = time.monotonic() + timeout_s
+    slots = asyncio.Semaphore(pacing.max_agents if pacing and pacing.max_agents else
+                              max(1, len(agents)))
+
+    async def agent_run(client: Any, i: int, turns: list[AgentTurn]) -> list[HttpTurnRecord]:
+        session = None if pacing is None else HttpSession(f"agent-{i}", pacing, session_hints)
+        async with slots:
+            records, _ = await run_agent_http(client, turns, model=model, agent=i,
+                                              progress=lambda _: progress(), stop_s=deadline,
+                                              deadline_s=deadline, session=session)
+        return records
+
     per_instance = [sum(1 for i in range(len(agents)) if sticky_instance(i, len(urls)) == k)
                     for k in range(len(urls))]
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(open_client(url, None, timeout_s,
                                                                max(1, count)))
                    for url, count in zip(urls, per_instance, strict=True)]
-        runs = [run_agent_http(clients[sticky_instance(i, len(urls))], turns, model=model,
-                               agent=i, progress=lambda _: progress(), stop_s=deadline,
-                               deadline_s=deadline)
+        runs = [agent_run(clients[sticky_instance(i, len(urls))], i, turns)
                 for i, turns in enumerate(agents)]
-        return [records for records, _ in await asyncio.gather(*runs)]
+        return list(await asyncio.gather(*runs))
 
 
 class PlainVllmFleet:
@@ -102,13 +114,14 @@ class PlainVllmFleet:
         for url in self.urls:
             replay_http(url, self.model, warmup, None, lambda: None, 300.0)
 
-    def run(self, agents: list[list[AgentTurn]], progress: Any,
-            timeout_s: float) -> tuple[list[dict[str, Any]], float]:
-        """Every agent to its last turn on its instance; the records (each with its
-        ``instance``) and the JCT. ``DualPathError`` naming the first failed turn."""
+    def run(self, agents: list[list[AgentTurn]], progress: Any, timeout_s: float,
+            pacing: Pacing | None = None) -> tuple[list[dict[str, Any]], float]:
+        """Every agent to its last turn on its instance (paced by ``pacing``: its sessions'
+        ids, tool times, agents at once); the records (each with its ``instance``) and the JCT.
+        ``DualPathError`` naming the first failed turn."""
         began = time.monotonic()
         per_agent = asyncio.run(replay_sticky(self.urls, self.model, agents, progress,
-                                              timeout_s))
+                                              timeout_s, pacing))
         jct = time.monotonic() - began
         records = [{**http_record(r, began), "instance": sticky_instance(r.agent, len(self.urls))}
                    for recs in per_agent for r in recs]
