@@ -5,8 +5,9 @@ with what an agent's life adds to it (``bench/replay.py: Pacing``): each turn fi
 tool time the trace recorded before it (scaled like the tokens, capped), at most
 ``max_agents`` agents run at once (the next starts when one ends, so sessions end while others
 are in a tool call) and each names its session, ending it on its last turn. Every agent's
-context up to its window (its primer) is stored first, untimed, as a deployment's store holds
-its sessions' past. Every row runs dualpath on a fresh cluster over a store primed alike.
+context up to its window (its primer: the session's turn before the window) is served first,
+untimed, as that session's turn (the retention rows copy one stored result into both stores,
+so they start alike). Every row runs on a fresh cluster over an empty store.
 
 * ``warm``: an unbounded store; ``cold`` keeps nothing in DRAM, ``warm`` keeps each session's
   blocks in its decode engine's DRAM (``storage.warm_session_mb``) and places its next turn
@@ -45,6 +46,7 @@ from rich.table import Table
 from dualpath.bench.agents.run import http_record
 from dualpath.bench.replay import Pacing
 from dualpath.commands.args import names
+from dualpath.errors import DualPathError
 from dualpath.storage.block_file import HEADER_BYTES
 from dualpath.workloads.turns import AgentTurn
 
@@ -158,7 +160,14 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
         run.run(warmup_turns(vocab_size, agents_options.block_size, options.seed),
                 None, lambda: None, 300.0)
         run.empty()
-        prime(run, agents_options, workload.primer_turns(), bar, task, "dualpath")
+        if row.experiment == "retention":  # the very same stored primers in both rows
+            prime(run, agents_options, workload.primer_turns(), bar, task, "dualpath")
+        else:  # each session's turn before the window, served as that session's
+            bar.update(task, description=f"{row.name}: the sessions' earlier turns")
+            run.run([[p] for p in workload.primer_turns()], None, lambda: None,
+                    options.timeout_s, pacing=replace(pacing, max_agents=None,
+                                                      ends_sessions=False))
+            run.wait_for_writes()
         bar.update(task, description=f"{row.name}: agents")
         records, jct_s = run.run(workload.agents, None, lambda: bar.advance(task),
                                  options.timeout_s, pacing=pacing)
@@ -176,10 +185,9 @@ def run_api_row(options: SessionsOptions, agents_options: Any, model_dir: Path, 
                 vocab_size: int) -> dict[str, Any]:
     """One row through the OpenAI API: ``dualpath serve`` or plain ``vllm serve``, warmed,
     primed, then the agents paced with their sessions."""
-    from dualpath.bench.agents.ladder import cluster_config
+    from dualpath.bench.agents.ladder import VLLM_BLOCK_SIZE, cluster_config
     from dualpath.bench.agents.plain_vllm import PlainVllmFleet
     from dualpath.bench.agents.run import HttpRun
-    from dualpath.bench.agents.turns import prime
     from dualpath.bench.demo import warmup_turns
     from dualpath.config import VllmConfig
     from dualpath.vocab import EngineKind
@@ -193,8 +201,10 @@ def run_api_row(options: SessionsOptions, agents_options: Any, model_dir: Path, 
     task = bar.add_task(f"{row.name}: starting", total=sum(map(len, workload.agents)))
     advance = lambda: bar.advance(task)  # noqa: E731
     if row.name == "vllm-api":
-        config = replace(config, engine_kind=EngineKind.VLLM, vllm=VllmConfig(
-            max_model_len=agents_options.max_context, extra_args=("--enforce-eager",)))
+        config = replace(config, engine_kind=EngineKind.VLLM,
+                         engine=replace(config.engine, block_size=VLLM_BLOCK_SIZE),
+                         vllm=VllmConfig(max_model_len=agents_options.max_context,
+                                         extra_args=("--enforce-eager",)))
         instances = agents_options.prefill + agents_options.decode
         with PlainVllmFleet(model_dir, config, instances, work / row.name / "logs",
                             "vllm") as fleet:
@@ -210,7 +220,10 @@ def run_api_row(options: SessionsOptions, agents_options: Any, model_dir: Path, 
             bar.update(task, description=f"{row.name}: warming up")
             run.run(warmup, None, lambda: None, 300.0)
             run.empty()
-            prime(run, agents_options, workload.primer_turns(), bar, task, "dualpath")
+            bar.update(task, description=f"{row.name}: the sessions' earlier turns")
+            asyncio.run(replay_sticky([run.base_url], run.model,
+                                      [[p] for p in workload.primer_turns()], lambda: None,
+                                      options.timeout_s, replace(pacing, max_agents=None)))
             bar.update(task, description=f"{row.name}: agents")
             began = time.monotonic()
             per_agent = asyncio.run(replay_sticky([run.base_url], run.model, workload.agents,
@@ -302,17 +315,23 @@ def run_bench(options: SessionsOptions, console: Console | None = None) -> dict[
                   f"working set {blocks} blocks ({store_gb:.3f} GB)")
     work = Path(options.dir or tempfile.mkdtemp(prefix="dualpath-bench-sessions-"))
     rows: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as bar:
             for row in rows_for(options):
                 run = run_api_row if row.experiment == "api" else run_row
-                rows[row.name] = run(options, agents_options, model_dir, row, workload,
-                                     store_gb, work, bar, vocab_size)
+                try:
+                    rows[row.name] = run(options, agents_options, model_dir, row, workload,
+                                         store_gb, work, bar, vocab_size)
+                except DualPathError as exc:  # the other rows still count: say why
+                    console.print(f"[red]{row.name} failed: {exc}")
+                    failed[row.name] = str(exc)
     finally:
         if options.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    result = {"summary": {**build_summary(rows), "regime": regime}, "rows": rows,
+    result = {"summary": {**build_summary(rows), "regime": regime, "failed_rows": failed},
+              "rows": rows,
               "date": datetime.date.today().isoformat(), "machine": machine_profile(),
               "wall_s": time.perf_counter() - began, "options": asdict(options)}
     print_report(result, console)
