@@ -152,8 +152,8 @@ def _pick_de(req: PendingRequest, engines: Sequence[EngineLoad], z: float) -> En
     need = req.num_tokens
     warm = next((e for e in engines if e.name == req.warm_engine), None)
     if warm is not None and warm.free_kv_tokens >= need and (
-            warm.tok + need <= z or warm.tok <= min(e.tok for e in engines
-                                                    if e.free_kv_tokens >= need)):
+            warm.tok + need <= z or warm.tok <= need + min(e.tok for e in engines
+                                                           if e.free_kv_tokens >= need)):
         return warm  # its session's blocks are in that DE's DRAM, and it is not overloaded
     best_low: tuple[int, int, str, EngineLoad] | None = None
     best_high: tuple[int, int, str, EngineLoad] | None = None
@@ -177,8 +177,9 @@ def de_phase2(private_queue: Sequence[PendingRequest], group_engines: Sequence[E
     """Phase 2: place the head of a DE group's private queue, request by request.
 
     Z is computed once (:func:`high_token_threshold`). A request whose agent session is warm on
-    a DE (``warm_engine``) goes there when it has free KV and stays at or below Z (or holds
-    the fewest tokens of the DEs with room). Otherwise,
+    a DE (``warm_engine``) goes there when it has free KV and stays at or below Z, or holds
+    no more than the request's own tokens beyond the least loaded DE with room: reading its
+    hit from that DE's DRAM is worth a decode load that much less even. Otherwise,
     among DEs with free KV for the head request, those staying at or below Z are preferred,
     least ``seq`` first; else the least ``tok`` one above Z. The chosen DE's ``seq``, ``tok``
     and free KV change in place. The fetch ends at the first request no DE has memory for.

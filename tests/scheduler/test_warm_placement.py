@@ -48,6 +48,12 @@ def test_a_full_or_overloaded_warm_de_is_passed_over():
     busy = place(PendingRequest(1, 1000, 960, warm_engine="d1"),
                  view(tok_d1=10**8, d1_group="D0"))  # another DE of its group is idle
     assert busy.decode == "d0"
+    one_more = place(PendingRequest(1, 1000, 960, warm_engine="d1"),
+                     view(tok_d1=1000, d1_group="D0"))  # one request like it beyond the idle one
+    assert one_more.decode == "d1"
+    two_more = place(PendingRequest(1, 1000, 960, warm_engine="d1"),
+                     view(tok_d1=1001, d1_group="D0"))
+    assert two_more.decode == "d0"
 
 
 def test_a_warm_engine_that_is_not_there_changes_nothing():
