@@ -212,7 +212,8 @@ def _process(worker: Worker, inbox: list[Message]) -> EngineProcess:
     proc.socket = FakeSocket(inbox)
     proc.backend = SimpleNamespace(endpoint="ep-pe0")
     proc.traffic = SimpleNamespace(close=lambda: None, metrics=lambda: {}, nic_address=None)
-    proc.storage = SimpleNamespace(close=lambda: None, metrics=lambda: {}, read_queue_tokens=0)
+    proc.storage = SimpleNamespace(close=lambda: None, metrics=lambda: {}, read_queue_tokens=0,
+                                   warm=None)
     proc.host_pool = SimpleNamespace(close=lambda: None, num_free=8)
     proc.parts = SimpleNamespace(failure=lambda: None, close=lambda: None, instance=None)
     proc.ep = None
