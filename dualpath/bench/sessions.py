@@ -4,10 +4,11 @@ The workload is ``bench agents``' (the Weka sample's turns 21-24 of each session
 with what an agent's life adds to it (``bench/replay.py: Pacing``): each turn first waits the
 tool time the trace recorded before it (scaled like the tokens, capped), at most
 ``max_agents`` agents run at once (the next starts when one ends, so sessions end while others
-are in a tool call) and each names its session, ending it on its last turn. Every agent's
-context up to its window (its primer: the session's turn before the window) is served first,
-untimed, as that session's turn (the retention rows copy one stored result into both stores,
-so they start alike). Every row runs on a fresh cluster over an empty store.
+are in a tool call) and each names its session, ending it on its last turn. Each session's
+turn before the window (its primer) opens its trajectory, as in the trace, and is left out of
+the figures, not out of the JCT; the retention rows instead store the primers first and copy
+that store into both rows, so they start alike. Every row runs on a fresh cluster over an
+empty store.
 
 * ``warm``: an unbounded store; ``cold`` keeps nothing in DRAM, ``warm`` keeps each session's
   blocks in its decode engine's DRAM (``storage.warm_session_mb``) and places its next turn
@@ -160,17 +161,16 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
         run.run(warmup_turns(vocab_size, agents_options.block_size, options.seed),
                 None, lambda: None, 300.0)
         run.empty()
+        agents = workload.agents
         if row.experiment == "retention":  # the very same stored primers in both rows
             prime(run, agents_options, workload.primer_turns(), bar, task, "dualpath")
-        else:  # each session's turn before the window, served as that session's
-            bar.update(task, description=f"{row.name}: the sessions' earlier turns")
-            run.run([[p] for p in workload.primer_turns()], None, lambda: None,
-                    options.timeout_s, pacing=replace(pacing, max_agents=None,
-                                                      ends_sessions=False))
-            run.wait_for_writes()
+        else:  # each session's turn before the window opens its trajectory (untimed)
+            agents = with_primers(workload)
         bar.update(task, description=f"{row.name}: agents")
-        records, jct_s = run.run(workload.agents, None, lambda: bar.advance(task),
+        records, jct_s = run.run(agents, None, lambda: bar.advance(task),
                                  options.timeout_s, pacing=pacing)
+        if agents is not workload.agents:
+            records = timed_only(records)
         run.wait_for_writes()
         engines = run.cluster.metrics()
     counts = {k: sum(int(m.get(f"storage_{k}", 0) or 0) for m in engines.values())
@@ -210,9 +210,9 @@ def run_api_row(options: SessionsOptions, agents_options: Any, model_dir: Path, 
                             "vllm") as fleet:
             bar.update(task, description=f"{row.name}: warming up")
             fleet.warm_up(warmup)
-            fleet.run([[p] for p in workload.primer_turns()], lambda: None, options.timeout_s)
             bar.update(task, description=f"{row.name}: agents")
-            records, jct_s = fleet.run(workload.agents, advance, options.timeout_s, pacing)
+            records, jct_s = fleet.run(with_primers(workload), advance, options.timeout_s,
+                                       pacing)
     else:
         from dualpath.bench.agents.plain_vllm import replay_sticky
 
@@ -220,20 +220,31 @@ def run_api_row(options: SessionsOptions, agents_options: Any, model_dir: Path, 
             bar.update(task, description=f"{row.name}: warming up")
             run.run(warmup, None, lambda: None, 300.0)
             run.empty()
-            bar.update(task, description=f"{row.name}: the sessions' earlier turns")
-            asyncio.run(replay_sticky([run.base_url], run.model,
-                                      [[p] for p in workload.primer_turns()], lambda: None,
-                                      options.timeout_s, replace(pacing, max_agents=None)))
             bar.update(task, description=f"{row.name}: agents")
             began = time.monotonic()
-            per_agent = asyncio.run(replay_sticky([run.base_url], run.model, workload.agents,
-                                                  advance, options.timeout_s, pacing, True))
+            per_agent = asyncio.run(replay_sticky([run.base_url], run.model,
+                                                  with_primers(workload), advance,
+                                                  options.timeout_s, pacing, True))
             jct_s = time.monotonic() - began
             records = [http_record(r, began) for recs in per_agent for r in recs]
+    records = timed_only(records)
     errors = sum(1 for r in records if r.get("error"))
     return {"row": row.name, "experiment": row.experiment, "jct_s": jct_s, "records": records,
             **summarize([r for r in records if not r.get("error")]), "errors": errors,
             "evicted": dict.fromkeys(COUNT_KEYS, 0), "config": asdict(config)}
+
+
+def with_primers(workload: Any) -> list[list[AgentTurn]]:
+    """Each agent's trajectory opened by its primer (the session's turn before the window),
+    so a session's earlier turn is served as that session's right before its timed ones, as
+    in the trace; :func:`timed_only` drops its record."""
+    return [[primer, *turns] for primer, turns in zip(workload.primer_turns(), workload.agents,
+                                                       strict=True)]
+
+
+def timed_only(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the timed turns (a trajectory's turn 0 is its primer), renumbered."""
+    return [{**r, "turn": r["turn"] - 1} for r in records if r["turn"] > 0]
 
 
 def summarize(records: list[dict[str, Any]], block_size: int = 1,

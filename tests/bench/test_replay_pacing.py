@@ -137,3 +137,15 @@ def test_the_rows_differ_only_in_what_each_experiment_compares():
 def test_bad_options_are_refused(bad):
     with pytest.raises(ValueError):
         SessionsOptions(**bad)
+
+
+def test_a_primer_opens_each_trajectory_and_only_the_timed_turns_are_counted():
+    from types import SimpleNamespace
+
+    from dualpath.bench.sessions import timed_only, with_primers
+
+    primer = AgentTurn([1, 2], 1, keep=0)
+    workload = SimpleNamespace(agents=[agent(0, 1)], primer_turns=lambda: [primer])
+    assert with_primers(workload) == [[primer, *workload.agents[0]]]
+    records = [{"agent": 0, "turn": t} for t in range(3)]
+    assert timed_only(records) == [{"agent": 0, "turn": 0}, {"agent": 0, "turn": 1}]
