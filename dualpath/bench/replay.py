@@ -129,7 +129,8 @@ class _Agent:
             self.on_done()
 
     def start(self) -> None:
-        """Submit the first turn (a turn that cannot be built ends the agent with its error)."""
+        """Submit the next turn: the first, or one after its tool time (a turn that cannot be
+        built ends the agent with its error)."""
         try:
             with self._lock:
                 self._submit()
@@ -170,17 +171,9 @@ class _Agent:
         if think_s <= 0:
             self._submit()
             return
-        self._timer = threading.Timer(think_s, self._submit_now)
+        self._timer = threading.Timer(think_s, self.start)
         self._timer.daemon = True
         self._timer.start()
-
-    def _submit_now(self) -> None:
-        try:
-            with self._lock:
-                self._submit()
-        except Exception as exc:  # reported by run_turns
-            self.error = exc
-            self._set_done()
 
     def _streamed(self, turn: int, tokens: tuple[int, ...]) -> None:
         """Note when turn ``turn``'s tokens arrived (tokens come in order, per turn)."""

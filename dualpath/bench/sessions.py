@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import shutil
 import tempfile
 import time
@@ -42,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from dualpath.bench.agents.run import http_record
 from dualpath.bench.replay import Pacing
@@ -345,70 +343,12 @@ def run_bench(options: SessionsOptions, console: Console | None = None) -> dict[
               "rows": rows,
               "date": datetime.date.today().isoformat(), "machine": machine_profile(),
               "wall_s": time.perf_counter() - began, "options": asdict(options)}
+    from dualpath.bench.sessions_report import print_report, write_report
+
     print_report(result, console)
     if options.json:
         write_report(result, Path(options.json), console)
     return result
-
-
-def print_report(result: dict[str, Any], console: Console) -> None:
-    """Each experiment's rows as a table, then the comparisons."""
-    regime = result["summary"]["regime"]
-    titles = {"warm": "unbounded store: DRAM copies off and on",
-              "api": "through the OpenAI API: dualpath serve and plain vllm serve",
-              "retention": f"store at {regime['store_fraction']:.0%} of the working set"}
-    for experiment, title in titles.items():
-        rows = [r for r in result["rows"].values() if r["experiment"] == experiment]
-        if not rows:
-            continue
-        table = Table(title=title)
-        for col in ("row", "hit rate", "from DRAM", "JCT (s)", "TTFT p50 (s)", "p90",
-                    "evicted", "live", "ended", "live before ended"):
-            table.add_column(col)
-        for row in rows:
-            e = row["evicted"]
-            table.add_row(row["row"], f"{row['hit_rate']:.1%}", f"{row['warm_hit_share']:.0%}",
-                          f"{row['jct_s']:.1f}", f"{row['ttft_p50_s']:.2f}",
-                          f"{row['ttft_p90_s']:.2f}", str(e["blocks_evicted"]),
-                          str(e["live_blocks_evicted"]), str(e["ended_blocks_evicted"]),
-                          str(e["live_evicted_before_ended"]))
-        console.print(table)
-    s = result["summary"]
-    if "ttft_p50_reduction" in s:
-        console.print(f"warm vs cold: TTFT p50 {s['ttft_p50_reduction']:.0%} lower, JCT "
-                      f"{s['jct_speedup_warm']:.2f}x, {s['warm_hit_share']:.0%} of hits from DRAM")
-    if "api_ttft_p50_ratio" in s:
-        console.print(f"API: dualpath's TTFT p50 {s['api_ttft_p50_ratio']:.2f}x vLLM's, JCT "
-                      f"{s['api_jct_speedup_vs_vllm']:.2f}x faster, {s['api_errors']} errors")
-    if "hit_rate_gain_points" in s:
-        console.print(f"sessions vs recency: hit rate {s['hit_rate_gain_points']:+.1f} points, "
-                      f"JCT {s['jct_speedup_sessions']:.2f}x")
-
-
-def write_report(result: dict[str, Any], path: Path, console: Console) -> None:
-    """The JSON and, beside it, a PNG of hit rate, JCT and TTFT p50 per row."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=str))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["rows"]
-    colors = ["#999" if r["row"] in ("cold", "recency") else "#2a7" for r in rows.values()]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for ax, key, label, scale in ((axes[0], "hit_rate", "hit rate (%)", 100),
-                                  (axes[1], "jct_s", "JCT (s)", 1),
-                                  (axes[2], "ttft_p50_s", "TTFT p50 (s)", 1)):
-        ax.bar(list(rows), [rows[p][key] * scale for p in rows], color=colors)
-        ax.set_title(label)
-    fig.suptitle("agent sessions: DRAM copies (cold, warm) and eviction at "
-                 f"{result['summary']['regime']['store_fraction']:.0%} of the working set "
-                 "(recency, sessions)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=110)
-    plt.close(fig)
-    console.print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 HELP = {

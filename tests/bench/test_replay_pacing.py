@@ -149,3 +149,28 @@ def test_a_primer_opens_each_trajectory_and_only_the_timed_turns_are_counted():
     assert with_primers(workload) == [[primer, *workload.agents[0]]]
     records = [{"agent": 0, "turn": t} for t in range(3)]
     assert timed_only(records) == [{"agent": 0, "turn": 0}, {"agent": 0, "turn": 1}]
+
+
+def test_the_report_prints_each_experiment_and_writes_json_and_a_png(tmp_path):
+    import json
+
+    from rich.console import Console
+
+    from dualpath.bench.sessions_report import print_report, write_report
+
+    evicted = {"blocks_evicted": 3, "live_blocks_evicted": 0, "ended_blocks_evicted": 3,
+               "live_evicted_before_ended": 0}
+    rows = {name: {"row": name, "experiment": exp, "hit_rate": 0.9, "warm_hit_share": 0.5,
+                   "jct_s": 10.0, "ttft_p50_s": 0.3, "ttft_p90_s": 0.6, "evicted": evicted}
+            for name, exp in (("cold", "warm"), ("warm", "warm"), ("recency", "retention"),
+                              ("sessions", "retention"))}
+    result = {"summary": {**build_summary(rows), "regime": {"store_fraction": 0.5}},
+              "rows": rows}
+    console = Console(record=True, width=140)
+    print_report(result, console)
+    text = console.export_text()
+    assert "DRAM copies off and on" in text and "50% of the working set" in text
+    assert "sessions vs recency: hit rate +0.0 points" in text
+    write_report(result, tmp_path / "s.json", console)
+    assert json.loads((tmp_path / "s.json").read_text())["summary"]["jct_speedup_warm"] == 1.0
+    assert (tmp_path / "s.png").stat().st_size > 1000
