@@ -13,6 +13,7 @@ returns, ends or stays away too long is forgotten.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 from dualpath.protocol import Prefetch
@@ -22,14 +23,16 @@ from dualpath.vocab import Role
 GAP_WEIGHT = 0.5  # a learned gap: this much of the newest, the rest of the earlier ones
 MIN_AHEAD_S = 0.05  # a return expected sooner than this is not worth a prefetch
 KEPT_PAST_RETURN = 2.0  # a prefetch is wanted until this many gaps after the turn's end
-MAX_AWAY = 10_000  # sessions between turns the router follows (the most recent)
+# sessions between turns the router follows (the most recent); each holds its chain's token
+# ids at 4 bytes a token, so 1,000 sessions of 100K tokens take 400 MB at most
+MAX_AWAY = 1_000
 
 
 @dataclass
 class Away:
     """A session between turns: its chain and when it should be back."""
 
-    token_ids: tuple[int, ...]  # the last turn's prompt and output (the chain's tokens)
+    token_ids: array[int]  # the last turn's prompt and output (the chain's tokens)
     cache_salt: str
     lease_s: float
     ended_s: float  # when its last turn finished
@@ -92,7 +95,8 @@ class Prefetches:
         gap_s = self.gaps_s.get(key) if gap_s is None else gap_s
         if gap_s is None or gap_s < MIN_AHEAD_S:
             return  # nothing says when (or it is back at once): no prefetch
-        tokens = tuple(result.prompt_ids) + tuple(result.output_ids[:-1])
+        tokens = array("i", result.prompt_ids)
+        tokens.extend(result.output_ids[:-1])
         self.away.pop(key, None)
         self.away[key] = Away(tokens, req.cache_salt, float(req.warm.get("warm_lease_s", 0.0)),
                               now_s, gap_s)
@@ -121,7 +125,7 @@ class Prefetches:
             target = self._target(exclude=away.avoid)
             if target is None:
                 continue
-            out.send(target, Prefetch(key, away.token_ids, away.cache_salt, away.lease_s,
+            out.send(target, Prefetch(key, tuple(away.token_ids), away.cache_salt, away.lease_s,
                                       expires_in_s=away.wanted_until_s - now_s))
             self.warm_at[key] = target
             self.sent += 1
