@@ -39,7 +39,8 @@ TTFT_STAGES = {
 STORAGE_KEYS = ("snic_read_bytes", "snic_write_bytes", "read_errors", "write_errors",
                 "read_deadline_misses", "corrupt", "misses", "hits", "blocks_evicted",
                 "live_blocks_evicted", "ended_blocks_evicted", "live_evicted_before_ended",
-                "warm_hits", "warm_damaged", "warm_kept_blocks", "warm_sessions_dropped")
+                "warm_hits", "warm_damaged", "warm_kept_blocks", "warm_sessions_dropped",
+                "warm_prefetch_used", "warm_prefetch_wasted", "prefetch_blocks_read")
 
 
 class ServeMetrics:
