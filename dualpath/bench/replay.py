@@ -56,8 +56,7 @@ class Pacing:
     think_factor: float = 0.0  # wait each turn's recorded tool time times this (0: none)
     max_think_s: float = 5.0  # ... but never longer than this (traces hold day-long gaps)
     max_agents: int | None = None  # agents running at once (None: all, by their offsets)
-    sessions: bool = False  # each agent names its session; its last turn ends it ...
-    ends_sessions: bool = True  # ... unless this is False (a session's earlier turns)
+    sessions: bool = False  # each agent names its session; its last turn ends it
 
     def think_s(self, turn: AgentTurn) -> float:
         """How long the agent runs its tools before ``turn``."""
@@ -162,7 +161,7 @@ class _Agent:
         """The session this turn names (with ``Pacing.sessions``)."""
         if not self.pacing.sessions:
             return None
-        last = self.pacing.ends_sessions and self.turn == len(self.turns) - 1
+        last = self.turn == len(self.turns) - 1
         return Session(self.session_id, "body", AgentHint(end_of_session=True) if last else None)
 
     def _after_tools(self) -> None:
