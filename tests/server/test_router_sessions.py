@@ -60,3 +60,15 @@ def test_turns_that_store_nothing_or_failed_leave_no_mark(case):
     result = RuntimeError("lost") if case == "failed" else output(1, prompt, [3])
     assert book.finish(1, result, NOW) is None
     assert len(book) == 0
+
+
+def test_the_prompts_hashes_from_the_hit_lookup_give_the_same_tip():
+    prompt = list(range(10))
+    hashes = [k.block_hash for k in SPACE.salted("s").keys(prompt[:8])]
+    book = SessionBook(SPACE)
+    book.admit(1, Session("t", "body"), Mode.DUALPATH, "s", hashes)
+    book.admit(2, Session("t", "body"), Mode.DUALPATH, "s")
+    one = book.finish(1, output(1, prompt, [50, 51, 52]), NOW)
+    two = book.finish(2, output(2, prompt, [50, 51, 52]), NOW)
+    assert one is not None and two is not None and one.mark.tip == two.mark.tip
+    assert one.mark.tip == SPACE.salted("s").keys([*prompt, 50, 51])[-1].block_hash

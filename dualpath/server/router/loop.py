@@ -29,6 +29,7 @@ from dualpath.config import ClusterConfig, cluster_config_to_json
 from dualpath.control_keys import ClusterKeys
 from dualpath.control_socket import ZapHandler
 from dualpath.errors import DualPathError
+from dualpath.kv.hashing import BlockKey
 from dualpath.kv.layout import engine_layout, key_space_for
 from dualpath.model.spec import load_spec, model_id
 from dualpath.protocol import (
@@ -265,8 +266,10 @@ class RouterLoop:
     def _admit(self, req: RequestState) -> Effects:
         if req.mode == Mode.ORACLE:
             self._oracle_ids.add(req.req_id)
-        req.num_hit_blocks = self._hit_blocks(req)
-        self.sessions.admit(req.req_id, req.session, req.mode, req.cache_salt)
+        keys = self._lookup_keys(req)
+        req.num_hit_blocks = self._count_hits(req, keys)
+        self.sessions.admit(req.req_id, req.session, req.mode, req.cache_salt,
+                            [key.block_hash for key in keys])
         return self.state.submit(req, self._clock())
 
     def _remember_oracle(self, req_id: int, out: ClusterOutput | Exception) -> None:
@@ -301,12 +304,22 @@ class RouterLoop:
     def _hit_blocks(self, req: RequestState) -> int:
         """Leading full blocks storage holds (leaving at least one token to compute); a store
         that cannot be asked counts as holding nothing."""
+        return self._count_hits(req, self._lookup_keys(req))
+
+    def _lookup_keys(self, req: RequestState) -> list[BlockKey]:
+        """The keys a request's hit is looked up by: its leading full blocks, leaving at least
+        one token to compute (none for recompute)."""
         if req.mode == Mode.RECOMPUTE:
-            return 0
+            return []
         max_hit = (len(req.kv_ids) - 1) // self.block_size
         space = self.key_space if req.mode == Mode.ORACLE else self.key_space.salted(
             req.cache_salt)  # oracle hits are the router's own (unsalted) record
-        keys = space.keys(req.kv_ids[: max_hit * self.block_size])
+        return space.keys(req.kv_ids[: max_hit * self.block_size])
+
+    def _count_hits(self, req: RequestState, keys: list[BlockKey]) -> int:
+        """How many of ``keys`` lead the stored chain (the oracle: its own record)."""
+        if not keys:
+            return 0
         if req.mode == Mode.ORACLE:
             return next((i for i, key in enumerate(keys) if key not in self._oracle_blocks),
                         len(keys))

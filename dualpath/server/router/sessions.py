@@ -11,9 +11,10 @@ tenants' sessions of one name stay apart.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dualpath.kv.hashing import KeySpace
+from dualpath.kv.hashing import KeySpace, extend_block_hashes
 from dualpath.kv.retention import DEFAULT_WINDOW_S, SessionMark, mark_for
 from dualpath.server.router.types import ClusterOutput
 from dualpath.sessions import Session, session_key
@@ -24,6 +25,7 @@ from dualpath.vocab import Mode
 class _Noted:
     session: Session
     cache_salt: str
+    prompt_hashes: tuple[bytes, ...]  # the hit lookup's: a prefix of the chain, hashed once
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,13 @@ class SessionBook:
         self._noted: dict[int, _Noted] = {}
         self.marks_made = 0
 
-    def admit(self, req_id: int, session: Session | None, mode: Mode, cache_salt: str) -> None:
-        """Note a request's session, if it has one and its blocks will be stored."""
+    def admit(self, req_id: int, session: Session | None, mode: Mode, cache_salt: str,
+              prompt_hashes: Sequence[bytes] = ()) -> None:
+        """Note a request's session, if it has one and its blocks will be stored;
+        ``prompt_hashes``: the hashes of its prompt's leading blocks, if already made (the
+        finish hashes only what follows them)."""
         if session is not None and mode not in (Mode.ORACLE, Mode.RECOMPUTE):
-            self._noted[req_id] = _Noted(session, cache_salt)
+            self._noted[req_id] = _Noted(session, cache_salt, tuple(prompt_hashes))
 
     def finish(self, req_id: int, result: ClusterOutput | Exception,
                now_ns: int) -> MarkWrite | None:
@@ -56,13 +61,14 @@ class SessionBook:
         if noted is None or not isinstance(result, ClusterOutput):
             return None
         stored_ids = result.prompt_ids + result.output_ids[:-1]  # the last token's KV: never
-        keys = self.key_space.salted(noted.cache_salt).keys(stored_ids)
-        if not keys:
+        hashes = extend_block_hashes(list(noted.prompt_hashes), stored_ids,
+                                     self.key_space.block_size,
+                                     self.key_space.salted(noted.cache_salt).seed)
+        if not hashes:
             return None
         self.marks_made += 1
         return MarkWrite(session_key(noted.session.session_id, noted.cache_salt),
-                         mark_for(keys[-1].block_hash, now_ns, noted.session.hint,
-                                  self.window_s))
+                         mark_for(hashes[-1], now_ns, noted.session.hint, self.window_s))
 
     def __len__(self) -> int:
         return len(self._noted)
