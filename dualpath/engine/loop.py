@@ -281,8 +281,9 @@ class EngineProcess:
         engines only: a vLLM instance reads through its own connector)."""
         if self.engine is None or self.storage.warm is None:
             return
-        keys = self.engine.key_space.salted(msg.cache_salt).keys(msg.token_ids)
-        self.storage.prefetch(keys, WarmTag(msg.warm_session, max(0.0, msg.warm_lease_s)),
+        space = self.engine.key_space.salted(msg.cache_salt)
+        self.storage.prefetch(lambda: space.keys(msg.token_ids),
+                              WarmTag(msg.warm_session, max(0.0, msg.warm_lease_s)),
                               time.monotonic() + max(0.0, msg.expires_in_s))
 
     def _handle(self, raw: bytes) -> None:

@@ -277,9 +277,11 @@ class StorageClient:
             self._write.pending_tokens += len(pairs) * self.block_size
         return self._write_pool.submit(lambda: [self._write_block(k, b, keep) for k, b in pairs])
 
-    def prefetch(self, keys: Sequence[BlockKey], tag: WarmTag,
+    def prefetch(self, keys_of: Callable[[], Sequence[BlockKey]], tag: WarmTag,
                  expires_s: float) -> Future[int]:
-        """Read a session's stored chain into this node's DRAM (``warm``) in the background,
+        """Read a session's stored chain (its keys made by ``keys_of``, on the prefetch's own
+        thread: hashing a long chain is no work for the caller's loop) into this node's DRAM
+        (``warm``) in the background,
         on the lowest priority: a block waits while any request's read is queued here, and
         nothing is read after ``expires_s`` (this client's clock) or once the budget has no
         room left for it. A block that is missing or fails verification ends it there (what
@@ -289,13 +291,14 @@ class StorageClient:
             done: Future[int] = Future()
             done.set_result(0)
             return done
-        return self._prefetch_pool.submit(self._prefetch, list(keys), tag, expires_s)
+        return self._prefetch_pool.submit(self._prefetch, keys_of, tag, expires_s)
 
-    def _prefetch(self, keys: list[BlockKey], tag: WarmTag, expires_s: float) -> int:
+    def _prefetch(self, keys_of: Callable[[], Sequence[BlockKey]], tag: WarmTag,
+                  expires_s: float) -> int:
         assert self.warm is not None
         held = 0
         scratch = bytearray(self.backend.block_bytes)
-        for key in keys:
+        for key in keys_of():
             if self._closing.is_set() or self._clock() >= expires_s:
                 break
             if self.warm.keep(tag, [key], [None], prefetch_until_s=expires_s):

@@ -201,7 +201,7 @@ class SharedCapacity:
             index.add(block_hash, block.parent, block.nbytes)
         now_ns = time.time_ns()  # marks hold wall-clock times, like the files' mtimes
         marks = self.marks.load(now_ns)
-        parents = {block_hash: block.parent for block_hash, block in blocks.items()}
+        parents = {h: block.parent for h, block in blocks.items()} if marks else {}
         ranks = block_ranks(parents, marks.values(), now_ns) if marks else {}
         if self.by_sessions:
             index.set_ranks(ranks)

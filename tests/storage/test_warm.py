@@ -150,7 +150,7 @@ def test_a_prefetch_brings_a_chain_into_dram_for_the_next_read():
     c = client()
     k, data = keys(3), payloads(3)
     c.backend.put_from(k, data)
-    assert c.prefetch(k, WarmTag("s"), expires_s=time.monotonic() + 60).result() == 3
+    assert c.prefetch(lambda: k, WarmTag("s"), expires_s=time.monotonic() + 60).result() == 3
     assert c.metrics()["prefetch_blocks_read"] == 3
     out = [bytearray(BLOCK) for _ in k]
     assert c.read(k, out) == [True] * 3 and out == data
@@ -165,7 +165,7 @@ def test_a_prefetch_waits_while_a_request_reads():
     c.backend.put_from(k, data)
     with c._lock:
         c._read.pending_tokens += 4  # a request's read is queued on this node
-    future = c.prefetch(k, WarmTag("s"), expires_s=time.monotonic() + 60)
+    future = c.prefetch(lambda: k, WarmTag("s"), expires_s=time.monotonic() + 60)
     time.sleep(0.2)
     assert not future.done() and c.prefetch_blocks_read == 0
     with c._lock:
@@ -180,8 +180,8 @@ def test_an_expired_prefetch_reads_nothing_and_an_unused_one_is_dropped_as_waste
     c = StorageClient(MemoryStore(BLOCK), 4, config, clock=clock)
     k, data = keys(2), payloads(2)
     c.backend.put_from(k, data)
-    assert c.prefetch(k, WarmTag("late"), expires_s=clock.now - 1).result() == 0
-    assert c.prefetch(k, WarmTag("s"), expires_s=clock.now + 10).result() == 2
+    assert c.prefetch(lambda: k, WarmTag("late"), expires_s=clock.now - 1).result() == 0
+    assert c.prefetch(lambda: k, WarmTag("s"), expires_s=clock.now + 10).result() == 2
     clock.now += 11
     assert c.warm is not None and c.warm.expire() == 1
     assert not c.warm.holds(k[0]) and c.warm.take_dropped() == ("s",)
@@ -213,7 +213,7 @@ def test_a_damaged_stored_block_ends_a_prefetch_and_stays_a_miss(tmp_path):
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF  # a flipped bit in the stored payload
     path.write_bytes(bytes(raw))
-    assert c.prefetch(k, WarmTag("s"), expires_s=time.monotonic() + 60).result() == 1
+    assert c.prefetch(lambda: k, WarmTag("s"), expires_s=time.monotonic() + 60).result() == 1
     assert c.warm is not None and c.warm.holds(k[0])
     assert not c.warm.holds(k[1]) and not c.warm.holds(k[2])
     assert c.read(k[1:2], [bytearray(BLOCK)]) == [False]  # removed as damaged: a miss
