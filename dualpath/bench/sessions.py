@@ -46,6 +46,7 @@ from dualpath.bench.agents.run import http_record
 from dualpath.bench.replay import Pacing
 from dualpath.commands.args import names
 from dualpath.errors import DualPathError
+from dualpath.regime import load_s_per_token, recompute_s_per_token, regime
 from dualpath.storage.block_file import HEADER_BYTES
 from dualpath.workloads.turns import AgentTurn
 
@@ -165,8 +166,11 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
         else:  # each session's turn before the window opens its trajectory (untimed)
             agents = with_primers(workload)
         bar.update(task, description=f"{row.name}: agents")
+        busy_before = run.busy_s()
         records, jct_s = run.run(agents, None, lambda: bar.advance(task),
                                  options.timeout_s, pacing=pacing)
+        compute_s = prefill_compute_s(busy_before, run.busy_s(), run.cluster.metrics())
+        computed = sum(r["prompt_tokens"] - r["hit_tokens"] for r in records)
         if agents is not workload.agents:
             records = timed_only(records)
         run.wait_for_writes()
@@ -175,7 +179,37 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
               for k in COUNT_KEYS}
     return {"row": row.name, "experiment": row.experiment, "jct_s": jct_s, "records": records,
             **summarize(records, agents_options.block_size, counts["warm_hits"]),
+            "recompute_s_per_token": recompute_s_per_token(compute_s, computed),
             "evicted": counts, "config": asdict(config)}
+
+
+def prefill_compute_s(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
+                      metrics: dict[str, dict[str, Any]]) -> float:
+    """The prefill engines' forward seconds between two ``busy_s`` snapshots, less their
+    waits for layer loads and sends (what ``bench agents`` divides by the computed tokens)."""
+    total = 0.0
+    for name, now in after.items():
+        if metrics.get(name, {}).get("role") != "prefill":
+            continue
+        then = before.get(name, {})
+        total += (now["busy_s"] - then.get("busy_s", 0.0)
+                  - now.get("layer_wait_s_total", 0.0) + then.get("layer_wait_s_total", 0.0))
+    return max(0.0, total)
+
+
+def session_regime(rows: dict[str, dict[str, Any]], kv_bytes_per_token: int,
+                   read_cap_mb_s: float) -> dict[str, Any]:
+    """h, hit tokens per computed one, κ and ρ of the run (``regime.py``): the hit rate of the
+    first row whose store is unbounded (else the first row), the seconds per computed token
+    measured in it, loading over one node's capped storage NIC."""
+    if not rows:
+        return {}
+    name = next((n for n in ("cold", "warm") if n in rows), next(iter(rows)))
+    row = rows[name]
+    load_s = load_s_per_token(kv_bytes_per_token, read_cap_mb_s * 1e6)
+    figures = regime(row["hit_tokens"], row["prompt_tokens"], load_s,
+                     row.get("recompute_s_per_token"))
+    return {**figures.as_dict(), "of_row": name, "line": figures.describe()}
 
 
 def run_api_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row: Row,
@@ -312,13 +346,13 @@ def run_bench(options: SessionsOptions, console: Console | None = None) -> dict[
     blocks = working_set_blocks(workload.agents, workload.primer_turns(), block_size)
     block_bytes = kv_bytes_per_token(model_dir, agents_options.dtype) * block_size
     store_gb = blocks * (block_bytes + HEADER_BYTES) / 1e9  # the working set's block files
-    regime = {"working_set_blocks": blocks, "block_file_bytes": block_bytes + HEADER_BYTES,
-              "working_set_gb": store_gb, "store_fraction": options.store_fraction,
-              "warm_session_mb": options.warm_session_mb,
-              "agents": options.agents, "max_agents": options.max_agents,
-              "turns": options.turns, "scale": options.scale,
-              "think_factor": options.think_factor, "max_think_s": options.max_think_s,
-              "read_cap_mb_s": options.read_cap_mb_s, "dtype": agents_options.dtype}
+    setup = {"working_set_blocks": blocks, "block_file_bytes": block_bytes + HEADER_BYTES,
+             "working_set_gb": store_gb, "store_fraction": options.store_fraction,
+             "warm_session_mb": options.warm_session_mb,
+             "agents": options.agents, "max_agents": options.max_agents,
+             "turns": options.turns, "scale": options.scale,
+             "think_factor": options.think_factor, "max_think_s": options.max_think_s,
+             "read_cap_mb_s": options.read_cap_mb_s, "dtype": agents_options.dtype}
     console.print(f"bench sessions: {options.agents} Weka sessions, {options.max_agents} at "
                   f"once, tool times x{options.think_factor:g} (<= {options.max_think_s:g} s); "
                   f"working set {blocks} blocks ({store_gb:.3f} GB)")
@@ -339,7 +373,9 @@ def run_bench(options: SessionsOptions, console: Console | None = None) -> dict[
     finally:
         if options.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    result = {"summary": {**build_summary(rows), "regime": regime, "failed_rows": failed},
+    setup.update(session_regime(rows, kv_bytes_per_token(model_dir, agents_options.dtype),
+                                options.read_cap_mb_s))
+    result = {"summary": {**build_summary(rows), "regime": setup, "failed_rows": failed},
               "rows": rows,
               "date": datetime.date.today().isoformat(), "machine": machine_profile(),
               "wall_s": time.perf_counter() - began, "options": asdict(options)}

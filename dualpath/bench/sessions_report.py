@@ -14,6 +14,8 @@ from rich.table import Table
 def print_report(result: dict[str, Any], console: Console) -> None:
     """Each experiment's rows as a table, then the comparisons."""
     regime = result["summary"]["regime"]
+    if regime.get("line"):
+        console.print(f"regime ({regime['of_row']} row): {regime['line']}")
     titles = {"warm": "unbounded store: DRAM copies off and on",
               "api": "through the OpenAI API: dualpath serve and plain vllm serve",
               "retention": f"store at {regime['store_fraction']:.0%} of the working set"}

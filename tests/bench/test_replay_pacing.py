@@ -174,3 +174,17 @@ def test_the_report_prints_each_experiment_and_writes_json_and_a_png(tmp_path):
     write_report(result, tmp_path / "s.json", console)
     assert json.loads((tmp_path / "s.json").read_text())["summary"]["jct_speedup_warm"] == 1.0
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_the_regime_comes_from_the_unbounded_cold_row():
+    from dualpath.bench.sessions import prefill_compute_s, session_regime
+
+    before = {"pe0": {"busy_s": 1.0, "layer_wait_s_total": 0.5}, "de1": {"busy_s": 9.0}}
+    after = {"pe0": {"busy_s": 5.0, "layer_wait_s_total": 1.5}, "de1": {"busy_s": 99.0}}
+    roles = {"pe0": {"role": "prefill"}, "de1": {"role": "decode"}}
+    assert prefill_compute_s(before, after, roles) == 3.0  # the decode engine's time left out
+    rows = {"cold": {"hit_tokens": 980, "prompt_tokens": 1000, "recompute_s_per_token": 0.01},
+            "recency": {"hit_tokens": 500, "prompt_tokens": 1000, "recompute_s_per_token": 1.0}}
+    got = session_regime(rows, kv_bytes_per_token=1000, read_cap_mb_s=1.0)  # 1 ms a token
+    assert got["of_row"] == "cold" and got["hit_rate"] == 0.98
+    assert got["hit_per_computed"] == 49.0 and abs(got["kappa"] - 0.1) < 1e-12
