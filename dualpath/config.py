@@ -248,6 +248,11 @@ class ClusterConfig:
     prefill_layer_window: int = 2
     prefill_kv_cache_mb: int | None = None  # the PE's device-KV budget (None: engine.kv_cache_mb)
     split_read: bool = False  # read one request's hit partly on each side (docs/design.md §9)
+    # Conditional disaggregation: an agent session's turn with at most this many tokens to
+    # compute beyond its hit is prefilled on the decode engine that keeps the session warm, in
+    # its decode batch, so no KV crosses the compute network (0: every turn goes to a prefill
+    # engine; our engines only). docs/agents.md
+    local_prefill_tokens: int = 512
     host_pool_blocks: int = 512  # full-block slots of each engine's DRAM buffer
     save_staging_blocks: int = 16  # of those, slots a DE keeps for persisting blocks
     heartbeat_s: float = 0.5  # engines report their state this often
@@ -289,6 +294,8 @@ class ClusterConfig:
         if not 0 < self.save_staging_blocks < self.host_pool_blocks:
             raise ValueError("save_staging_blocks must be > 0 and below host_pool_blocks "
                              f"({self.save_staging_blocks} of {self.host_pool_blocks})")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
         if self.prefill_layer_window < 1:
             raise ValueError(f"prefill_layer_window must be >= 1, got {self.prefill_layer_window}")
         if not 0 < self.heartbeat_s < min(self.engine_timeout_s, self.router_timeout_s):

@@ -291,6 +291,10 @@ class Decode(Message):
     # draws count them, and this engine streams from ``first_token`` on (which it drops if they
     # already ended the request)
     num_prior_outputs: int = 0
+    # conditional disaggregation: no PE ran; only the buffer's ``num_stored_blocks`` leading
+    # blocks hold KV, this engine prefills the rest and samples the first token itself (it
+    # streams from there; ``first_token`` is ignored)
+    local: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,14 @@
 blocks from storage into them (through this node's storage NIC); its tokens and salt are kept
 for the request's ``Decode``, which does not repeat them. When the PE has filled the rest,
 ``Decode`` copies the buffer into the paged cache, frees the slots and joins the running
-batch. Every full block the sequence completes beyond what storage already holds — the prompt
-tail and generated tokens — is gathered into a staging slot and written to storage; a trailing
-partial block is not stored (the next turn recomputes it). A gather holds a reference on its
-device block until it has read it, so the block is never handed to another request first, even
-when the capped NIC runs the copy long after the sequence ended. The buffer's reads and the
+batch. A local ``Decode`` (conditional disaggregation: no PE ran) copies only the hit blocks
+and joins the batch with the rest of its prompt still to prefill, in the decode steps' token
+budget; this engine then samples and streams the first token too. Every full block the
+sequence completes beyond what storage already holds — the prompt tail and generated tokens — is
+gathered into a staging slot and written to storage; a trailing partial block is not stored (the
+next turn recomputes it). A gather holds a reference on its device block until it has read it,
+so the block is never handed to another request first, even when the capped NIC runs the copy
+long after the sequence ended. The buffer's reads and the
 persistence are ``decode_storage.py``'s ``DecodeStorage``, which ``DecodeWorker`` mixes in.
 
 Nothing here fails for lack of room: an ``AllocBuffer`` that finds no contiguous run, or a
@@ -191,6 +194,10 @@ class DecodeWorker(DecodeStorage):
         if not 0 <= msg.num_prior_outputs < len(alloc.prompt_ids):
             return [Failed(msg.req_id, f"{msg.num_prior_outputs} prior outputs of "
                                        f"{len(alloc.prompt_ids)} tokens")]
+        if msg.local and (msg.num_prior_outputs or msg.oracle or msg.num_stored_blocks
+                          * self.block_size >= len(alloc.prompt_ids)):
+            return [Failed(msg.req_id, f"a local prefill of {len(alloc.prompt_ids)} tokens "
+                                       f"from {msg.num_stored_blocks} stored blocks")]
         self._pending_decodes.append(msg)
         out = self._start_decodes()
         self.num_waits += msg in self._pending_decodes  # it waits for device KV blocks
@@ -213,18 +220,22 @@ class DecodeWorker(DecodeStorage):
             self._pending_decodes.popleft()
             log.info("request %d: decode started (%d prompt tokens)", msg.req_id, len(tokens))
             _, slots = self.buffers.take(msg.req_id)
-            copies = all_of([] if msg.oracle else self._copy_in(slots, seq.block_table))
+            num_loaded = msg.num_stored_blocks if msg.local else len(slots)  # the rest: empty
+            copies = all_of(self._copy_in(slots, seq.block_table, num_loaded)
+                            if num_loaded and not msg.oracle else [])
             self._copying.append(_CopyIn(msg, seq, slots, copies,
                                          warm_tag(alloc.warm_session, alloc.warm_lease_s)))
         return self._end_copies()
 
-    def _copy_in(self, slots: list[int], table: list[int]) -> list[Future[None]]:
-        """Host buffer -> device cache, every block in one submission, on the NIC's KV-load
-        lane: a copy per run of consecutive cache blocks (``kv/runs.py``)."""
+    def _copy_in(self, slots: list[int], table: list[int],
+                 num_blocks: int) -> list[Future[None]]:
+        """The buffer's first ``num_blocks`` blocks -> device cache, in one submission, on the
+        NIC's KV-load lane: a copy per run of consecutive cache blocks (``kv/runs.py``). The
+        buffer is layer-major over all its ``slots``, so its view takes them all."""
         data = self.engine.runner.cache.data
         layer_major = self.buffers.layer_major(slots).view(data.dtype)
         layer_major = layer_major.view(data.shape[0], len(slots), *data.shape[2:])
-        table = table[: len(slots)]  # the table has room to grow
+        table = table[:num_blocks]  # the table has room to grow
         pairs = [(data[:, block : block + n], layer_major[:, b : b + n])
                  for block, b, n in paired_runs(table, range(len(table)))]
         return [self.traffic.submit_copies(pairs, Lane.KV_LOAD)]
@@ -242,10 +253,15 @@ class DecodeWorker(DecodeStorage):
                     out.append(Failed(req_id, f"copy-in failed: {type(error).__name__}: {error}"))
                 continue
             seq = copy.seq
-            self.engine.start_prefilled(seq, copy.msg.first_token)
-            # the router streamed the PE's first token itself, except for a moved stream:
-            # then this engine streams from it on (or drops it, see ``start_prefilled``)
-            num_streamed = copy.msg.num_prior_outputs or 1
+            if copy.msg.local:  # the batcher prefills the rest; this engine streams it all
+                self.engine.start_partly_prefilled(seq, copy.msg.num_stored_blocks
+                                                   * self.block_size)
+                num_streamed = 0
+            else:
+                self.engine.start_prefilled(seq, copy.msg.first_token)
+                # the router streamed the PE's first token itself, except for a moved stream:
+                # then this engine streams from it on (or drops it, see ``start_prefilled``)
+                num_streamed = copy.msg.num_prior_outputs or 1
             self._active[seq.seq_id] = ActiveRequest(req_id, seq, copy.msg.num_stored_blocks,
                                                      persist=not copy.msg.oracle,
                                                      num_streamed=num_streamed, warm=copy.warm)

@@ -122,6 +122,19 @@ class LLMEngine:
             return
         self._append(seq, first_token)
 
+    def start_partly_prefilled(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """The reserved sequence's first ``num_computed_tokens`` tokens have their KV in its
+        blocks: it joins the running batch, which prefills the rest in its steps' token budget
+        and samples its first token."""
+        if not 0 <= num_computed_tokens < len(seq.prompt_ids) or seq.output_ids:
+            raise ValueError(f"{num_computed_tokens} computed tokens of a "
+                             f"{len(seq.prompt_ids)}-token prompt")
+        seq.num_computed_tokens = num_computed_tokens
+        seq.num_cached_prompt_tokens = num_computed_tokens
+        seq.status = SeqStatus.RUNNING
+        self.batcher.running.append(seq)
+        self.batcher.publish_blocks(seq)
+
     def release_reserved(self, seq: Sequence) -> None:
         """Give back the blocks of a reserved sequence that will never run."""
         self.pool.free(seq.block_table)

@@ -70,3 +70,14 @@ def test_modes_and_forced_paths_keep_their_read_side():
     assert read_plan(960, 0, 10**6, P, ReadWish(warm_de=True)) == (ReadPath.DE, 0, 960)
     assert read_plan(960, 0, 0, P, ReadWish(warm_de=True), scheduled=ReadPath.PE)[0] == \
         ReadPath.PE  # round robin's turn
+
+
+def test_a_turn_is_prefilled_on_its_decode_engine_only_with_little_to_compute_and_room():
+    from dualpath.scheduler.rules import prefill_on_de
+
+    assert prefill_on_de(1000, 960, free_kv_tokens=1000, max_local_tokens=64)
+    assert prefill_on_de(1000, 936, free_kv_tokens=1000, max_local_tokens=64)  # 64: the most
+    assert not prefill_on_de(1000, 935, free_kv_tokens=1000, max_local_tokens=64)
+    assert not prefill_on_de(1000, 960, free_kv_tokens=999, max_local_tokens=64)  # no room
+    assert not prefill_on_de(1000, 1000, free_kv_tokens=4000, max_local_tokens=64)  # nothing
+    assert not prefill_on_de(40, 0, free_kv_tokens=4000, max_local_tokens=0)  # off

@@ -58,11 +58,12 @@ ENGINES = [("pe0", "prefill", 0), ("pe1", "prefill", 1), ("de2", "decode", 2),
            ("de3", "decode", 3)]
 
 
-def make_state(kv_tokens: int = 4096, pool: int = 64, staging: int = 8) -> RouterState:
+def make_state(kv_tokens: int = 4096, pool: int = 64, staging: int = 8,
+               local_prefill_tokens: int = 0) -> RouterState:
     STREAMED.clear()
     params = SchedulerParams(alpha_tokens=1 << 40, beta_tokens=1 << 40, block_size=BLOCK)
     return RouterState(GlobalScheduler(params), Capacity(BLOCK, kv_tokens, pool, staging),
-                       engine_timeout_s=5.0)
+                       engine_timeout_s=5.0, local_prefill_tokens=local_prefill_tokens)
 
 
 def hello_all(state: RouterState, now: float = 0.0) -> None:
@@ -143,8 +144,9 @@ class EngineModel:
             self.held[engine].discard(msg.req_id)
             tokens = self.tokens.pop(msg.req_id)
             prior = tokens[len(tokens) - msg.num_prior_outputs:]
-            outputs = (*prior, msg.first_token, 8, 9)
-            first = msg.num_prior_outputs or 1  # the router streamed the first one itself
+            outputs = (*prior, 7 if msg.local else msg.first_token, 8, 9)
+            # the router streamed the first one itself, unless this engine prefilled (local)
+            first = 0 if msg.local else msg.num_prior_outputs or 1
             return [Tokens(((msg.req_id, first, outputs[first:-1]),)),
                     Finished(msg.req_id, outputs, "length")]
         if isinstance(msg, Abort):
@@ -170,6 +172,7 @@ def run_to_quiet(state: RouterState, model: EngineModel, done: dict, sends: list
 
 
 def apply(effects, done: dict, sends: list, state: RouterState | None = None) -> None:
+    assert all(engine for engine, _ in effects.sends), "a message to no engine"
     sends.extend(effects.sends)
     for req_id in effects.lookups:  # a moved request: every block its DE stored is a hit
         assert state is not None, "a request moved where the test did not expect it"
@@ -496,8 +499,16 @@ def test_an_old_style_hello_registers_without_nic_or_ep_buffer():
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_faults_never_raise_and_always_end_at_zero(seed):
+    """Odd seeds: half the requests continue one of four agent sessions, and their short
+    turns are prefilled on the decode engine where the session is warm (no PE)."""
+    from dualpath.sessions import Session, warm_key
+
     rng = random.Random(seed)
-    state, model = make_state(kv_tokens=1024, pool=24, staging=4), EngineModel()
+    state = make_state(kv_tokens=1024, pool=24, staging=4, local_prefill_tokens=64 * (seed % 2))
+    model = EngineModel()
+    agents = [Session(f"agent-{i}", "header") for i in range(4)]
+    for i, agent in enumerate(agents):  # their earlier turns ended on the two DEs
+        state.placement.warm_at[warm_key(agent, "")] = ("de2", "de3")[i % 2]
     done, sends = {}, []
     inbox: list[tuple[str, Message]] = []  # engine -> router, delivered in random order
     now, submitted = 0.0, 0
@@ -510,6 +521,9 @@ def test_random_faults_never_raise_and_always_end_at_zero(seed):
             req = request(submitted, n=rng.randint(1, 120), hit_blocks=rng.randint(0, 6),
                           mode=rng.choice(list(Mode)), max_tokens=rng.randint(1, 300),
                           path=rng.choice(list(ReadPath)))
+            if seed % 2 and rng.random() < 0.5:  # an agent's turn (mode: ours)
+                req.session = rng.choice(agents)
+                req.mode = Mode.DUALPATH
             apply(state.submit(req, now), done, sends, state)
         elif action < 0.5 and sends:  # in order per engine, as ZeroMQ delivers them
             engine = sends[rng.randrange(len(sends))][0]
@@ -682,3 +696,110 @@ def test_a_sessions_next_turn_goes_to_the_decode_engine_that_keeps_it_warm():
         assert state.decisions[-1][2] == first_de and prefill.read_path == ReadPath.DE
     alloc, _ = turn(4, with_session=False)
     assert alloc.warm_session == "" and alloc.warm_lease_s == 0.0
+
+
+# -- conditional disaggregation: a warm session's short turn prefilled on its DE ------------------
+
+
+def _local_state(threshold: int = 64) -> tuple[RouterState, EngineModel, dict, list]:
+    state, model = make_state(local_prefill_tokens=threshold), EngineModel()
+    hello_all(state)
+    return state, model, {}, []
+
+
+def _agent_turn(req_id: int, n: int, hit_blocks: int, mode: Mode = Mode.DUALPATH):
+    from dualpath.sessions import Session
+
+    req = request(req_id, n=n, hit_blocks=hit_blocks, mode=mode)
+    req.session = Session("traj-1", "header")
+    return req
+
+
+def _deliver(state, model, done, sends, now: float = 0.0) -> list[tuple[str, Message]]:
+    """Run to quiet; every message the router sent, in order."""
+    seen = []
+    while sends:
+        engine, msg = sends.pop(0)
+        seen.append((engine, msg))
+        for reply in model.answer(engine, msg):
+            apply(state.on_message(engine, reply, now), done, sends, state)
+    return seen
+
+
+def test_a_warm_sessions_short_turn_is_prefilled_on_its_decode_engine_with_no_prefill_engine():
+    state, model, done, sends = _local_state()
+    apply(state.submit(_agent_turn(1, n=40, hit_blocks=1), 0.0), done, sends, state)
+    first = _deliver(state, model, done, sends)
+    assert any(isinstance(m, Prefill) for _, m in first)  # no warm DE yet: the usual way
+    warm_de = done[1].decode_engine
+    apply(state.submit(_agent_turn(2, n=40 + 2 * BLOCK, hit_blocks=3), 1.0), done, sends, state)
+    (engine, alloc), = sends
+    assert engine == warm_de and isinstance(alloc, AllocBuffer) and alloc.num_read_blocks == 3
+    model.answer(engine, alloc)  # it holds the buffer; its answer is the one below
+    assert state.engines[warm_de].load.seq == 1 and not any(
+        e.load.seq for name, e in state.engines.items() if name != warm_de)  # no PE held
+    sends.clear()
+    apply(state.on_message(warm_de, BufferReady(alloc.req_id, 4096, alloc.num_blocks, 2), 1.5),
+          done, sends, state)
+    (engine, dec), = sends  # the DE read only 2 of the 3 blocks: it computes the rest
+    assert engine == warm_de and isinstance(dec, Decode) and dec.local
+    assert dec.num_stored_blocks == 2
+    assert state.engines[warm_de].load.buffer_blocks == 0  # it frees the buffer at copy-in
+    rest = _deliver(state, model, done, sends, 2.0)
+    assert not any(isinstance(m, Prefill) for _, m in rest)
+    out = done[2]
+    assert isinstance(out, ClusterOutput) and out.output_ids == [7, 8, 9]
+    assert out.prefill_engine == "" and out.decode_engine == warm_de
+    assert out.num_computed_tokens == 40 + 2 * BLOCK - 2 * BLOCK and out.read_path == "de"
+    assert out.timings["ttft_s"] == 1.0 and out.timings["prefill_s"] == 0.5
+    assert state.placement.num_local == 1 and zero(state) == {}
+
+
+@pytest.mark.parametrize("case", ["long", "not_dualpath", "no_room", "off"])
+def test_turns_with_much_to_compute_other_modes_and_a_full_decode_engine_go_to_a_prefill_engine(
+        case):
+    state, model, done, sends = _local_state(0 if case == "off" else 64)
+    apply(state.submit(_agent_turn(1, n=40, hit_blocks=1), 0.0), done, sends, state)
+    _deliver(state, model, done, sends)
+    warm_de = done[1].decode_engine
+    if case == "no_room":  # the warm DE's KV is held by others
+        load = state.engines[warm_de].load
+        load.kv_tokens, load.tok = 4096 - 50, 4000
+    n, mode = (40 + 200, Mode.DUALPATH) if case == "long" else (60, Mode.DUALPATH)
+    if case == "not_dualpath":
+        mode = Mode.LAYERWISE
+    apply(state.submit(_agent_turn(2, n=n, hit_blocks=2, mode=mode), 1.0), done, sends, state)
+    seen = _deliver(state, model, done, sends)
+    assert any(isinstance(m, Prefill) for _, m in seen) and state.placement.num_local == 0
+    assert isinstance(done[2], ClusterOutput) and done[2].prefill_engine
+
+
+@pytest.mark.parametrize("phase", [Phase.BUFFERING, Phase.DECODING])
+def test_a_local_attempt_aborted_or_whose_engine_is_lost_holds_no_fence_and_no_prefill_engine(
+        phase):
+    state, model, done, sends = _local_state()
+    apply(state.submit(_agent_turn(1, n=40, hit_blocks=1), 0.0), done, sends, state)
+    _deliver(state, model, done, sends)
+    warm_de = done[1].decode_engine
+    for req_id in (2, 3):
+        apply(state.submit(_agent_turn(req_id, n=50, hit_blocks=2), 1.0), done, sends, state)
+    if phase == Phase.DECODING:
+        for engine, msg in list(sends):
+            sends.remove((engine, msg))
+            for reply in model.answer(engine, msg):  # BufferReady: Decode(local) sent
+                apply(state.on_message(engine, reply, 1.0), done, sends, state)
+        assert all(isinstance(m, Decode) and m.local for _, m in sends)
+    sends.clear()  # the AllocBuffers (or the Decodes) are in flight, lost with what follows
+    assert {state.requests[r].phase for r in (2, 3)} == {phase}
+    apply(state.abort(2, "cancelled"), done, sends, state)
+    ((engine, abort),) = sends
+    assert engine == warm_de and isinstance(abort, Abort) and not abort.fenced
+    assert isinstance(done[2], RequestAborted) and not state.fences
+    sends.clear()
+    model.kill(warm_de)
+    apply(state.lose(warm_de, "killed", exited=True), done, sends, state)
+    _deliver(state, model, done, sends)  # buffering: placed again; decoding: moved
+    out = done[3]
+    assert isinstance(out, ClusterOutput) and out.decode_engine != warm_de
+    assert out.prefill_engine  # its session is warm nowhere now: a PE prefilled it
+    assert not state.fences and zero(state) == {}

@@ -171,8 +171,8 @@ class Endings:
     def _tell_engines(self, req: RequestState, out: Effects, pe_let_go: bool) -> None:
         """Abort the attempt on its engines — registered or not: one declared lost may be alive
         (stopped, rejoining) and still hold it; ZeroMQ drops what a dead one cannot take."""
-        if req.phase != Phase.DECODING and not pe_let_go:  # the PE let go at Prefilled
-            out.send(req.pe, Abort(req.wire_id))
+        if req.phase != Phase.DECODING and not pe_let_go and req.pe:  # the PE let go at
+            out.send(req.pe, Abort(req.wire_id))  # Prefilled; a local attempt has none
         self._abort_de(req, out, pe_let_go)
 
     def _abort_de(self, req: RequestState, out: Effects, pe_let_go: bool) -> None:

@@ -28,10 +28,11 @@ class Ledger:
     def hold(self, req: RequestState) -> None:
         """Count a just-placed attempt on its engines and its reading nodes' queues."""
         engines = self.records.engines
-        h, pe, de = req.holds, engines[req.pe].load, engines[req.de].load
+        h, de = req.holds, engines[req.de].load
+        pe = engines[req.pe].load if req.pe else Load()  # a local prefill holds no PE
         count(pe, req, +1)
         count(de, req, +1)
-        h.pe_load = h.de_load = True
+        h.pe_load, h.de_load = bool(req.pe), True
         h.de_kv_tokens = len(req.prompt_ids) + req.params.max_tokens
         h.de_buffer_blocks = -(-len(req.kv_ids) // self.capacity.block_size)
         de.kv_tokens += h.de_kv_tokens
@@ -69,13 +70,15 @@ class Ledger:
         req.holds = Holds()
 
     def release_prefill(self, req: RequestState) -> None:
-        """The PE is done with the attempt and its DE starts decoding: give back the PE's load
-        and pool slots, the read, and the DE's prompt buffer (it frees the buffer now)."""
-        engines = self.records.engines
-        h, pe, de = req.holds, engines[req.pe].load, engines[req.de].load
+        """The PE is done with the attempt (or a local prefill's buffer is ready) and its DE
+        starts: give back the PE's load and pool slots, the read, and the DE's prompt buffer
+        (it frees the buffer now)."""
+        h, de = req.holds, self.records.engines[req.de].load
+        pe = self.records.engines.get(req.pe)
         self.release_read(req)
-        count(pe, req, -1)
-        pe.pool_blocks -= h.pe_pool_blocks
+        if pe is not None and h.pe_load:
+            count(pe.load, req, -1)
+            pe.load.pool_blocks -= h.pe_pool_blocks
         de.buffer_blocks -= h.de_buffer_blocks
         h.pe_load, h.pe_pool_blocks, h.de_buffer_blocks = False, 0, 0
 

@@ -107,7 +107,9 @@ class RouterLoop:
         self.state = RouterState(GlobalScheduler(scheduler_params(config, layout.full_block_bytes)),
                                  capacity, config.engine_timeout_s, config.heartbeat_s,
                                  prefetch=config.storage.session_prefetch
-                                 and config.engine_kind == EngineKind.DUALPATH)
+                                 and config.engine_kind == EngineKind.DUALPATH,
+                                 local_prefill_tokens=config.local_prefill_tokens
+                                 if config.engine_kind == EngineKind.DUALPATH else 0)
         self.bad_messages = 0  # handler errors, logged and skipped
         self.refused_messages = 0  # frames dropped unread: malformed, or speaking for another
         self._ids = itertools.count(1)

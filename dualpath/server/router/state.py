@@ -77,15 +77,17 @@ class RouterState:
 
     def __init__(self, scheduler: GlobalScheduler, capacity: Capacity,
                  engine_timeout_s: float, heartbeat_s: float | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, local_prefill_tokens: int = 0) -> None:
         """``prefetch``: read sessions' chains into a decode engine's DRAM during their tool
-        time when their warm copy went (``prefetch.py``)."""
+        time when their warm copy went (``prefetch.py``). ``local_prefill_tokens``: a session's
+        turn with at most this many tokens to compute is prefilled on the DE where the session
+        is warm (``placement.py``; 0: never)."""
         self.capacity = capacity
         self.engine_timeout_s = engine_timeout_s
         self.heartbeat_s = engine_timeout_s / 10 if heartbeat_s is None else heartbeat_s
         self.records = records = Records(capacity)
         self.ledger = Ledger(records)
-        self.placement = Placement(records, scheduler, self.ledger)
+        self.placement = Placement(records, scheduler, self.ledger, local_prefill_tokens)
         self.fencing = Fences(records)
         self.endings = Endings(records, self.ledger, self.placement, self.fencing)
         self.members = Membership(records, self.ledger, self.fencing, self.endings,
@@ -283,6 +285,9 @@ class RouterState:
             self.dropped_messages += 1
             return
         req.marks.setdefault("first_decode", self.records.now_s)
+        if req.local and "prefilled" not in req.marks:  # its DE computed the first token
+            req.marks["prefilled"] = self.records.now_s
+            req.pe_timings = {"forward_s": self.records.now_s - req.marks["buffer_ready"]}
         self._stream(req, first, tokens, out)
 
     def _stream(self, req: RequestState, first: int, tokens: tuple[int, ...],
@@ -300,8 +305,11 @@ class RouterState:
             self.ledger.release_de_read(req)
         if req.path != ReadPath.PE and req.reads:  # a DE loads no more than it was asked
             req.num_hit_blocks = min(req.num_hit_blocks, msg.num_loaded_blocks)
-        req.phase = Phase.PREFILLING
         req.marks["buffer_ready"] = self.records.now_s
+        if req.local:
+            self._prefill_on_de(req, out)
+            return
+        req.phase = Phase.PREFILLING
         req.sent_s[req.pe] = self.records.now_s
         de = self.engines[req.de].info
         out.send(req.pe, Prefill(req.wire_id, req.kv_ids, req.num_hit_blocks, req.path,
@@ -309,6 +317,16 @@ class RouterState:
                                  num_pe_read_blocks=req.num_pe_read_blocks,
                                  num_prior_outputs=req.num_prior_outputs,
                                  cache_salt=req.cache_salt, **req.warm))
+
+    def _prefill_on_de(self, req: RequestState, out: Effects) -> None:
+        """A local attempt's hit is in its DE's buffer: the DE prefills the rest and streams
+        from the first token on (no PE, so no writer and nothing to fence)."""
+        block = self.capacity.block_size
+        req.num_computed_tokens = len(req.kv_ids) - req.num_hit_blocks * block
+        self.ledger.release_prefill(req)
+        req.phase = Phase.DECODING
+        req.sent_s[req.de] = self.records.now_s
+        out.send(req.de, Decode(req.wire_id, 0, req.num_hit_blocks, req.params, local=True))
 
     def _prefilled(self, req: RequestState, msg: Prefilled, out: Effects) -> None:
         req.num_hit_blocks = msg.num_hit_blocks
@@ -327,7 +345,9 @@ class RouterState:
     def _finished(self, req: RequestState, msg: Finished, out: Effects) -> None:
         req.marks.setdefault("first_decode", self.records.now_s)
         self._stream(req, 0, msg.output_ids, out)  # whatever the last Tokens did not carry
-        result = ClusterOutput(req.req_id, list(req.prompt_ids), list(msg.output_ids),
+        # the output is what the caller was streamed: a DE whose Finished disagrees with its
+        # own Tokens (or with the PE's first token) cannot hand it a different text at the end
+        result = ClusterOutput(req.req_id, list(req.prompt_ids), list(req.output_ids),
                                msg.finish_reason, req.num_hit_blocks * self.capacity.block_size,
                                req.path, req.pe, req.de, req.num_computed_tokens, req.attempts,
                                timeline(req.marks, req.pe_timings))

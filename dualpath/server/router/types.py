@@ -119,6 +119,9 @@ class RequestState:
     de: str = ""
     path: ReadPath | None = None  # the chosen read path of this attempt (pe, de or split)
     num_pe_read_blocks: int = 0  # a split read: leading hit blocks the PE reads
+    # this attempt is prefilled on its DE, which keeps its session warm (no PE: ``pe`` is "";
+    # conditional disaggregation, ``scheduler.rules.prefill_on_de``)
+    local: bool = False
     attempts: int = 0
     num_computed_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)  # output tokens handed to the caller

@@ -148,6 +148,8 @@ class VllmDecodeWorker(VllmWorkerBase):
         if not 0 <= msg.num_prior_outputs < len(prompt):
             return [Failed(msg.req_id, f"{msg.num_prior_outputs} prior outputs of "
                                        f"{len(prompt)} tokens")]
+        if msg.local:  # the router prefills locally on our engines only
+            return [Failed(msg.req_id, "a vLLM decode engine takes no local prefill")]
         _, slots = self.buffers.take(msg.req_id)
         prior = list(prompt[len(prompt) - msg.num_prior_outputs:])
         job = _DecodeCall(msg.req_id, slots, HttpCall(), prior, msg.num_prior_outputs or 1,
