@@ -53,6 +53,8 @@ from dualpath.workloads.turns import AgentTurn
 if TYPE_CHECKING:
     from argparse import ArgumentParser
 
+    from dualpath.workloads.agents import Workload
+
 
 @dataclass(frozen=True)
 class Row:
@@ -89,6 +91,7 @@ class SessionsOptions:
     experiments: tuple[str, ...] = EXPERIMENTS
 
     agents: int = 16
+    skip_agents: int = 0  # the sample's sessions left out before them (16: the unseen half)
     turns: int = 4
     scale: float = 64.0
     max_agents: int = 2
@@ -107,11 +110,23 @@ class SessionsOptions:
     def __post_init__(self) -> None:
         if not 0 < self.store_fraction <= 1:
             raise ValueError(f"--store-fraction must be in (0, 1], got {self.store_fraction}")
-        if self.max_agents < 1 or self.agents < 1:
-            raise ValueError("--agents and --max-agents must be >= 1")
+        if self.max_agents < 1 or self.agents < 1 or self.skip_agents < 0:
+            raise ValueError("--agents and --max-agents must be >= 1, --skip-agents >= 0")
         unknown = [e for e in self.experiments if e not in EXPERIMENTS]
         if unknown or not self.experiments:
             raise ValueError(f"--experiments: {', '.join(EXPERIMENTS)} (got {unknown or 'none'})")
+
+
+def skip_agents(workload: Workload, num_skipped: int) -> Workload:
+    """``workload`` without its first ``num_skipped`` agents (and their primers): sessions a
+    run with the defaults never replayed. ``ValueError`` when none would be left."""
+    if not num_skipped:
+        return workload
+    if num_skipped >= len(workload.agents):
+        raise ValueError(f"--skip-agents {num_skipped} leaves none of the workload's "
+                         f"{len(workload.agents)} sessions")
+    return replace(workload, agents=workload.agents[num_skipped:],
+                   primers=workload.primers[num_skipped:])
 
 
 def working_set_blocks(agents: list[list[AgentTurn]], primers: list[AgentTurn],
@@ -336,12 +351,13 @@ def run_bench(options: SessionsOptions, console: Console | None = None) -> dict[
     began = time.perf_counter()
     device = resolve_local_device("auto")
     agents_options = AgentsOptions(
-        agents=options.agents, turns=options.turns, scale=options.scale, model=options.model,
+        agents=options.skip_agents + options.agents, turns=options.turns, scale=options.scale,
+        model=options.model,
         read_cap_mb_s=options.read_cap_mb_s, device=device,
         dtype=bench_dtype(options.dtype, device), seed=options.seed)
     model_dir = resolve_model(options.model)
     vocab_size = load_spec(model_dir).vocab_size
-    workload = load_bench_workload(agents_options, vocab_size)
+    workload = skip_agents(load_bench_workload(agents_options, vocab_size), options.skip_agents)
     block_size = agents_options.block_size
     blocks = working_set_blocks(workload.agents, workload.primer_turns(), block_size)
     block_bytes = kv_bytes_per_token(model_dir, agents_options.dtype) * block_size
@@ -349,7 +365,8 @@ def run_bench(options: SessionsOptions, console: Console | None = None) -> dict[
     setup = {"working_set_blocks": blocks, "block_file_bytes": block_bytes + HEADER_BYTES,
              "working_set_gb": store_gb, "store_fraction": options.store_fraction,
              "warm_session_mb": options.warm_session_mb,
-             "agents": options.agents, "max_agents": options.max_agents,
+             "agents": options.agents, "skip_agents": options.skip_agents,
+             "max_agents": options.max_agents,
              "turns": options.turns, "scale": options.scale,
              "think_factor": options.think_factor, "max_think_s": options.max_think_s,
              "read_cap_mb_s": options.read_cap_mb_s, "dtype": agents_options.dtype}
@@ -392,6 +409,8 @@ HELP = {
                    "(recency, sessions at a cap)",
     "warm_session_mb": "warm: each engine's DRAM budget for sessions' blocks",
     "agents": "Weka sessions replayed (the sample's first ones)",
+    "skip_agents": "sessions of the sample left out before them (16: the 16 the defaults "
+                   "never replay)",
     "turns": "timed turns per session (from the sample's turn 21)",
     "scale": "trace tokens (and tool seconds) per replayed one",
     "max_agents": "sessions running at once; the next starts when one ends",

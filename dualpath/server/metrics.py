@@ -171,6 +171,9 @@ class ClusterCollector(Collector):
                        "Requests an engine lost track of, placed again", counters["corrected"])
         yield _counter("dualpath:router_moved_streams",
                        "Streams moved off a lost or failing decode engine", counters["moved"])
+        yield _counter("dualpath:router_local_prefills",
+                       "Agent turns prefilled on the decode engine where their session is warm",
+                       counters["local_prefills"])
         yield _gauge("dualpath:router_fenced_buffers",
                      "Decode buffers kept from reuse until their writer is known to have stopped",
                      counters["fences"])

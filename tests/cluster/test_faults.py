@@ -111,7 +111,7 @@ def assert_idle(cluster: LocalCluster, host_pool_blocks: int = 64) -> None:
         counters = cluster.router.counters()
         busy = {k: v for k, v in counters.items()
                 if v and k not in ("dropped_messages", "bad_messages", "refused_messages",
-                                   "stuck", "refused_peers", "moved")}
+                                   "stuck", "refused_peers", "moved", "local_prefills")}
         reports = cluster.router.reports()
         pools = {n: r.free_host_slots for n, r in reports.items() if r is not None}
         leaks = {n: free for n, free in pools.items() if free != host_pool_blocks}

@@ -129,7 +129,7 @@ def assert_idle(cluster: RayCluster) -> None:
     def busy():
         return {k: v for k, v in cluster.router.counters().items()
                 if v and k not in ("dropped_messages", "bad_messages", "refused_messages",
-                                   "stuck", "refused_peers", "moved")}
+                                   "stuck", "refused_peers", "moved", "local_prefills")}
     deadline = time.monotonic() + 20
     while busy() and time.monotonic() < deadline:
         time.sleep(0.1)

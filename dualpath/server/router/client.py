@@ -100,6 +100,7 @@ class Router(RouterLoop):
                                   "refused_peers": self._zap.refused,
                                   "corrected": self.state.corrected,
                                   "moved": self.state.moved,
+                                  "local_prefills": self.state.placement.num_local,
                                   "stuck": sum(self.state.stuck.values()),
                                   "drift": sum(self.state.drift.values())})
 
