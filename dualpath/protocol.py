@@ -247,6 +247,9 @@ class AllocBuffer(Message):
     # (storage/warm.py) under this key ("": none), leased for warm_lease_s
     warm_session: str = ""
     warm_lease_s: float = 0.0
+    # conditional disaggregation (its Decode is local): the leading hit blocks this DE's own
+    # device KV still holds (its prefix cache) are taken from there, the rest read
+    local: bool = False
 
 
 @dataclass(frozen=True)

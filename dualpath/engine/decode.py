@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dualpath.engine.decode_storage import ActiveRequest, DecodeStorage
 from dualpath.engine.futures import all_of
@@ -88,6 +88,10 @@ class DecodeWorker(DecodeStorage):
         self.buffers = PromptBuffers(host_pool, storage, engine.layout, engine.key_space,
                                      self._read_io_done)
         self._pending_decodes: deque[Decode] = deque()  # waiting for device KV blocks
+        # a local request's leading hit blocks this engine's prefix cache still held at its
+        # AllocBuffer (referenced: never handed out meanwhile), req_id -> block ids
+        self._cached: dict[int, list[int]] = {}
+        self.num_cached_hit_blocks = 0  # hit blocks local prefills took from the device KV
         self._copying: list[_CopyIn] = []  # prompt KV moving buffer -> cache (async, paced)
         self._active: dict[int, ActiveRequest] = {}  # seq_id -> request
         self._events: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -114,7 +118,10 @@ class DecodeWorker(DecodeStorage):
         """A request message from the router: ``AllocBuffer``, ``Decode``, ``Abort`` or
         ``Unfence``; returns the answers."""
         if isinstance(msg, AllocBuffer):
-            return self.buffers.alloc_buffer(msg)
+            out = self.buffers.alloc_buffer(self._take_cached(msg))
+            if any(isinstance(m, Failed) for m in out):  # refused: it holds nothing
+                self.engine.pool.free(self._cached.pop(msg.req_id, []))
+            return out
         if isinstance(msg, Decode):
             return self.start_decode(msg)
         if isinstance(msg, Abort):
@@ -153,6 +160,7 @@ class DecodeWorker(DecodeStorage):
     def metrics(self) -> dict[str, object]:
         """This worker's counters."""
         return {"num_saved_blocks": self.num_saved_blocks,
+                "num_cached_hit_blocks": self.num_cached_hit_blocks,
                 "num_saves_dropped": self.num_saves_dropped,
                 "num_finish_waits_cut": self.num_finish_waits_cut,
                 "num_waits": self.num_waits + self.buffers.num_waits,
@@ -164,6 +172,7 @@ class DecodeWorker(DecodeStorage):
         ``Aborted``."""
         self._pending_decodes = deque(m for m in self._pending_decodes if m.req_id != req_id)
         self.buffers.drop(req_id, fenced)
+        self.engine.pool.free(self._cached.pop(req_id, []))
         for seq_id, active in list(self._active.items()):
             if active.req_id == req_id:
                 self.engine.abort(active.seq)
@@ -186,6 +195,17 @@ class DecodeWorker(DecodeStorage):
         return self.buffers.fenced_requests()
 
     # -- decode ---------------------------------------------------------------------------------
+    def _take_cached(self, msg: AllocBuffer) -> AllocBuffer:
+        """A local request's allocation: the leading hit blocks the device KV still holds
+        are taken (referenced) now and not read; the buffer reads the rest."""
+        if not msg.local or msg.req_id in self._cached:
+            return msg
+        blocks = self.engine.cached_prefix(msg.prompt_ids, msg.num_read_blocks, msg.cache_salt)
+        if not blocks:
+            return msg
+        self._cached[msg.req_id] = blocks
+        return replace(msg, read_from_block=len(blocks))
+
     def start_decode(self, msg: Decode) -> list[Message]:
         """Move the assembled prompt KV into the cache and start decoding (or wait for room)."""
         alloc = self.buffers.allocs.get(msg.req_id)  # gone with its buffer (or when aborted)
@@ -212,32 +232,36 @@ class DecodeWorker(DecodeStorage):
             alloc = self.buffers.allocs[msg.req_id]
             tokens = alloc.prompt_ids
             num_prompt = len(tokens) - msg.num_prior_outputs  # the rest: moved outputs
+            cached = self._cached.get(msg.req_id, [])[: msg.num_stored_blocks]
             try:
                 seq = self.engine.reserve_prefilled(list(tokens[:num_prompt]), msg.params,
-                                                    list(tokens[num_prompt:]), alloc.cache_salt)
+                                                    list(tokens[num_prompt:]), alloc.cache_salt,
+                                                    cached)
             except OutOfBlocksError:
                 break  # running sequences free blocks as they finish
             self._pending_decodes.popleft()
+            self.engine.pool.free(self._cached.pop(msg.req_id, [])[len(cached):])  # unused
+            self.num_cached_hit_blocks += len(cached)
             log.info("request %d: decode started (%d prompt tokens)", msg.req_id, len(tokens))
             _, slots = self.buffers.take(msg.req_id)
             num_loaded = msg.num_stored_blocks if msg.local else len(slots)  # the rest: empty
-            copies = all_of(self._copy_in(slots, seq.block_table, num_loaded)
-                            if num_loaded and not msg.oracle else [])
+            copies = all_of(self._copy_in(slots, seq.block_table, len(cached), num_loaded)
+                            if num_loaded > len(cached) and not msg.oracle else [])
             self._copying.append(_CopyIn(msg, seq, slots, copies,
                                          warm_tag(alloc.warm_session, alloc.warm_lease_s)))
         return self._end_copies()
 
-    def _copy_in(self, slots: list[int], table: list[int],
-                 num_blocks: int) -> list[Future[None]]:
-        """The buffer's first ``num_blocks`` blocks -> device cache, in one submission, on the
-        NIC's KV-load lane: a copy per run of consecutive cache blocks (``kv/runs.py``). The
-        buffer is layer-major over all its ``slots``, so its view takes them all."""
+    def _copy_in(self, slots: list[int], table: list[int], first: int,
+                 end: int) -> list[Future[None]]:
+        """The buffer's blocks ``[first, end)`` -> the same blocks of ``table`` in the device
+        cache, in one submission, on the NIC's KV-load lane: a copy per run of consecutive
+        cache blocks (``kv/runs.py``). The buffer is layer-major over all its ``slots``, so
+        its view takes them all."""
         data = self.engine.runner.cache.data
         layer_major = self.buffers.layer_major(slots).view(data.dtype)
         layer_major = layer_major.view(data.shape[0], len(slots), *data.shape[2:])
-        table = table[:num_blocks]  # the table has room to grow
         pairs = [(data[:, block : block + n], layer_major[:, b : b + n])
-                 for block, b, n in paired_runs(table, range(len(table)))]
+                 for block, b, n in paired_runs(table[first:end], range(first, end))]
         return [self.traffic.submit_copies(pairs, Lane.KV_LOAD)]
 
     def _end_copies(self) -> list[Message]:

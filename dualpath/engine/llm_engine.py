@@ -22,6 +22,7 @@ from dualpath.engine.runner import ModelRunner
 from dualpath.engine.sampler import Sampler
 from dualpath.kv.block_pool import BlockPool
 from dualpath.kv.cache import TORCH_DTYPES, PagedKVCache
+from dualpath.kv.hashing import extend_block_hashes, salted_seed
 from dualpath.kv.layout import engine_layout, key_space_for
 from dualpath.model.hooks import NO_HOOKS, LayerHooks
 from dualpath.model.kernels import load_kernels
@@ -95,18 +96,34 @@ class LLMEngine:
 
     def reserve_prefilled(self, prompt_ids: list[int], params: SamplingParams,
                           prior_output_ids: list[int] | None = None,
-                          cache_salt: str = "") -> Sequence:
+                          cache_salt: str = "", cached_blocks: list[int] | None = None,
+                          ) -> Sequence:
         """Allocate cache blocks for a prompt whose KV is computed elsewhere (the decode
         engine's entry); the sequence does not run until ``start_prefilled``
         (``OutOfBlocksError`` when there is no room). ``prior_output_ids``: output tokens an
         earlier engine generated (their KV comes with the prompt's); they count as this
         sequence's outputs for stop rules, ``max_tokens`` and seeded draws. ``cache_salt``
-        salts its block hashes (a tenant's)."""
+        salts its block hashes (a tenant's). ``cached_blocks``: its leading blocks, already
+        holding their KV, whose references the caller hands over (on success)."""
         seq = Sequence(list(prompt_ids), params, output_ids=list(prior_output_ids or ()),
                        cache_salt=cache_salt)
         self.batcher.check_fits(seq)
-        seq.block_table = self.pool.allocate(-(-(seq.num_tokens + 1) // self.config.block_size))
+        cached = list(cached_blocks or ())
+        need = -(-(seq.num_tokens + 1) // self.config.block_size) - len(cached)
+        seq.block_table = cached + self.pool.allocate(need)
         return seq
+
+    def cached_prefix(self, prompt_ids: list[int] | tuple[int, ...], num_blocks: int,
+                      cache_salt: str = "") -> list[int]:
+        """A reference on each of the prompt's leading full blocks (at most ``num_blocks``)
+        that this engine's prefix cache still holds: the caller frees them, or hands them to
+        ``reserve_prefilled``."""
+        if not self.config.enable_prefix_caching or num_blocks <= 0:
+            return []
+        bs = self.config.block_size
+        hashes = extend_block_hashes([], list(prompt_ids[: num_blocks * bs]), bs,
+                                     salted_seed(self.key_space.seed, cache_salt))
+        return self.pool.match_prefix(hashes)
 
     def start_prefilled(self, seq: Sequence, first_token: int) -> None:
         """The reserved sequence's KV (prompt and prior outputs) is in its blocks: run it from

@@ -13,7 +13,16 @@ from dualpath.config import EngineConfig
 from dualpath.engine.decode import DecodeWorker
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.kv.host_pool import HostPool
-from dualpath.protocol import AllocBuffer, BufferReady, Decode, Failed, Finished, Message, Tokens
+from dualpath.protocol import (
+    Abort,
+    AllocBuffer,
+    BufferReady,
+    Decode,
+    Failed,
+    Finished,
+    Message,
+    Tokens,
+)
 from dualpath.request import SamplingParams
 from dualpath.storage.client import StorageClient
 from dualpath.storage.memory import MemoryStore
@@ -65,7 +74,8 @@ def _streamed(messages: list[Message], req_id: int) -> list[int]:
 
 def _serve_locally(worker: DecodeWorker, req_id: int, num_read_blocks: int,
                    num_stored: int | None = None) -> tuple[BufferReady, list[int], Finished]:
-    out = worker.handle(AllocBuffer(req_id, PROMPT, -(-len(PROMPT) // BLOCK), num_read_blocks))
+    out = worker.handle(AllocBuffer(req_id, PROMPT, -(-len(PROMPT) // BLOCK), num_read_blocks,
+                                    local=True))
     if not any(isinstance(m, BufferReady) for m in out):
         out = _until(worker, BufferReady)
     ready = next(m for m in out if isinstance(m, BufferReady))
@@ -105,3 +115,22 @@ def test_a_local_decode_with_no_token_to_compute_or_prior_outputs_is_refused(tin
     worker.handle(AllocBuffer(2, PROMPT, 4, 0))
     (failed,) = worker.handle(Decode(2, 0, 0, PARAMS, local=True, num_prior_outputs=2))
     assert isinstance(failed, Failed)
+
+
+def test_a_local_turn_takes_the_blocks_its_engine_still_holds_and_reads_none(tiny_llama_dir):
+    """The engine that served the prompt before still has its blocks in its prefix cache:
+    the next local turn takes them from there (its store is empty: nothing to read) and
+    generates the same tokens; an aborted local allocation gives its blocks back."""
+    want = _engine(tiny_llama_dir).generate([list(PROMPT)], PARAMS)[0].output_ids
+    worker = _worker(tiny_llama_dir, MemoryStore(_engine(tiny_llama_dir).layout
+                                                 .full_block_bytes))
+    _serve_locally(worker, 1, num_read_blocks=0)
+    store = worker.storage.backend
+    assert store.delete(list(store.stored_keys())) >= 3  # nothing left to read
+    ready, streamed, done = _serve_locally(worker, 2, num_read_blocks=3)
+    assert ready.num_loaded_blocks == 3 and worker.num_cached_hit_blocks == 3
+    assert list(done.output_ids) == want and streamed == want
+    worker.handle(AllocBuffer(3, PROMPT, 4, 3, local=True))
+    assert worker.free_kv_blocks < 32  # its three blocks are held for it
+    worker.handle(Abort(3))
+    assert worker.free_kv_blocks == 32 and worker.held_requests() == ()

@@ -31,6 +31,7 @@ from .test_api_errors import MODEL, byte_model, serving, tiny_cluster_config
 PROMPT = [17, 200, 5, 91, 240, 33, 128, 7, 250, 64, 12, 199, 3, 141, 59, 77, 18, 230, 41, 9]
 BODY = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True}
+LOCAL_TOKENS = 32  # a session's turn computing at most this many is prefilled on its DE
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def store_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def api(tiny_chaotic_dir, store_root) -> Iterator[httpx.Client]:
     config = tiny_cluster_config(store_root)  # a capped store: eviction, so session marks
-    config = replace(config, storage=replace(config.storage, capacity_gb=1.0))
+    config = replace(config, storage=replace(config.storage, capacity_gb=1.0),
+                     local_prefill_tokens=LOCAL_TOKENS)
     with LocalCluster(tiny_chaotic_dir, config, log_dir=store_root.parent / "logs") as cluster:
         router = cluster.router
         app = build_app(router, byte_model(tiny_chaotic_dir, router), ServeConfig(),
@@ -152,14 +154,29 @@ def storage_counter(api: httpx.Client, counter: str) -> float:
                if k.startswith("dualpath:storage_total") and f"'counter', '{counter}'" in k)
 
 
-def test_a_sessions_next_turn_reads_its_blocks_from_the_decode_engines_dram(api):
-    session = {"X-Session-ID": "warm-1"}
-    prompt = [*PROMPT, *range(60, 100)]  # 60 tokens: 3 full blocks stored by the first turn
+def local_prefills(api: httpx.Client) -> float:
+    return metrics(api).get("dualpath:router_local_prefills_total[]", 0.0)
+
+
+@pytest.mark.parametrize("new_tokens", [40, 3])
+def test_a_sessions_next_turn_is_served_where_the_session_is_warm(api, new_tokens):
+    """The first turn stores 4 full blocks (60 prompt + 8 output tokens). 40 new tokens (56
+    to compute): the next turn goes through the PE and its DE reads the hit from its DRAM
+    copy. 3 new tokens (7 to compute): its DE prefills it and takes the hit from its device
+    KV, reading nothing. Either way: the tokens of the same prompt served without a
+    session."""
+    session = {"X-Session-ID": f"warm-{new_tokens}"}
+    prompt = [*PROMPT, *range(60, 100)]
     first = complete(api, session, prompt=prompt).json()
-    before = storage_counter(api, "warm_hits")
-    context = first["prompt_token_ids"] + first["choices"][0]["token_ids"] + [5, 6, 7]
+    hits, local = storage_counter(api, "warm_hits"), local_prefills(api)
+    context = (first["prompt_token_ids"] + first["choices"][0]["token_ids"]
+               + list(range(5, 5 + new_tokens)))
     second = complete(api, session, prompt=context).json()
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
-    assert storage_counter(api, "warm_hits") >= before + 3
-    plain = complete(api, prompt=context).json()  # no session: the same tokens, from storage
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    if new_tokens > LOCAL_TOKENS:
+        assert storage_counter(api, "warm_hits") >= hits + 3 and local_prefills(api) == local
+    else:
+        assert storage_counter(api, "warm_hits") == hits and local_prefills(api) == local + 1
+    plain = complete(api, prompt=context).json()  # no session: through the PE, from storage
     assert plain["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
+    assert local_prefills(api) == local + (new_tokens <= LOCAL_TOKENS)

@@ -1,9 +1,10 @@
 """Prefetch during tool time on a real cluster (1 PE + 1 DE of a tiny Llama, separate
 processes): a decode engine whose DRAM budget holds one session lets session A go when session
 B's turn arrives, says so in its heartbeat, and the router, told A is back in 30 s, has the
-engine read A's chain back from storage; A's next turn then reads its hit from DRAM and is
-prefilled on that engine (it computes a few tokens), and its tokens are those of the same
-prompt read from storage and prefilled on the prefill engine."""
+engine read A's chain back from storage; A's next turn then reads its hit from DRAM, and its
+tokens are those of the same prompt read from storage. Turns go through the prefill engine
+(``local_prefill_tokens = 0``): prefilled on its decode engine, A's turn would take its hit
+from that engine's device KV, which still holds it, and read nothing."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ BUDGET_MB = 6 * 12_288 / 1e6
 def cluster(tiny_chaotic_dir, tmp_path_factory) -> Iterator[LocalCluster]:
     tmp = tmp_path_factory.mktemp("prefetch")
     config = tiny_cluster_config(tmp / "kv")
-    config = replace(config, storage=replace(config.storage, capacity_gb=1.0,
-                                             warm_session_mb=BUDGET_MB))
+    config = replace(config, local_prefill_tokens=0,
+                     storage=replace(config.storage, capacity_gb=1.0,
+                                     warm_session_mb=BUDGET_MB))
     with LocalCluster(tiny_chaotic_dir, config, log_dir=tmp / "logs") as started:
         yield started
 
@@ -64,6 +66,3 @@ def test_a_session_pushed_out_of_dram_is_prefetched_back_before_its_next_turn(cl
     assert counter(cluster, "warm_prefetch_used") >= 1
     plain = cluster.submit(context, PARAMS).result(60)  # the same prompt, from storage
     assert second.output_ids == plain.output_ids and second.num_hit_tokens >= 64
-    # the turn computes 7 tokens: its warm decode engine prefilled it (conditional
-    # disaggregation); the sessionless prompt went through the prefill engine
-    assert second.prefill_engine == "" and plain.prefill_engine

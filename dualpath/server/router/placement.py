@@ -151,4 +151,4 @@ class Placement:
         de_reads = req.num_hit_blocks if req.path != ReadPath.PE and req.reads else 0
         out.send(req.de, AllocBuffer(req.wire_id, req.kv_ids, num_blocks, de_reads,
                                      read_from_block=req.num_pe_read_blocks,
-                                     cache_salt=req.cache_salt, **req.warm))
+                                     cache_salt=req.cache_salt, local=req.local, **req.warm))
