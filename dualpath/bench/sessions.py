@@ -81,7 +81,9 @@ def rows_for(options: SessionsOptions) -> list[Row]:
 
 EXPERIMENTS = ("warm", "api", "retention")
 COUNT_KEYS = ("blocks_evicted", "live_blocks_evicted", "ended_blocks_evicted",
-              "live_evicted_before_ended", "warm_hits", "warm_sessions_dropped")
+              "live_evicted_before_ended", "warm_hits", "warm_sessions_dropped",
+              "warm_prefetch_used", "warm_prefetch_wasted")
+LOCAL_PREFILLS = "dualpath:router_local_prefills_total"  # turns prefilled on their warm DE
 
 
 @dataclass(frozen=True)
@@ -182,8 +184,10 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
             agents = with_primers(workload)
         bar.update(task, description=f"{row.name}: agents")
         busy_before = run.busy_s()
+        local_before = run.cluster.router.counters()["local_prefills"]
         records, jct_s = run.run(agents, None, lambda: bar.advance(task),
                                  options.timeout_s, pacing=pacing)
+        local = run.cluster.router.counters()["local_prefills"] - local_before
         compute_s = prefill_compute_s(busy_before, run.busy_s(), run.cluster.metrics())
         computed = sum(r["prompt_tokens"] - r["hit_tokens"] for r in records)
         if agents is not workload.agents:
@@ -194,8 +198,29 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
               for k in COUNT_KEYS}
     return {"row": row.name, "experiment": row.experiment, "jct_s": jct_s, "records": records,
             **summarize(records, agents_options.block_size, counts["warm_hits"]),
+            **turn_shares(records, local, counts["warm_prefetch_used"]),
             "recompute_s_per_token": recompute_s_per_token(compute_s, computed),
             "evicted": counts, "config": asdict(config)}
+
+
+def turn_shares(records: list[dict[str, Any]], local_prefills: int,
+                prefetches_used: int) -> dict[str, Any]:
+    """How the timed turns were served: prefilled on their warm decode engine (the primers,
+    each a trajectory's first turn, never are: their session is warm nowhere yet), and with
+    a hit that a prefetch read (each used prefetch serves one turn)."""
+    turns = max(1, len(records))
+    return {"local_prefills": local_prefills, "local_share": min(1.0, local_prefills / turns),
+            "prefetch_turn_share": min(1.0, prefetches_used / turns)}
+
+
+def metric_value(base_url: str, name: str) -> float:
+    """One series of a server's ``/metrics`` (0 when it has none)."""
+    import httpx2
+
+    for line in httpx2.get(f"{base_url}/metrics", timeout=30.0).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def prefill_compute_s(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
@@ -245,6 +270,7 @@ def run_api_row(options: SessionsOptions, agents_options: Any, model_dir: Path, 
     config = cluster_config(agents_options, "dualpath", store)
     pacing = Pacing(options.think_factor, options.max_think_s, options.max_agents, True)
     warmup = warmup_turns(vocab_size, agents_options.block_size, options.seed)
+    local = 0  # turns prefilled on their warm decode engine (plain vLLM: none)
     task = bar.add_task(f"{row.name}: starting", total=sum(map(len, workload.agents)))
     advance = lambda: bar.advance(task)  # noqa: E731
     if row.name == "vllm-api":
@@ -268,16 +294,19 @@ def run_api_row(options: SessionsOptions, agents_options: Any, model_dir: Path, 
             run.run(warmup, None, lambda: None, 300.0)
             run.empty()
             bar.update(task, description=f"{row.name}: agents")
+            local_before = metric_value(run.base_url, LOCAL_PREFILLS)
             began = time.monotonic()
             per_agent = asyncio.run(replay_sticky([run.base_url], run.model,
                                                   with_primers(workload), advance,
                                                   options.timeout_s, pacing, True))
             jct_s = time.monotonic() - began
             records = [http_record(r, began) for recs in per_agent for r in recs]
+            local = int(metric_value(run.base_url, LOCAL_PREFILLS) - local_before)
     records = timed_only(records)
     errors = sum(1 for r in records if r.get("error"))
     return {"row": row.name, "experiment": row.experiment, "jct_s": jct_s, "records": records,
             **summarize([r for r in records if not r.get("error")]), "errors": errors,
+            **turn_shares(records, local, 0),
             "evicted": dict.fromkeys(COUNT_KEYS, 0), "config": asdict(config)}
 
 
@@ -317,7 +346,9 @@ def build_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "ttft_p50_reduction": 1 - warm["ttft_p50_s"] / cold["ttft_p50_s"],
             "ttft_p90_cold_s": cold["ttft_p90_s"], "ttft_p90_warm_s": warm["ttft_p90_s"],
             "jct_speedup_warm": cold["jct_s"] / warm["jct_s"],
-            "warm_hit_share": warm["warm_hit_share"]})
+            "warm_hit_share": warm["warm_hit_share"],
+            "prefetch_turn_share": warm["prefetch_turn_share"],
+            "local_share_warm": warm["local_share"]})
     if "dualpath-api" in rows and "vllm-api" in rows:
         ours, vllm = rows["dualpath-api"], rows["vllm-api"]
         out.update({
@@ -325,6 +356,7 @@ def build_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "api_ttft_p50_vllm_s": vllm["ttft_p50_s"],
             "api_ttft_p50_ratio": ours["ttft_p50_s"] / vllm["ttft_p50_s"],
             "api_jct_speedup_vs_vllm": vllm["jct_s"] / ours["jct_s"],
+            "api_local_share": ours["local_share"],
             "api_errors": ours["errors"] + vllm["errors"]})
     if "recency" in rows and "sessions" in rows:
         old, new = rows["recency"], rows["sessions"]

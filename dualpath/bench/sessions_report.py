@@ -24,16 +24,13 @@ def print_report(result: dict[str, Any], console: Console) -> None:
         if not rows:
             continue
         table = Table(title=title)
-        for col in ("row", "hit rate", "from DRAM", "JCT (s)", "TTFT p50 (s)", "p90",
-                    "evicted", "live", "ended", "live before ended"):
+        for col in ("row", "hit rate", "JCT (s)", "TTFT p50 (s)", "p90",
+                    *EXTRA_COLUMNS[experiment]):
             table.add_column(col)
         for row in rows:
-            e = row["evicted"]
-            table.add_row(row["row"], f"{row['hit_rate']:.1%}", f"{row['warm_hit_share']:.0%}",
-                          f"{row['jct_s']:.1f}", f"{row['ttft_p50_s']:.2f}",
-                          f"{row['ttft_p90_s']:.2f}", str(e["blocks_evicted"]),
-                          str(e["live_blocks_evicted"]), str(e["ended_blocks_evicted"]),
-                          str(e["live_evicted_before_ended"]))
+            table.add_row(row["row"], f"{row['hit_rate']:.1%}", f"{row['jct_s']:.1f}",
+                          f"{row['ttft_p50_s']:.2f}", f"{row['ttft_p90_s']:.2f}",
+                          *extra_cells(experiment, row))
         console.print(table)
     s = result["summary"]
     if "ttft_p50_reduction" in s:
@@ -45,6 +42,25 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     if "hit_rate_gain_points" in s:
         console.print(f"sessions vs recency: hit rate {s['hit_rate_gain_points']:+.1f} points, "
                       f"JCT {s['jct_speedup_sessions']:.2f}x")
+
+
+# each experiment's own columns: where the hit came from and where turns were prefilled; the
+# API's errors; what eviction took
+EXTRA_COLUMNS = {"warm": ("from DRAM", "on its DE", "prefetched"),
+                 "api": ("on its DE", "errors"),
+                 "retention": ("evicted", "live", "ended", "live before ended")}
+
+
+def extra_cells(experiment: str, row: dict[str, Any]) -> tuple[str, ...]:
+    """A row's cells under ``EXTRA_COLUMNS[experiment]``."""
+    if experiment == "warm":
+        return (f"{row['warm_hit_share']:.0%}", f"{row.get('local_share', 0):.0%}",
+                f"{row.get('prefetch_turn_share', 0):.0%}")
+    if experiment == "api":
+        return f"{row.get('local_share', 0):.0%}", str(row.get("errors", 0))
+    e = row["evicted"]
+    return (str(e["blocks_evicted"]), str(e["live_blocks_evicted"]),
+            str(e["ended_blocks_evicted"]), str(e["live_evicted_before_ended"]))
 
 
 def write_report(result: dict[str, Any], path: Path, console: Console) -> None:

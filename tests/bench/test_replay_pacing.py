@@ -11,7 +11,14 @@ from dataclasses import dataclass
 import pytest
 
 from dualpath.bench.replay import Pacing, run_turns
-from dualpath.bench.sessions import SessionsOptions, build_summary, rows_for, working_set_blocks
+from dualpath.bench.sessions import (
+    SessionsOptions,
+    build_summary,
+    rows_for,
+    skip_agents,
+    turn_shares,
+    working_set_blocks,
+)
 from dualpath.workloads.turns import AgentTurn
 
 
@@ -110,7 +117,8 @@ def test_the_working_set_counts_shared_prefixes_once_and_outputs_as_stored():
 
 def test_the_summary_compares_warm_with_cold_and_sessions_with_recency():
     rows = {p: {"hit_rate": h, "jct_s": j, "ttft_p50_s": t, "ttft_p90_s": 2 * t,
-                "warm_hit_share": w, "evicted": {"live_evicted_before_ended": n}}
+                "warm_hit_share": w, "evicted": {"live_evicted_before_ended": n},
+                **turn_shares([{}] * 10, 4, 1)}
             for p, h, j, t, w, n in (("cold", 0.9, 30.0, 2.0, 0.0, 0),
                                      ("warm", 0.9, 20.0, 0.5, 0.8, 0),
                                      ("recency", 0.5, 20.0, 1.0, 0.0, 40),
@@ -118,10 +126,24 @@ def test_the_summary_compares_warm_with_cold_and_sessions_with_recency():
     summary = build_summary(rows)
     assert summary["ttft_p50_reduction"] == pytest.approx(0.75)
     assert summary["jct_speedup_warm"] == 1.5 and summary["warm_hit_share"] == 0.8
+    assert summary["local_share_warm"] == 0.4 and summary["prefetch_turn_share"] == 0.1
     assert summary["hit_rate_gain_points"] == pytest.approx(20.0)
     assert summary["jct_speedup_sessions"] == 2.0
     assert summary["live_evicted_before_ended_recency"] == 40
     assert "hit_rate_gain_points" not in build_summary({k: rows[k] for k in ("cold", "warm")})
+
+
+def test_unseen_sessions_are_the_workloads_later_agents_with_their_primers():
+    from dualpath.workloads.agents import Workload
+
+    agents = [agent(i, 2) for i in range(4)]
+    primers = [AgentTurn([i], 1, keep=0) for i in range(4)]
+    workload = Workload("w", agents, 4, {}, primers)
+    later = skip_agents(workload, 3)
+    assert later.agents == agents[3:] and later.primers == primers[3:]
+    assert skip_agents(workload, 0) is workload
+    with pytest.raises(ValueError, match="leaves none"):
+        skip_agents(workload, 4)
 
 
 def test_the_rows_differ_only_in_what_each_experiment_compares():
@@ -161,7 +183,8 @@ def test_the_report_prints_each_experiment_and_writes_json_and_a_png(tmp_path):
     evicted = {"blocks_evicted": 3, "live_blocks_evicted": 0, "ended_blocks_evicted": 3,
                "live_evicted_before_ended": 0}
     rows = {name: {"row": name, "experiment": exp, "hit_rate": 0.9, "warm_hit_share": 0.5,
-                   "jct_s": 10.0, "ttft_p50_s": 0.3, "ttft_p90_s": 0.6, "evicted": evicted}
+                   "jct_s": 10.0, "ttft_p50_s": 0.3, "ttft_p90_s": 0.6, "evicted": evicted,
+                   **turn_shares([{}] * 4, 3, 1)}
             for name, exp in (("cold", "warm"), ("warm", "warm"), ("recency", "retention"),
                               ("sessions", "retention"))}
     result = {"summary": {**build_summary(rows), "regime": {"store_fraction": 0.5}},
@@ -171,6 +194,7 @@ def test_the_report_prints_each_experiment_and_writes_json_and_a_png(tmp_path):
     text = console.export_text()
     assert "DRAM copies off and on" in text and "50% of the working set" in text
     assert "sessions vs recency: hit rate +0.0 points" in text
+    assert "on its DE" in text and "75%" in text and "prefetched" in text
     write_report(result, tmp_path / "s.json", console)
     assert json.loads((tmp_path / "s.json").read_text())["summary"]["jct_speedup_warm"] == 1.0
     assert (tmp_path / "s.png").stat().st_size > 1000
