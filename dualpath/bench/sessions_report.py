@@ -16,7 +16,8 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     regime = result["summary"]["regime"]
     if regime.get("line"):
         console.print(f"regime ({regime['of_row']} row): {regime['line']}")
-    titles = {"warm": "unbounded store: DRAM copies off and on",
+    titles = {"warm": "unbounded store: sessions unknown (cold), DRAM copies and prefetch "
+                      "(warm), and short turns prefilled on their decode engine (local)",
               "api": "through the OpenAI API: dualpath serve and plain vllm serve",
               "retention": f"store at {regime['store_fraction']:.0%} of the working set"}
     for experiment, title in titles.items():
@@ -36,6 +37,10 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     if "ttft_p50_reduction" in s:
         console.print(f"warm vs cold: TTFT p50 {s['ttft_p50_reduction']:.0%} lower, JCT "
                       f"{s['jct_speedup_warm']:.2f}x, {s['warm_hit_share']:.0%} of hits from DRAM")
+    if "ttft_p50_reduction_local" in s:
+        console.print(f"local vs cold: TTFT p50 {s['ttft_p50_reduction_local']:.0%} lower, JCT "
+                      f"{s['jct_speedup_local']:.2f}x, {s['local_share']:.0%} of turns "
+                      "prefilled on their decode engine")
     if "api_ttft_p50_ratio" in s:
         console.print(f"API: dualpath's TTFT p50 {s['api_ttft_p50_ratio']:.2f}x vLLM's, JCT "
                       f"{s['api_jct_speedup_vs_vllm']:.2f}x faster, {s['api_errors']} errors")
@@ -73,7 +78,8 @@ def write_report(result: dict[str, Any], path: Path, console: Console) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    colors = ["#999" if r["row"] in ("cold", "recency") else "#2a7" for r in rows.values()]
+    colors = ["#999" if r["row"] in ("cold", "recency", "vllm-api") else "#2a7"
+              for r in rows.values()]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
     for ax, key, label, scale in ((axes[0], "hit_rate", "hit rate (%)", 100),
                                   (axes[1], "jct_s", "JCT (s)", 1),

@@ -126,7 +126,11 @@ def test_the_summary_compares_warm_with_cold_and_sessions_with_recency():
     summary = build_summary(rows)
     assert summary["ttft_p50_reduction"] == pytest.approx(0.75)
     assert summary["jct_speedup_warm"] == 1.5 and summary["warm_hit_share"] == 0.8
-    assert summary["local_share_warm"] == 0.4 and summary["prefetch_turn_share"] == 0.1
+    assert summary["prefetch_turn_share"] == 0.1 and "local_share" not in summary
+    rows["local"] = {**rows["warm"], "ttft_p50_s": 0.4}
+    summary = build_summary(rows)
+    assert summary["ttft_p50_reduction_local"] == pytest.approx(0.8)
+    assert summary["local_share"] == 0.4
     assert summary["hit_rate_gain_points"] == pytest.approx(20.0)
     assert summary["jct_speedup_sessions"] == 2.0
     assert summary["live_evicted_before_ended_recency"] == 40
@@ -148,9 +152,12 @@ def test_unseen_sessions_are_the_workloads_later_agents_with_their_primers():
 
 def test_the_rows_differ_only_in_what_each_experiment_compares():
     rows = rows_for(SessionsOptions(store_fraction=0.4, warm_session_mb=64))
-    assert [(r.name, r.store_fraction, r.session_retention, r.warm_session_mb) for r in rows] == [
-        ("cold", None, True, 0.0), ("warm", None, True, 64), ("dualpath-api", None, True, 64),
-        ("vllm-api", None, True, 0.0), ("recency", 0.4, False, 0.0), ("sessions", 0.4, True, 0.0)]
+    assert [(r.name, r.store_fraction, r.session_retention, r.warm_session_mb, r.prefetch,
+             r.local_prefill_tokens) for r in rows] == [
+        ("cold", None, True, 0.0, False, 0), ("warm", None, True, 64, True, 0),
+        ("local", None, True, 64, True, 512), ("dualpath-api", None, True, 64, False, 0),
+        ("vllm-api", None, True, 0.0, False, 0), ("recency", 0.4, False, 0.0, False, 0),
+        ("sessions", 0.4, True, 0.0, False, 0)]
 
 
 @pytest.mark.parametrize("bad", [{"store_fraction": 0}, {"store_fraction": 1.5},
@@ -192,7 +199,7 @@ def test_the_report_prints_each_experiment_and_writes_json_and_a_png(tmp_path):
     console = Console(record=True, width=140)
     print_report(result, console)
     text = console.export_text()
-    assert "DRAM copies off and on" in text and "50% of the working set" in text
+    assert "DRAM copies and prefetch" in text and "50% of the working set" in text
     assert "sessions vs recency: hit rate +0.0 points" in text
     assert "on its DE" in text and "75%" in text and "prefetched" in text
     write_report(result, tmp_path / "s.json", console)
