@@ -23,6 +23,10 @@ empty store.
   the cluster has engines, bf16, its own prefix cache with its default KV space, sessions
   sticky by ``X-Session-ID`` as RL frameworks pin them); each agent's primer goes to its
   instance untimed. Reported: TTFT p50 and p90, JCT, errors.
+* ``online``: agents arrive as a Poisson process instead (no cap on how many run at once),
+  each with its tool times and session; the largest APS (agents per second) whose mean TTFT
+  meets ``ttft_slo_s``, sessions unknown (``cold-online``) and with the defaults
+  (``local-online``): ``agents/online.py``'s search.
 * ``retention``: the store's capacity is ``store_fraction`` of the working set (every full
   block the run stores, primers included, counted from the turns before it runs:
   :func:`working_set_blocks`), DRAM copies off; ``recency`` evicts least recently used first,
@@ -85,11 +89,13 @@ def rows_for(options: SessionsOptions) -> list[Row]:
             "api": [Row("dualpath-api", "api", None, True, options.warm_session_mb),
                     Row("vllm-api", "api", None, True, 0.0)],
             "retention": [Row("recency", "retention", options.store_fraction, False, 0.0),
-                          Row("sessions", "retention", options.store_fraction, True, 0.0)]}
+                          Row("sessions", "retention", options.store_fraction, True, 0.0)],
+            "online": [Row("cold-online", "online", None, True, 0.0),
+                       Row("local-online", "online", None, True, mb, True, local)]}
     return [row for name in options.experiments for row in rows[name]]
 
 
-EXPERIMENTS = ("warm", "api", "retention")
+EXPERIMENTS = ("warm", "api", "retention", "online")
 COUNT_KEYS = ("blocks_evicted", "live_blocks_evicted", "ended_blocks_evicted",
               "live_evicted_before_ended", "warm_hits", "warm_sessions_dropped",
               "warm_prefetch_used", "warm_prefetch_wasted")
@@ -112,6 +118,9 @@ class SessionsOptions:
     think_factor: float = 1.0  # the recorded tool time (already scaled like the tokens) x this
     max_think_s: float = 4.0
     read_cap_mb_s: float = 180.0  # the demo's storage-NIC cap
+    online_trials: int = 3  # online: APS tried per row
+    first_aps: float = 0.2  # online: the first trial's agents per second
+    ttft_slo_s: float = 1.0  # online: the mean TTFT a trial must meet
     model: str | None = None
     dtype: str = "auto"
     seed: int = 0
@@ -122,6 +131,8 @@ class SessionsOptions:
     def __post_init__(self) -> None:
         if not 0 < self.store_fraction <= 1:
             raise ValueError(f"--store-fraction must be in (0, 1], got {self.store_fraction}")
+        if self.online_trials < 1 or not self.first_aps > 0 or not self.ttft_slo_s > 0:
+            raise ValueError("--online-trials must be >= 1, --first-aps and --ttft-slo-s > 0")
         if self.max_agents < 1 or self.agents < 1 or self.skip_agents < 0:
             raise ValueError("--agents and --max-agents must be >= 1, --skip-agents >= 0")
         unknown = [e for e in self.experiments if e not in EXPERIMENTS]
@@ -168,21 +179,11 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
             vocab_size: int) -> dict[str, Any]:
     """One row: a fresh dualpath cluster over its store, warmed, primed, then the agents
     paced (:class:`Pacing`); its records, the stores' eviction and warm counts."""
-    from dualpath.bench.agents.ladder import cluster_config
     from dualpath.bench.agents.run import PythonRun
     from dualpath.bench.agents.turns import prime
     from dualpath.bench.demo import warmup_turns
 
-    store = work / row.name / "kv"
-    shutil.rmtree(store, ignore_errors=True)
-    store.mkdir(parents=True)
-    config = cluster_config(agents_options, "dualpath", store)
-    capacity_gb = None if row.store_fraction is None else row.store_fraction * store_gb
-    config = replace(config, local_prefill_tokens=row.local_prefill_tokens,
-                     storage=replace(config.storage, capacity_gb=capacity_gb,
-                                     session_retention=row.session_retention,
-                                     warm_session_mb=row.warm_session_mb,
-                                     session_prefetch=row.prefetch))
+    config = _row_config(agents_options, row, store_gb, work)
     pacing = Pacing(options.think_factor, options.max_think_s, options.max_agents, True)
     task = bar.add_task(f"{row.name}: warming up", total=sum(map(len, workload.agents)))
     with PythonRun(model_dir, config, "dualpath", work / row.name / "logs") as run:
@@ -213,6 +214,58 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
             **turn_shares(records, local, counts["warm_prefetch_used"]),
             "recompute_s_per_token": recompute_s_per_token(compute_s, computed),
             "evicted": counts, "config": asdict(config)}
+
+
+def run_online_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row: Row,
+                   workload: Any, store_gb: float, work: Path, bar: Progress,
+                   vocab_size: int) -> dict[str, Any]:
+    """One row's online capacity: agents arrive as a Poisson process (no cap on how many run
+    at once), each with its tool times and session; the largest APS whose mean TTFT meets
+    the SLO (``agents/online.py: search_capacity``), the primers stored before each trial.
+    The row's figures are its best trial's: the fastest that met the SLO, else the slowest."""
+    from dualpath.bench.agents.online import search_capacity
+    from dualpath.bench.agents.run import PythonRun
+    from dualpath.bench.demo import warmup_turns
+
+    config = _row_config(agents_options, row, store_gb, work)
+    pacing = Pacing(options.think_factor, options.max_think_s, None, True)
+    online = replace(agents_options, online_trials=options.online_trials,
+                     ttft_slo_s=options.ttft_slo_s)
+    with PythonRun(model_dir, config, "dualpath", work / row.name / "logs") as run:
+        run.run(warmup_turns(vocab_size, agents_options.block_size, options.seed),
+                None, lambda: None, 300.0)
+        local_before = run.cluster.router.counters()["local_prefills"]
+        searched = search_capacity(run, row.name, workload.agents, online, None, bar,
+                                   primers=workload.primer_turns(), pacing=pacing,
+                                   first_aps=options.first_aps)
+        local = run.cluster.router.counters()["local_prefills"] - local_before
+    trials = searched["trials"]
+    met = [t for t in trials if t["meets_slo"]]
+    best = max(met, key=lambda t: t["aps"]) if met else min(trials, key=lambda t: t["aps"])
+    records = best["records"]
+    return {"row": row.name, "experiment": row.experiment, "jct_s": best["span_s"],
+            "records": records, **summarize(records),
+            **turn_shares([r for t in trials for r in t["records"]], local, 0),
+            "capacity_aps": searched["capacity_aps"], "ttft_slo_s": searched["ttft_slo_s"],
+            "trials": [{k: v for k, v in t.items() if k != "records"} for t in trials],
+            "evicted": dict.fromkeys(COUNT_KEYS, 0), "config": asdict(config)}
+
+
+def _row_config(agents_options: Any, row: Row, store_gb: float, work: Path) -> Any:
+    """A row's cluster over a fresh store (``work/<row>/kv``): its cap, eviction order, DRAM
+    budget, prefetch and local prefill."""
+    from dualpath.bench.agents.ladder import cluster_config
+
+    store = work / row.name / "kv"
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
+    config = cluster_config(agents_options, "dualpath", store)
+    capacity_gb = None if row.store_fraction is None else row.store_fraction * store_gb
+    return replace(config, local_prefill_tokens=row.local_prefill_tokens,
+                   storage=replace(config.storage, capacity_gb=capacity_gb,
+                                   session_retention=row.session_retention,
+                                   warm_session_mb=row.warm_session_mb,
+                                   session_prefetch=row.prefetch))
 
 
 def turn_shares(records: list[dict[str, Any]], local_prefills: int,
@@ -377,6 +430,14 @@ def build_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "api_jct_speedup_vs_vllm": vllm["jct_s"] / ours["jct_s"],
             "api_local_share": ours["local_share"],
             "api_errors": ours["errors"] + vllm["errors"]})
+    if "cold-online" in rows and "local-online" in rows:
+        cold, local = rows["cold-online"], rows["local-online"]
+        out.update({
+            "ttft_slo_s": local["ttft_slo_s"],
+            "aps_capacity_cold": cold["capacity_aps"], "aps_capacity_local": local["capacity_aps"],
+            "aps_speedup_local": (local["capacity_aps"] / cold["capacity_aps"]
+                                  if cold["capacity_aps"] and local["capacity_aps"]
+                                  else None)})
     if "recency" in rows and "sessions" in rows:
         old, new = rows["recency"], rows["sessions"]
         out.update({
@@ -431,7 +492,8 @@ def run_bench(options: SessionsOptions, console: Console | None = None) -> dict[
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as bar:
             for row in rows_for(options):
-                run = run_api_row if row.experiment == "api" else run_row
+                run = {"api": run_api_row, "online": run_online_row}.get(row.experiment,
+                                                                         run_row)
                 try:
                     rows[row.name] = run(options, agents_options, model_dir, row, workload,
                                          store_gb, work, bar, vocab_size)
@@ -456,8 +518,12 @@ def run_bench(options: SessionsOptions, console: Console | None = None) -> dict[
 
 
 HELP = {
-    "experiments": "warm (DRAM copies off, on), api (dualpath serve, vllm serve), retention "
-                   "(recency, sessions at a cap)",
+    "experiments": "warm (sessions unknown, DRAM copies, the defaults), api (dualpath "
+                   "serve, vllm serve), retention (recency, sessions at a cap), online (APS "
+                   "at the TTFT SLO, sessions unknown and the defaults)",
+    "online_trials": "online: APS tried per row",
+    "first_aps": "online: the first trial's agents per second",
+    "ttft_slo_s": "online: the mean TTFT a trial must meet",
     "warm_session_mb": "warm: each engine's DRAM budget for sessions' blocks",
     "agents": "Weka sessions replayed (the sample's first ones)",
     "skip_agents": "sessions of the sample left out before them (16: the 16 the defaults "

@@ -19,7 +19,8 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     titles = {"warm": "unbounded store: sessions unknown (cold), DRAM copies and prefetch "
                       "(warm), and short turns prefilled on their decode engine (local)",
               "api": "through the OpenAI API: dualpath serve and plain vllm serve",
-              "retention": f"store at {regime['store_fraction']:.0%} of the working set"}
+              "retention": f"store at {regime['store_fraction']:.0%} of the working set",
+              "online": "online: Poisson arrivals, the best trial at the TTFT SLO"}
     for experiment, title in titles.items():
         rows = [r for r in result["rows"].values() if r["experiment"] == experiment]
         if not rows:
@@ -44,6 +45,11 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     if "api_ttft_p50_ratio" in s:
         console.print(f"API: dualpath's TTFT p50 {s['api_ttft_p50_ratio']:.2f}x vLLM's, JCT "
                       f"{s['api_jct_speedup_vs_vllm']:.2f}x faster, {s['api_errors']} errors")
+    if s.get("aps_speedup_local") is not None:
+        console.print(f"online: APS at the TTFT SLO ({s['ttft_slo_s']:g} s) "
+                      f"{s['aps_capacity_cold']:.3f} sessions unknown, "
+                      f"{s['aps_capacity_local']:.3f} with the defaults "
+                      f"({s['aps_speedup_local']:.2f}x)")
     if "hit_rate_gain_points" in s:
         console.print(f"sessions vs recency: hit rate {s['hit_rate_gain_points']:+.1f} points, "
                       f"JCT {s['jct_speedup_sessions']:.2f}x")
@@ -53,7 +59,8 @@ def print_report(result: dict[str, Any], console: Console) -> None:
 # API's errors; what eviction took
 EXTRA_COLUMNS = {"warm": ("from DRAM", "on its DE", "prefetched"),
                  "api": ("on its DE", "errors"),
-                 "retention": ("evicted", "live", "ended", "live before ended")}
+                 "retention": ("evicted", "live", "ended", "live before ended"),
+                 "online": ("APS at the SLO", "trials", "on its DE")}
 
 
 def extra_cells(experiment: str, row: dict[str, Any]) -> tuple[str, ...]:
@@ -63,6 +70,12 @@ def extra_cells(experiment: str, row: dict[str, Any]) -> tuple[str, ...]:
                 f"{row.get('prefetch_turn_share', 0):.0%}")
     if experiment == "api":
         return f"{row.get('local_share', 0):.0%}", str(row.get("errors", 0))
+    if experiment == "online":
+        trials = ", ".join(f"{t['aps']:.2f}{'+' if t['meets_slo'] else '-'}"
+                           for t in row["trials"])
+        aps = row["capacity_aps"]
+        return (f"{aps:.3f}" if aps is not None else "below the lowest", trials,
+                f"{row.get('local_share', 0):.0%}")
     e = row["evicted"]
     return (str(e["blocks_evicted"]), str(e["live_blocks_evicted"]),
             str(e["ended_blocks_evicted"]), str(e["live_evicted_before_ended"]))
@@ -78,7 +91,7 @@ def write_report(result: dict[str, Any], path: Path, console: Console) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    colors = ["#999" if r["row"] in ("cold", "recency", "vllm-api") else "#2a7"
+    colors = ["#999" if r["row"] in ("cold", "recency", "vllm-api", "cold-online") else "#2a7"
               for r in rows.values()]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
     for ax, key, label, scale in ((axes[0], "hit_rate", "hit rate (%)", 100),

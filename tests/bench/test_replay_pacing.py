@@ -127,6 +127,11 @@ def test_the_summary_compares_warm_with_cold_and_sessions_with_recency():
     assert summary["ttft_p50_reduction"] == pytest.approx(0.75)
     assert summary["jct_speedup_warm"] == 1.5 and summary["warm_hit_share"] == 0.8
     assert summary["prefetch_turn_share"] == 0.1 and "local_share" not in summary
+    online = {"cold-online": {"capacity_aps": 0.2, "ttft_slo_s": 1.0},
+              "local-online": {"capacity_aps": 0.3, "ttft_slo_s": 1.0}}
+    assert build_summary(online)["aps_speedup_local"] == pytest.approx(1.5)
+    online["cold-online"]["capacity_aps"] = None  # even the lowest APS missed the SLO
+    assert build_summary(online)["aps_speedup_local"] is None
     rows["local"] = {**rows["warm"], "ttft_p50_s": 0.4}
     summary = build_summary(rows)
     assert summary["ttft_p50_reduction_local"] == pytest.approx(0.8)
@@ -157,11 +162,50 @@ def test_the_rows_differ_only_in_what_each_experiment_compares():
         ("cold", None, True, 0.0, False, 0), ("warm", None, True, 64, True, 0),
         ("local", None, True, 64, True, 512), ("dualpath-api", None, True, 64, False, 0),
         ("vllm-api", None, True, 0.0, False, 0), ("recency", 0.4, False, 0.0, False, 0),
-        ("sessions", 0.4, True, 0.0, False, 0)]
+        ("sessions", 0.4, True, 0.0, False, 0), ("cold-online", None, True, 0.0, False, 0),
+        ("local-online", None, True, 64, True, 512)]
+
+
+def test_an_online_search_paces_its_agents_and_starts_where_it_is_told():
+    """Each trial's agents arrive by their Poisson offsets and run with the pacing given
+    (their tool times and sessions); the first trial is at ``first_aps``, the next one up
+    while the SLO holds; a run without pacing is called as before."""
+    from types import SimpleNamespace
+
+    from dualpath.bench.agents.online import STEP, search_capacity
+    from dualpath.bench.replay import Pacing
+
+    class Run:
+        def __init__(self):
+            self.calls = []
+
+        def empty(self):
+            pass
+
+        def run(self, agents, offsets, progress, timeout_s, cut_after_s=None, **kw):
+            self.calls.append(kw)
+            return [{"submitted_s": o, "ttft_s": 0.5, "ttst_s": 0.6, "tpot_s": 0.1}
+                    for o in offsets], 10.0
+
+    bar = SimpleNamespace(add_task=lambda *a, **k: 0, update=lambda *a, **k: None,
+                          advance=lambda *a, **k: None)
+    options = SimpleNamespace(ttft_slo_s=1.0, online_trials=2, prime_first_turns=False,
+                              seed=0, timeout_s=60.0)
+    pacing = Pacing(1.0, 4.0, None, True)
+    run = Run()
+    got = search_capacity(run, "local", [agent(0, 1)] * 3, options, None, bar, pacing=pacing,
+                          first_aps=0.25)
+    assert [t["aps"] for t in got["trials"]] == [0.25, 0.25 * STEP]
+    assert run.calls == [{"pacing": pacing}] * 2 and got["capacity_aps"] == 0.25 * STEP
+    plain = Run()
+    search_capacity(plain, "basic", [agent(0, 1)] * 3, options, {"jct_s": 30.0}, bar)
+    assert plain.calls == [{}, {}]
 
 
 @pytest.mark.parametrize("bad", [{"store_fraction": 0}, {"store_fraction": 1.5},
                                  {"max_agents": 0}, {"experiments": ("warm", "nope")},
+                                 {"online_trials": 0}, {"first_aps": 0}, {"ttft_slo_s": -1},
+                                 {"skip_agents": -1},
                                  {"experiments": ()}])
 def test_bad_options_are_refused(bad):
     with pytest.raises(ValueError):
@@ -193,7 +237,11 @@ def test_the_report_prints_each_experiment_and_writes_json_and_a_png(tmp_path):
                    "jct_s": 10.0, "ttft_p50_s": 0.3, "ttft_p90_s": 0.6, "evicted": evicted,
                    **turn_shares([{}] * 4, 3, 1)}
             for name, exp in (("cold", "warm"), ("warm", "warm"), ("recency", "retention"),
-                              ("sessions", "retention"))}
+                              ("sessions", "retention"), ("cold-online", "online"),
+                              ("local-online", "online"))}
+    for name, aps in (("cold-online", None), ("local-online", 0.31)):
+        rows[name].update(capacity_aps=aps, ttft_slo_s=1.0,
+                          trials=[{"aps": 0.2, "meets_slo": aps is not None}])
     result = {"summary": {**build_summary(rows), "regime": {"store_fraction": 0.5}},
               "rows": rows}
     console = Console(record=True, width=140)
@@ -202,6 +250,7 @@ def test_the_report_prints_each_experiment_and_writes_json_and_a_png(tmp_path):
     assert "DRAM copies and prefetch" in text and "50% of the working set" in text
     assert "sessions vs recency: hit rate +0.0 points" in text
     assert "on its DE" in text and "75%" in text and "prefetched" in text
+    assert "0.310" in text and "below the lowest" in text and "0.20+" in text
     write_report(result, tmp_path / "s.json", console)
     assert json.loads((tmp_path / "s.json").read_text())["summary"]["jct_speedup_warm"] == 1.0
     assert (tmp_path / "s.png").stat().st_size > 1000

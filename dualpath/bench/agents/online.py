@@ -27,6 +27,7 @@ from __future__ import annotations
 from statistics import mean
 from typing import Any
 
+from dualpath.bench.replay import NO_PACING, Pacing
 from dualpath.sim.online import aps_capacity
 from dualpath.workloads.turns import AgentTurn
 
@@ -75,14 +76,17 @@ def _next_aps(trials: list[dict[str, Any]]) -> float:
 
 def search_capacity(run: Any, mode: str, agents: list[list[AgentTurn]], options: Any,
                     offline: dict[str, Any] | None, bar: Any,
-                    primers: list[AgentTurn] | None = None) -> dict[str, Any]:
+                    primers: list[AgentTurn] | None = None, pacing: Pacing = NO_PACING,
+                    first_aps: float | None = None) -> dict[str, Any]:
     """Trials at rising or falling APS on ``run`` (a warm cluster, the store emptied and the
     ``primers`` stored before each: by default each agent's first turn); the trials and the
-    capacity under the SLO."""
+    capacity under the SLO. ``pacing``: each agent's tool times and session (its arrival is
+    still the trial's Poisson offset); ``first_aps``: the first trial's (default: from the
+    offline run)."""
     from dualpath.bench.agents.turns import poisson_offsets, prime
 
     slo = options.ttft_slo_s or TTFT_SLO_S
-    aps = _first_aps(len(agents), offline)
+    aps = first_aps or _first_aps(len(agents), offline)
     task = bar.add_task(f"{mode}: online", total=options.online_trials * sum(map(len, agents)))
     trials = []
     for i in range(options.online_trials):
@@ -91,8 +95,9 @@ def search_capacity(run: Any, mode: str, agents: list[list[AgentTurn]], options:
               mode)
         offsets = poisson_offsets(len(agents), aps, options.seed + i)
         bar.update(task, description=f"{mode}: online at {aps:.3f} APS")
+        paced = {"pacing": pacing} if pacing != NO_PACING else {}  # the HTTP run: none
         records, span = run.run(agents, offsets, lambda: bar.advance(task), options.timeout_s,
-                                cut_after_s=max(offsets))
+                                cut_after_s=max(offsets), **paced)
         bar.update(task, completed=(i + 1) * sum(map(len, agents)))  # unmeasured turns cut
         stats = steady_stats(records, offsets)
         trials.append({"mode": mode, "aps": aps, "span_s": span, **stats,
