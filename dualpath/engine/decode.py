@@ -4,15 +4,16 @@
 blocks from storage into them (through this node's storage NIC); its tokens and salt are kept
 for the request's ``Decode``, which does not repeat them. When the PE has filled the rest,
 ``Decode`` copies the buffer into the paged cache, frees the slots and joins the running
-batch. A local ``Decode`` (conditional disaggregation: no PE ran) copies only the hit blocks
-and joins the batch with the rest of its prompt still to prefill, in the decode steps' token
-budget; this engine then samples and streams the first token too. Every full block the
+batch. A local ``Decode`` (conditional disaggregation: no PE ran) takes the leading hit
+blocks its device KV still held at the ``AllocBuffer`` (referenced since), copies the rest of
+the hit in and joins the batch with the rest of its prompt still to prefill, in the decode
+steps' token budget; this engine then samples and streams the first token too. Every full block the
 sequence completes beyond what storage already holds — the prompt tail and generated tokens — is
 gathered into a staging slot and written to storage; a trailing partial block is not stored (the
 next turn recomputes it). A gather holds a reference on its device block until it has read it,
 so the block is never handed to another request first, even when the capped NIC runs the copy
-long after the sequence ended. The buffer's reads and the
-persistence are ``decode_storage.py``'s ``DecodeStorage``, which ``DecodeWorker`` mixes in.
+long after the sequence ended. The buffer's reads and the persistence are
+``decode_storage.py``'s ``DecodeStorage``, which ``DecodeWorker`` mixes in.
 
 Nothing here fails for lack of room: an ``AllocBuffer`` that finds no contiguous run, or a
 ``Decode`` that finds no free KV blocks, waits (FIFO) until earlier requests free theirs; a block

@@ -3,8 +3,9 @@ scheduler's assignments as attempts (pure: no sockets, no clock).
 
 Conditional disaggregation: an agent session's turn that has little to compute beyond its hit
 (``scheduler.rules.prefill_on_de``) skips the global scheduler and goes to the decode engine
-that keeps the session warm, which reads the hit (from its DRAM copy, else from storage) and
-prefills the rest in its own decode batch: no prefill engine, no KV over the compute network.
+that keeps the session warm, which takes the hit from its device KV where its prefix cache
+still holds it, reads the rest (from its DRAM copy, else from storage) and prefills the tail in
+its own decode batch: no prefill engine, no KV over the compute network.
 """
 
 from __future__ import annotations
