@@ -201,13 +201,17 @@ def de_phase2(private_queue: Sequence[PendingRequest], group_engines: Sequence[E
 
 
 def prefill_on_de(num_tokens: int, num_hit_tokens: int, free_kv_tokens: int,
-                  max_local_tokens: int) -> bool:
+                  max_local_tokens: int, de_tok: int = 0, least_tok: int = 0) -> bool:
     """Conditional disaggregation: whether a request is prefilled on the decode engine that
     keeps its session warm instead of on a prefill engine — when at most ``max_local_tokens``
-    of its ``num_tokens`` are left to compute beyond its hit, and the DE has free KV for all of
-    it. A turn that appends a few hundred tokens to a long context then costs its decode batch
-    one short step, and none of its KV crosses the compute network twice."""
-    return 0 < num_tokens - num_hit_tokens <= max_local_tokens and free_kv_tokens >= num_tokens
+    of its ``num_tokens`` are left to compute beyond its hit, the DE has free KV for all of
+    it, and its load (``de_tok``) is no more than the request's tokens beyond the least loaded
+    DE with room (``least_tok``; the slack :func:`de_phase2` gives a warm DE), so sessions
+    stuck to one engine cannot pile onto it. A turn that appends a few hundred tokens to a
+    long context then costs its decode batch one short step, and none of its KV crosses the
+    compute network twice."""
+    return (0 < num_tokens - num_hit_tokens <= max_local_tokens
+            and free_kv_tokens >= num_tokens and de_tok <= least_tok + num_tokens)
 
 
 def choose_read_path(pe_queue_tokens: int, de_queue_tokens: int) -> ReadPath:

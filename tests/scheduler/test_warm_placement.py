@@ -81,3 +81,6 @@ def test_a_turn_is_prefilled_on_its_decode_engine_only_with_little_to_compute_an
     assert not prefill_on_de(1000, 960, free_kv_tokens=999, max_local_tokens=64)  # no room
     assert not prefill_on_de(1000, 1000, free_kv_tokens=4000, max_local_tokens=64)  # nothing
     assert not prefill_on_de(40, 0, free_kv_tokens=4000, max_local_tokens=0)  # off
+    # the warm DE holds at most this turn's tokens beyond the least loaded DE with room
+    assert prefill_on_de(1000, 960, 1000, 64, de_tok=3000, least_tok=2000)
+    assert not prefill_on_de(1000, 960, 1000, 64, de_tok=3001, least_tok=2000)

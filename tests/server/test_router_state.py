@@ -755,7 +755,7 @@ def test_a_warm_sessions_short_turn_is_prefilled_on_its_decode_engine_with_no_pr
     assert state.placement.num_local == 1 and zero(state) == {}
 
 
-@pytest.mark.parametrize("case", ["long", "not_dualpath", "no_room", "off"])
+@pytest.mark.parametrize("case", ["long", "not_dualpath", "no_room", "off", "busy"])
 def test_turns_with_much_to_compute_other_modes_and_a_full_decode_engine_go_to_a_prefill_engine(
         case):
     state, model, done, sends = _local_state(0 if case == "off" else 64)
@@ -765,6 +765,8 @@ def test_turns_with_much_to_compute_other_modes_and_a_full_decode_engine_go_to_a
     if case == "no_room":  # the warm DE's KV is held by others
         load = state.engines[warm_de].load
         load.kv_tokens, load.tok = 4096 - 50, 4000
+    if case == "busy":  # it decodes more than this turn's tokens beyond the other DE
+        state.engines[warm_de].load.tok = 61
     n, mode = (40 + 200, Mode.DUALPATH) if case == "long" else (60, Mode.DUALPATH)
     if case == "not_dualpath":
         mode = Mode.LAYERWISE

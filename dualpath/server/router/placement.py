@@ -124,15 +124,22 @@ class Placement:
         block = self.records.capacity.block_size
         while self._local:
             req = self._local.popleft()
-            de, hit = self._warm_engine(req), req.num_hit_blocks * block
-            if de and prefill_on_de(len(req.kv_ids), hit, self._free_kv_tokens(de),
-                                    self.local_prefill_tokens):
+            de, hit, need = self._warm_engine(req), req.num_hit_blocks * block, len(req.kv_ids)
+            if de and prefill_on_de(need, hit, self._free_kv_tokens(de),
+                                    self.local_prefill_tokens,
+                                    self.records.engines[de].load.tok, self._least_tok(need)):
                 req.local = True
                 self.num_local += 1
                 self._dispatch(req, Assignment(req.req_id, "", de, ReadPath.DE, hit, 0, hit),
                                out)
             else:
                 self._submit(req)
+
+    def _least_tok(self, need: int) -> int:
+        """The least ``tok`` of the decode engines with room for ``need`` tokens."""
+        return min((e.load.tok for name, e in self.records.engines.items()
+                    if e.info.role == Role.DECODE and self._free_kv_tokens(name) >= need),
+                   default=0)
 
     def _dispatch(self, req: RequestState, a: Assignment, out: Effects) -> None:
         block = self.records.capacity.block_size
