@@ -99,7 +99,6 @@ EXPERIMENTS = ("warm", "api", "retention", "online")
 COUNT_KEYS = ("blocks_evicted", "live_blocks_evicted", "ended_blocks_evicted",
               "live_evicted_before_ended", "warm_hits", "warm_sessions_dropped",
               "warm_prefetch_used", "warm_prefetch_wasted")
-LOCAL_PREFILLS = "dualpath:router_local_prefills_total"  # turns prefilled on their warm DE
 
 
 @dataclass(frozen=True)
@@ -197,10 +196,10 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
             agents = with_primers(workload)
         bar.update(task, description=f"{row.name}: agents")
         busy_before = run.busy_s()
-        local_before = run.cluster.router.counters()["local_prefills"]
+        local_before = run.counters()["local_prefills"]
         records, jct_s = run.run(agents, None, lambda: bar.advance(task),
                                  options.timeout_s, pacing=pacing)
-        local = run.cluster.router.counters()["local_prefills"] - local_before
+        local = run.counters()["local_prefills"] - local_before
         compute_s = prefill_compute_s(busy_before, run.busy_s(), run.cluster.metrics())
         computed = sum(r["prompt_tokens"] - r["hit_tokens"] for r in records)
         if agents is not workload.agents:
@@ -234,11 +233,11 @@ def run_online_row(options: SessionsOptions, agents_options: Any, model_dir: Pat
     with PythonRun(model_dir, config, "dualpath", work / row.name / "logs") as run:
         run.run(warmup_turns(vocab_size, agents_options.block_size, options.seed),
                 None, lambda: None, 300.0)
-        local_before = run.cluster.router.counters()["local_prefills"]
+        local_before = run.counters()["local_prefills"]
         searched = search_capacity(run, row.name, workload.agents, online, None, bar,
                                    primers=workload.primer_turns(), pacing=pacing,
                                    first_aps=options.first_aps)
-        local = run.cluster.router.counters()["local_prefills"] - local_before
+        local = run.counters()["local_prefills"] - local_before
     trials = searched["trials"]
     met = [t for t in trials if t["meets_slo"]]
     best = max(met, key=lambda t: t["aps"]) if met else min(trials, key=lambda t: t["aps"])
@@ -276,16 +275,6 @@ def turn_shares(records: list[dict[str, Any]], local_prefills: int,
     turns = max(1, len(records))
     return {"local_prefills": local_prefills, "local_share": min(1.0, local_prefills / turns),
             "prefetch_turn_share": min(1.0, prefetches_used / turns)}
-
-
-def metric_value(base_url: str, name: str) -> float:
-    """One series of a server's ``/metrics`` (0 when it has none)."""
-    import httpx2
-
-    for line in httpx2.get(f"{base_url}/metrics", timeout=30.0).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def prefill_compute_s(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
@@ -359,14 +348,14 @@ def run_api_row(options: SessionsOptions, agents_options: Any, model_dir: Path, 
             run.run(warmup, None, lambda: None, 300.0)
             run.empty()
             bar.update(task, description=f"{row.name}: agents")
-            local_before = metric_value(run.base_url, LOCAL_PREFILLS)
+            local_before = run.counters()["local_prefills"]
             began = time.monotonic()
             per_agent = asyncio.run(replay_sticky([run.base_url], run.model,
                                                   with_primers(workload), advance,
                                                   options.timeout_s, pacing, True))
             jct_s = time.monotonic() - began
             records = [http_record(r, began) for recs in per_agent for r in recs]
-            local = int(metric_value(run.base_url, LOCAL_PREFILLS) - local_before)
+            local = int(run.counters()["local_prefills"] - local_before)
     records = timed_only(records)
     errors = sum(1 for r in records if r.get("error"))
     return {"row": row.name, "experiment": row.experiment, "jct_s": jct_s, "records": records,

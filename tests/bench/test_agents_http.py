@@ -202,3 +202,21 @@ def test_paced_agents_name_their_sessions_wait_their_tool_times_and_take_turns(s
         {"agent_hint": {"end_of_session": True}}, {"X-Session-ID": "a"})
     assert HttpSession("a", pacing, hints=False).fields({"x": 1}, last=True) == (
         {"x": 1}, {"X-Session-ID": "a"})
+
+
+def test_an_http_runs_router_counters_come_from_the_servers_metrics(tmp_path):
+    from dualpath.bench.agents.run import HttpRun
+    from dualpath.config import ClusterConfig, StorageConfig
+
+    run = HttpRun(tmp_path, ClusterConfig(storage=StorageConfig(root=str(tmp_path))), tmp_path)
+    run._metrics = lambda: (  # what the server's /metrics page carries (not started here)
+        "# HELP dualpath:router_local_prefills_total Agent turns\n"
+        "# TYPE dualpath:router_local_prefills_total counter\n"
+        "dualpath:router_local_prefills_total 3.0\n"
+        "# HELP dualpath:router_moved_streams_total Streams moved\n"
+        "# TYPE dualpath:router_moved_streams_total counter\n"
+        "dualpath:router_moved_streams_total 1.0\n"
+        "# HELP dualpath:router_fenced_buffers Fenced\n"
+        "# TYPE dualpath:router_fenced_buffers gauge\n"
+        "dualpath:router_fenced_buffers 2.0\n")
+    assert run.counters() == {"local_prefills": 3.0, "moved": 1.0}

@@ -181,6 +181,10 @@ def replay_http(base_url: str, model: str, agents: list[list[AgentTurn]],
     return records, jct
 
 
+# ``/metrics`` names of the router's counters that differ from ``Router.counters``'
+ROUTER_SERIES = {"moved_streams": "moved", "corrected_requests": "corrected"}
+
+
 class HttpRun:
     """A ``dualpath serve`` process (its own router and engines) driven over HTTP."""
 
@@ -265,5 +269,14 @@ class HttpRun:
         return {}
 
     def counters(self) -> dict[str, Any]:
-        """Nothing: the router runs in the server process."""
-        return {}
+        """The router's counters its server's ``/metrics`` carries (``dualpath:router_*``
+        counters, by the name ``Router.counters`` gives them)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, Any] = {}
+        for family in text_string_to_metric_families(self._metrics()):
+            name = family.name.removeprefix("dualpath:router_")
+            if family.type == "counter" and name != family.name:
+                out[ROUTER_SERIES.get(name, name)] = sum(s.value for s in family.samples
+                                                         if s.name.endswith("_total"))
+        return out
