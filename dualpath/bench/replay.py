@@ -57,10 +57,27 @@ class Pacing:
     max_think_s: float = 5.0  # ... but never longer than this (traces hold day-long gaps)
     max_agents: int | None = None  # agents running at once (None: all, by their offsets)
     sessions: bool = False  # each agent names its session; its last turn ends it
+    # with sessions: each turn hints when the next comes (``next_turn_in_s``: the tool time
+    # the replay is about to wait, which a harness knows as it starts its tools)
+    hint_returns: bool = False
+    end_sessions: bool = True  # the last turn ends its session (False: it comes back later)
+    # without ending: agent i's last turn hints its return in ``returns_s[i]`` seconds
+    returns_s: tuple[float, ...] = ()
 
     def think_s(self, turn: AgentTurn) -> float:
         """How long the agent runs its tools before ``turn``."""
         return min(self.max_think_s, turn.think_s * self.think_factor)
+
+    def hint(self, turns: list[AgentTurn], turn: int, agent: int) -> AgentHint | None:
+        """What agent ``agent`` tells the server with its turn ``turn`` (with sessions)."""
+        if turn < len(turns) - 1:
+            return (AgentHint(next_turn_in_s=self.think_s(turns[turn + 1]))
+                    if self.hint_returns else None)
+        if self.end_sessions:
+            return AgentHint(end_of_session=True)
+        if agent < len(self.returns_s):
+            return AgentHint(next_turn_in_s=self.returns_s[agent])
+        return None
 
 
 NO_PACING = Pacing()  # each turn as soon as the last returned, every agent by its offset
@@ -97,6 +114,7 @@ class _Agent:
                  pacing: Pacing = NO_PACING, session_id: str = "") -> None:
         self.cluster, self.turns, self.mode = cluster, turns, mode
         self.pacing, self.session_id = pacing, session_id
+        self.index = 0  # the agent's place in its run (its ``Pacing.returns_s``)
         self.on_done: Any = None  # called once, when the agent ends (a pool starts the next)
         self._timer: threading.Timer | None = None  # a tool call under way
         self.done, self.progress, self.began = done, progress, began
@@ -161,8 +179,8 @@ class _Agent:
         """The session this turn names (with ``Pacing.sessions``)."""
         if not self.pacing.sessions:
             return None
-        last = self.turn == len(self.turns) - 1
-        return Session(self.session_id, "body", AgentHint(end_of_session=True) if last else None)
+        return Session(self.session_id, "body",
+                       self.pacing.hint(self.turns, self.turn, self.index))
 
     def _after_tools(self) -> None:
         """The next turn, once the tool time the trace recorded before it has passed."""
@@ -234,6 +252,8 @@ def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
     runs = [_Agent(cluster, turns, mode, ev, progress, context, start, cut_after_s, pacing,
                    f"{label}-{mode}-agent{i}")
             for i, (turns, ev, context) in enumerate(zip(agents, events, starts, strict=True))]
+    for i, run in enumerate(runs):
+        run.index = i
     offsets = start_offsets_s or [0.0] * len(runs)
     if pacing.max_agents is not None:
         offsets = _pool(runs, pacing.max_agents)

@@ -30,15 +30,19 @@ empty store.
 * ``retention``: the store's capacity is ``store_fraction`` of the working set (every full
   block the run stores, primers included, counted from the turns before it runs:
   :func:`working_set_blocks`), DRAM copies off; ``recency`` evicts least recently used first,
-  ``sessions`` by the agents' sessions (``kv/retention.py``). Reported: the hit rate, JCT, the
-  blocks evicted by the sessions' claims, and live sessions' blocks evicted while an ended
-  session's block was kept (the session order promises 0).
+  ``sessions`` by the agents' sessions (``kv/retention.py``), ``hints`` also by when each
+  session said it comes back: a turn hints the tool time that follows it, a queued agent's
+  primer its place in the queue (``queue_slot_s`` a round). Every row starts from one stored
+  copy of the primers, each its session's turn (``prime_sessions``). Reported: the hit rate,
+  JCT, the blocks evicted by the sessions' claims, and live sessions' blocks evicted while an
+  ended session's block was kept (the session order promises 0).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import shutil
 import tempfile
 import time
@@ -78,6 +82,7 @@ class Row:
     warm_session_mb: float
     prefetch: bool = False
     local_prefill_tokens: int = 0
+    hints: bool = False  # each session hints its expected return (``Pacing.hint_returns``)
 
 
 def rows_for(options: SessionsOptions) -> list[Row]:
@@ -89,7 +94,9 @@ def rows_for(options: SessionsOptions) -> list[Row]:
             "api": [Row("dualpath-api", "api", None, True, options.warm_session_mb),
                     Row("vllm-api", "api", None, True, 0.0)],
             "retention": [Row("recency", "retention", options.store_fraction, False, 0.0),
-                          Row("sessions", "retention", options.store_fraction, True, 0.0)],
+                          Row("sessions", "retention", options.store_fraction, True, 0.0),
+                          Row("hints", "retention", options.store_fraction, True, 0.0,
+                              hints=True)],
             "online": [Row("cold-online", "online", None, True, 0.0),
                        Row("local-online", "online", None, True, mb, True, local)]}
     return [row for name in options.experiments for row in rows[name]]
@@ -113,6 +120,7 @@ class SessionsOptions:
     scale: float = 64.0
     max_agents: int = 2
     store_fraction: float = 0.5  # retention: the store's cap over the working set
+    queue_slot_s: float = 10.0  # retention: a queued agent hints its return this x its place
     warm_session_mb: float = 256.0  # warm: each engine's DRAM budget
     think_factor: float = 1.0  # the recorded tool time (already scaled like the tokens) x this
     max_think_s: float = 4.0
@@ -130,6 +138,8 @@ class SessionsOptions:
     def __post_init__(self) -> None:
         if not 0 < self.store_fraction <= 1:
             raise ValueError(f"--store-fraction must be in (0, 1], got {self.store_fraction}")
+        if not self.queue_slot_s > 0:
+            raise ValueError(f"--queue-slot-s must be > 0, got {self.queue_slot_s}")
         if self.online_trials < 1 or not self.first_aps > 0 or not self.ttft_slo_s > 0:
             raise ValueError("--online-trials must be >= 1, --first-aps and --ttft-slo-s > 0")
         if self.max_agents < 1 or self.agents < 1 or self.skip_agents < 0:
@@ -179,19 +189,20 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
     """One row: a fresh dualpath cluster over its store, warmed, primed, then the agents
     paced (:class:`Pacing`); its records, the stores' eviction and warm counts."""
     from dualpath.bench.agents.run import PythonRun
-    from dualpath.bench.agents.turns import prime
     from dualpath.bench.demo import warmup_turns
 
     config = _row_config(agents_options, row, store_gb, work)
-    pacing = Pacing(options.think_factor, options.max_think_s, options.max_agents, True)
+    pacing = Pacing(options.think_factor, options.max_think_s, options.max_agents, True,
+                    hint_returns=row.hints)
     task = bar.add_task(f"{row.name}: warming up", total=sum(map(len, workload.agents)))
     with PythonRun(model_dir, config, "dualpath", work / row.name / "logs") as run:
         run.run(warmup_turns(vocab_size, agents_options.block_size, options.seed),
                 None, lambda: None, 300.0)
         run.empty()
         agents = workload.agents
-        if row.experiment == "retention":  # the very same stored primers in both rows
-            prime(run, agents_options, workload.primer_turns(), bar, task, "dualpath")
+        if row.experiment == "retention":  # the very same stored primers in every row
+            bar.update(task, description=f"{row.name}: the primers (untimed)")
+            prime_sessions(run, options, workload.primer_turns(), work / "primed", row.hints)
         else:  # each session's turn before the window opens its trajectory (untimed)
             agents = with_primers(workload)
         bar.update(task, description=f"{row.name}: agents")
@@ -213,6 +224,52 @@ def run_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row:
             **turn_shares(records, local, counts["warm_prefetch_used"]),
             "recompute_s_per_token": recompute_s_per_token(compute_s, computed),
             "evicted": counts, "config": asdict(config)}
+
+
+def prime_sessions(run: Any, options: SessionsOptions, primers: list[AgentTurn], kept: Path,
+                   hints: bool) -> None:
+    """Store each session's primer as that session's turn, not ending it: the first row
+    runs them (agent ``i``'s session is the one its timed turns name) and keeps a copy; every
+    row then starts from that copy (:func:`restore_primed`). A queued agent's primer hints
+    its return from its place in the queue (:func:`queue_returns`)."""
+    if not kept.is_dir():
+        pacing = Pacing(sessions=True, end_sessions=False,
+                        returns_s=queue_returns(len(primers), options.max_agents,
+                                                options.queue_slot_s))
+        run.run([[p] for p in primers], None, lambda: None, options.timeout_s, pacing=pacing)
+        run.wait_for_writes()
+        shutil.copytree(run.store, kept)
+        (kept / PRIMED_AT).write_text(str(time.time_ns()))
+    restore_primed(kept, run.store, hints)
+
+
+PRIMED_AT = ".primed_at"  # a dot file: block scans skip it
+
+
+def queue_returns(count: int, max_agents: int, slot_s: float) -> tuple[float, ...]:
+    """The return agent ``i`` of a run ``max_agents`` at a time hints: ``slot_s`` per round of
+    agents ahead of it (the harness knows its queue, not how long each agent takes)."""
+    return tuple(slot_s * (1 + i // max(1, max_agents)) for i in range(count))
+
+
+def restore_primed(kept: Path, store: Path, hints: bool) -> None:
+    """``store`` as it was when ``kept`` was made, moved to now: every block file's recency
+    and every session mark's times shifted by the time since, so LRU and the marks see the
+    primers as just stored; without ``hints`` the marks forget their expected returns."""
+    from dualpath.kv.retention import SessionMark
+    from dualpath.storage.fs_capacity import SUFFIX
+    from dualpath.storage.session_marks import FOLDER, MARK_SUFFIX
+
+    shutil.copytree(kept, store, dirs_exist_ok=True)
+    shift_ns = time.time_ns() - int((kept / PRIMED_AT).read_text())
+    for path in store.rglob("*" + SUFFIX):
+        mtime_ns = path.stat().st_mtime_ns + shift_ns
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+    for path in (store / FOLDER).glob("*" + MARK_SUFFIX):
+        mark = SessionMark.from_json(path.read_bytes())
+        path.write_bytes(replace(
+            mark, seen_ns=mark.seen_ns + shift_ns, live_until_ns=mark.live_until_ns + shift_ns,
+            return_ns=mark.return_ns + shift_ns if hints and mark.return_ns else 0).to_json())
 
 
 def run_online_row(options: SessionsOptions, agents_options: Any, model_dir: Path, row: Row,
@@ -436,6 +493,13 @@ def build_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "jct_speedup_sessions": old["jct_s"] / new["jct_s"],
             "live_evicted_before_ended_recency": old["evicted"]["live_evicted_before_ended"],
             "live_evicted_before_ended_sessions": new["evicted"]["live_evicted_before_ended"]})
+    if "recency" in rows and "hints" in rows:
+        old, new = rows["recency"], rows["hints"]
+        out.update({
+            "hit_rate_hints": new["hit_rate"],
+            "hit_rate_gain_points_hints": 100 * (new["hit_rate"] - old["hit_rate"]),
+            "jct_hints_s": new["jct_s"], "jct_speedup_hints": old["jct_s"] / new["jct_s"],
+            "live_evicted_before_ended_hints": new["evicted"]["live_evicted_before_ended"]})
     return out
 
 
@@ -521,6 +585,8 @@ HELP = {
     "scale": "trace tokens (and tool seconds) per replayed one",
     "max_agents": "sessions running at once; the next starts when one ends",
     "store_fraction": "retention: the store's capacity over the run's working set",
+    "queue_slot_s": "retention: a queued agent hints its return in this many seconds per "
+                    "round of agents ahead of it",
     "think_factor": "each turn first waits its recorded tool time (scaled) times this",
     "max_think_s": "the longest tool time waited (the traces hold day-long gaps)",
     "read_cap_mb_s": "each node's storage-NIC read cap",

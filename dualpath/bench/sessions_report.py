@@ -53,6 +53,10 @@ def print_report(result: dict[str, Any], console: Console) -> None:
     if "hit_rate_gain_points" in s:
         console.print(f"sessions vs recency: hit rate {s['hit_rate_gain_points']:+.1f} points, "
                       f"JCT {s['jct_speedup_sessions']:.2f}x")
+    if "hit_rate_gain_points_hints" in s:
+        console.print(f"sessions with hinted returns vs recency: hit rate "
+                      f"{s['hit_rate_gain_points_hints']:+.1f} points, "
+                      f"JCT {s['jct_speedup_hints']:.2f}x")
 
 
 # each experiment's own columns: where the hit came from and where turns were prefilled; the
@@ -101,7 +105,7 @@ def write_report(result: dict[str, Any], path: Path, console: Console) -> None:
         ax.set_title(label)
     fig.suptitle("agent sessions: DRAM copies (cold, warm) and eviction at "
                  f"{result['summary']['regime']['store_fraction']:.0%} of the working set "
-                 "(recency, sessions)", fontsize=9)
+                 "(recency, sessions, hints)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=110)
     plt.close(fig)

@@ -17,6 +17,16 @@ eviction pass, in whichever process runs it, ranks every stored block by the mar
 The index evicts leaves only, so within a rank a chain's tail goes before the prefix it
 extends; ties go least recently used first, as before. Without marks every block is
 ``ANONYMOUS`` and eviction is plain prefix-closed LRU.
+
+**Expected returns.** LRU bets that a block unused for ``t`` seconds is wanted again in about
+``t``. A live session whose harness said when it comes back (``next_turn_in_s``) replaces
+that guess on its chain by the hint (:func:`block_recency`): among live chains of one
+priority, the one expected back last goes first, so a queued agent due in a minute gives way
+to one due in a second, not the other way round (Belady's rule, with the harness's forecast).
+
+**Anchors.** A mark's tip is the last full block of the turn's prompt and output, which the
+decode engine stores after the turn; until it lands, the mark protects its chain from the
+shallower blocks it names as anchors (the prompt's last full block, then the hit's).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ NS_PER_S = 1_000_000_000
 DEFAULT_WINDOW_S = 300.0  # a session seen this recently is live without a hint
 NEXT_TURN_SLACK = 2.0  # an expected return keeps the session live this many times as long
 MARK_KEPT_S = 86_400.0  # a mark outlives its session's liveness by this much, then goes
+MAX_ANCHORS = 4
 
 
 class Retention(IntEnum):
@@ -60,6 +71,12 @@ class SessionMark:
     live_until_ns: int  # live until then, unless ended
     ended: bool = False  # the harness said no turn follows
     priority: int = 0  # the harness's priority: higher stays longer among live chains
+    return_ns: int = 0  # wall clock the harness expects the next turn at (0: not said)
+    anchors: tuple[bytes, ...] = ()  # shallower blocks of the chain, deepest first
+
+    def start(self, stored: Mapping[bytes, object]) -> bytes | None:
+        """The deepest block this mark names that is ``stored`` (None: none yet)."""
+        return next((h for h in (self.tip, *self.anchors) if h in stored), None)
 
     def live(self, now_ns: int) -> bool:
         """Whether the session may still come back for its chain."""
@@ -74,16 +91,21 @@ class SessionMark:
         """The mark as a small JSON document (what an ``fs`` store keeps per session)."""
         return json.dumps({"tip": self.tip.hex(), "seen_ns": self.seen_ns,
                            "live_until_ns": self.live_until_ns, "ended": self.ended,
-                           "priority": self.priority}).encode()
+                           "priority": self.priority, "return_ns": self.return_ns,
+                           "anchors": [h.hex() for h in self.anchors]}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> SessionMark:
         """A mark from ``to_json``'s bytes; ``BadMark`` for anything else."""
         try:
             data = json.loads(raw)
+            anchors = data.get("anchors", [])
+            if not isinstance(anchors, list) or len(anchors) > MAX_ANCHORS:
+                raise ValueError("anchors must be a short list")
             mark = cls(bytes.fromhex(data["tip"]), int(data["seen_ns"]),
-                       int(data["live_until_ns"]), bool(data["ended"]), int(data["priority"]))
-        except (ValueError, KeyError, TypeError) as exc:
+                       int(data["live_until_ns"]), bool(data["ended"]), int(data["priority"]),
+                       int(data.get("return_ns", 0)), tuple(bytes.fromhex(h) for h in anchors))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BadMark(f"not a session mark: {exc}") from None
         if not mark.tip:
             raise BadMark("a session mark without a tip")
@@ -91,17 +113,20 @@ class SessionMark:
 
 
 def mark_for(tip: bytes, seen_ns: int, hint: AgentHint | None,
-             window_s: float = DEFAULT_WINDOW_S) -> SessionMark:
+             window_s: float = DEFAULT_WINDOW_S, anchors: tuple[bytes, ...] = ()) -> SessionMark:
     """The mark a finished turn leaves: live for ``window_s``, or as long as its hint's lease
-    or (``NEXT_TURN_SLACK`` times) its expected return, whichever is longest."""
-    live_s = window_s
+    or (``NEXT_TURN_SLACK`` times) its expected return, whichever is longest; ``anchors``:
+    shallower blocks of the chain, deepest first (at most ``MAX_ANCHORS``)."""
+    live_s, return_ns = window_s, 0
     if hint is not None and hint.lease_s is not None:
         live_s = max(live_s, hint.lease_s)
     if hint is not None and hint.next_turn_in_s is not None:
         live_s = max(live_s, hint.next_turn_in_s * NEXT_TURN_SLACK)
+        return_ns = seen_ns + round(hint.next_turn_in_s * NS_PER_S)
     return SessionMark(tip, seen_ns, seen_ns + round(live_s * NS_PER_S),
                        hint is not None and hint.end_of_session,
-                       hint.priority if hint is not None else 0)
+                       hint.priority if hint is not None else 0, return_ns,
+                       tuple(a for a in anchors if a != tip)[:MAX_ANCHORS])
 
 
 def block_ranks(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMark],
@@ -109,24 +134,47 @@ def block_ranks(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMa
     """Each stored block's rank (blocks absent from the result are ``DEFAULT_RANK``).
 
     ``parents`` maps every stored block to its parent's hash (None for a first block); a
-    mark whose tip is not stored protects nothing.
+    mark none of whose blocks (tip, anchors) is stored protects nothing.
     """
     live_priority: dict[bytes, int] = {}
     marked: set[bytes] = set()
     tips: set[bytes] = set()
     for mark in marks:
-        if mark.tip not in parents:
+        start = mark.start(parents)
+        if start is None:
             continue
-        tips.add(mark.tip)
+        tips.add(start)
         if mark.live(now_ns):
-            _walk_live(parents, mark.tip, mark.priority, live_priority)
+            _walk_live(parents, start, mark.priority, live_priority)
         else:
-            _walk_marked(parents, mark.tip, marked)
+            _walk_marked(parents, start, marked)
     shared = _shared_blocks(parents, tips) if marked else set()
     ranks: dict[bytes, Rank] = {
         h: (Retention.SHARED if h in shared else Retention.ENDED, 0) for h in marked}
     ranks.update((h, (Retention.LIVE, p)) for h, p in live_priority.items())
     return ranks
+
+
+def block_recency(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMark],
+                  last_used_ns: Mapping[bytes, int], now_ns: int) -> dict[bytes, int]:
+    """The recency eviction orders by on live chains whose harness said when they come back
+    (the module doc): ``2 * now - return``, the last use LRU would need to expect that return,
+    or the block's own last use if that is later (a block used just now stays as LRU keeps
+    it); the soonest return wins on a block that several chains share. Blocks absent from
+    the result keep ``last_used_ns``."""
+    expected: dict[bytes, int] = {}
+    for mark in marks:
+        start = mark.start(parents)
+        if start is None or not mark.return_ns or not mark.live(now_ns):
+            continue
+        used = 2 * now_ns - mark.return_ns
+        block: bytes | None = start
+        while block is not None and block in parents:
+            if expected.get(block, used - 1) >= used:
+                break  # a sooner return already covers the rest of the chain
+            expected[block] = used
+            block = parents[block]
+    return {h: max(used, last_used_ns.get(h, used)) for h, used in expected.items()}
 
 
 def surviving_tip(parents: Mapping[bytes, bytes | None], tip: bytes,

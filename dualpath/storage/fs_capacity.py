@@ -35,6 +35,7 @@ from dualpath.kv.retention import (
     Retention,
     SessionMark,
     block_ranks,
+    block_recency,
     surviving_tip,
 )
 from dualpath.storage.base import StorageStats
@@ -198,13 +199,14 @@ class SharedCapacity:
         blocks = self.scan()
         index = PrefixLRUIndex(self.capacity_bytes)
         for block_hash, block in sorted(blocks.items(), key=lambda kv: kv[1].mtime_ns):
-            index.add(block_hash, block.parent, block.nbytes)
+            index.add(block_hash, block.parent, block.nbytes, block.mtime_ns)
         now_ns = time.time_ns()  # marks hold wall-clock times, like the files' mtimes
         marks = self.marks.load(now_ns)
         parents = {h: block.parent for h, block in blocks.items()} if marks else {}
         ranks = block_ranks(parents, marks.values(), now_ns) if marks else {}
-        if self.by_sessions:
-            index.set_ranks(ranks)
+        if self.by_sessions and marks:
+            used = {h: block.mtime_ns for h, block in blocks.items()}
+            index.set_ranks(ranks, block_recency(parents, marks.values(), used, now_ns))
         self.last_pass_marks = len(marks)
         measured = index.total_bytes
         victims = index.victims()
@@ -234,9 +236,10 @@ class SharedCapacity:
         """A mark whose tip this pass takes moves to what is left of its chain, so the next
         pass still knows whose blocks they are."""
         for name, mark in marks.items():
-            if mark.tip in gone:
+            start = mark.start(parents)
+            if start is not None and start in gone:
                 try:
-                    self.marks.retarget(name, mark, surviving_tip(parents, mark.tip, gone))
+                    self.marks.retarget(name, mark, surviving_tip(parents, start, gone))
                 except OSError as exc:
                     log.warning("could not move the session mark %s: %s", name, exc)
 

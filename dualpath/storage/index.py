@@ -1,10 +1,12 @@
 """Capacity accounting with least-recently-used eviction that keeps a store prefix-closed.
 
-Pure (no clock: recency is a logical counter). Only *leaves* — blocks no stored block extends
-— are evicted, least recently used first, so whole suffixes go before their prefixes; blocks
-whose prefix is gone (*orphans*, which no lookup can reach) are evicted before anything else.
-With ranks (``set_ranks``: agent sessions' claims, ``retention.py``), leaves of a lower rank go
-first and recency orders leaves of one rank.
+Pure (no clock: recency is a logical counter, or a time the caller gives). Only *leaves* —
+blocks no stored block extends — are evicted, least recently used first, so whole suffixes
+go before their prefixes; blocks whose prefix is gone (*orphans*, which no lookup can reach)
+are evicted before anything else. With ranks (``set_ranks``: agent sessions' claims,
+``retention.py``), leaves of a lower rank go first and recency orders leaves of one rank;
+``set_ranks`` may also replace some blocks' recency (``retention.block_recency``: live
+chains with an expected return).
 """
 
 from __future__ import annotations
@@ -36,11 +38,19 @@ class PrefixLRUIndex:
         self._children: dict[bytes, set[bytes]] = {}
         self._clock = 0
         self._ranks: Mapping[bytes, Rank] = {}
+        self._recency: Mapping[bytes, int] = {}
         self.orphans_evicted: set[bytes] = set()  # the last ``victims`` call's orphans
 
-    def set_ranks(self, ranks: Mapping[bytes, Rank]) -> None:
-        """Each block's rank for the next ``victims`` (absent blocks: ``DEFAULT_RANK``)."""
+    def set_ranks(self, ranks: Mapping[bytes, Rank],
+                  recency: Mapping[bytes, int] | None = None) -> None:
+        """Each block's rank for the next ``victims`` (absent blocks: ``DEFAULT_RANK``) and,
+        for some, the recency to order them by in place of their last use (same units)."""
         self._ranks = ranks
+        self._recency = recency or {}
+
+    def _order(self, block_hash: bytes, entry: _Entry) -> tuple[int, int]:
+        """Where a leaf stands in the eviction order within its rank: its recency."""
+        return self._recency.get(block_hash, entry.last_used), entry.last_used
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._entries
@@ -48,13 +58,17 @@ class PrefixLRUIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, block_hash: bytes, parent: bytes | None, nbytes: int) -> None:
-        """Record a stored block (or refresh its recency if known)."""
+    def add(self, block_hash: bytes, parent: bytes | None, nbytes: int,
+            last_used: int | None = None) -> None:
+        """Record a stored block (or refresh its recency if known); ``last_used``: its
+        recency from outside (a file's mtime in ns; the clock moves past it), else the next
+        tick of the index's clock."""
         if block_hash in self._entries:
             self.touch(block_hash)
             return
-        self._clock += 1
-        self._entries[block_hash] = _Entry(nbytes, parent, self._clock)
+        self._clock = max(self._clock + 1, last_used or 0)
+        self._entries[block_hash] = _Entry(nbytes, parent,
+                                           self._clock if last_used is None else last_used)
         self.total_bytes += nbytes
         if parent is not None:
             self._children.setdefault(parent, set()).add(block_hash)
@@ -103,13 +117,13 @@ class PrefixLRUIndex:
         else:
             target = self._default_target()
         ranks = self._ranks
-        heap = [(not self.is_orphan(h), ranks.get(h, DEFAULT_RANK), e.last_used, h)
+        heap = [(not self.is_orphan(h), ranks.get(h, DEFAULT_RANK), self._order(h, e), h)
                 for h, e in self._entries.items() if self.is_leaf(h) or self.is_orphan(h)]
         heapq.heapify(heap)
         evicted = []
         self.orphans_evicted = set()
         while heap and self.total_bytes > target:
-            reachable, _, last_used, block_hash = heapq.heappop(heap)
+            reachable, _, (_, last_used), block_hash = heapq.heappop(heap)
             entry = self._entries.get(block_hash)
             if entry is None or entry.last_used != last_used:
                 continue
@@ -124,7 +138,7 @@ class PrefixLRUIndex:
             parent = entry.parent
             if parent in self._entries and self.is_leaf(parent):
                 heapq.heappush(heap, (True, ranks.get(parent, DEFAULT_RANK),
-                                      self._entries[parent].last_used, parent))
+                                      self._order(parent, self._entries[parent]), parent))
         return evicted
 
     def _default_target(self) -> int:

@@ -96,7 +96,7 @@ class SessionMarks:
         if tip is None:
             self._remove(str(path))
             return
-        self._replace(path, replace(mark, tip=tip))
+        self._replace(path, replace(mark, tip=tip, anchors=()))
 
     def _read(self, entry: os.DirEntry[str], now_ns: int) -> SessionMark | None:
         if entry.name.startswith("."):

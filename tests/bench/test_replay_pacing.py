@@ -158,12 +158,16 @@ def test_unseen_sessions_are_the_workloads_later_agents_with_their_primers():
 def test_the_rows_differ_only_in_what_each_experiment_compares():
     rows = rows_for(SessionsOptions(store_fraction=0.4, warm_session_mb=64))
     assert [(r.name, r.store_fraction, r.session_retention, r.warm_session_mb, r.prefetch,
-             r.local_prefill_tokens) for r in rows] == [
-        ("cold", None, True, 0.0, False, 0), ("warm", None, True, 64, True, 0),
-        ("local", None, True, 64, True, 512), ("dualpath-api", None, True, 64, False, 0),
-        ("vllm-api", None, True, 0.0, False, 0), ("recency", 0.4, False, 0.0, False, 0),
-        ("sessions", 0.4, True, 0.0, False, 0), ("cold-online", None, True, 0.0, False, 0),
-        ("local-online", None, True, 64, True, 512)]
+             r.local_prefill_tokens, r.hints) for r in rows] == [
+        ("cold", None, True, 0.0, False, 0, False), ("warm", None, True, 64, True, 0, False),
+        ("local", None, True, 64, True, 512, False),
+        ("dualpath-api", None, True, 64, False, 0, False),
+        ("vllm-api", None, True, 0.0, False, 0, False),
+        ("recency", 0.4, False, 0.0, False, 0, False),
+        ("sessions", 0.4, True, 0.0, False, 0, False),
+        ("hints", 0.4, True, 0.0, False, 0, True),
+        ("cold-online", None, True, 0.0, False, 0, False),
+        ("local-online", None, True, 64, True, 512, False)]
 
 
 def test_an_online_search_paces_its_agents_and_starts_where_it_is_told():

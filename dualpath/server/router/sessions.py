@@ -3,7 +3,8 @@
 A request that names a session (``dualpath/sessions.py``) is noted when it is admitted; when
 it finishes, the book turns it into the session's new mark for the store
 (``kv/retention.py``): the chain now ends at the last full block of its prompt and
-output (the blocks its decode engine stores), live for the configured window or as long as
+output (the blocks its decode engine stores; until they land, the mark's anchors, its prompt's
+and its hit's last blocks, stand for it), live for the configured window or as long as
 the hint asks, or ended. Requests that store nothing (oracle, recompute) and failed requests
 leave no mark. The mark is keyed by the session id under the request's cache salt, so two
 tenants' sessions of one name stay apart.
@@ -68,7 +69,15 @@ class SessionBook:
             return None
         self.marks_made += 1
         return MarkWrite(session_key(noted.session.session_id, noted.cache_salt),
-                         mark_for(hashes[-1], now_ns, noted.session.hint, self.window_s))
+                         mark_for(hashes[-1], now_ns, noted.session.hint, self.window_s,
+                                  anchors(hashes, result, self.key_space.block_size)))
 
     def __len__(self) -> int:
         return len(self._noted)
+
+
+def anchors(hashes: Sequence[bytes], result: ClusterOutput, block_size: int) -> tuple[bytes, ...]:
+    """The blocks a mark falls back on until its tip is stored, deepest first: the prompt's
+    last full block (its prefill engine stores it first) and the hit's (stored already)."""
+    ends = (len(result.prompt_ids) // block_size, result.num_hit_tokens // block_size)
+    return tuple(dict.fromkeys(hashes[n - 1] for n in ends if 0 < n <= len(hashes)))
