@@ -156,25 +156,25 @@ def block_ranks(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMa
 
 
 def block_recency(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMark],
-                  last_used_ns: Mapping[bytes, int], now_ns: int) -> dict[bytes, int]:
+                  now_ns: int) -> dict[bytes, int]:
     """The recency eviction orders by on live chains whose harness said when they come back
-    (the module doc): ``2 * now - return``, the last use LRU would need to expect that return,
-    or the block's own last use if that is later (a block used just now stays as LRU keeps
-    it); the soonest return wins on a block that several chains share. Blocks absent from
-    the result keep ``last_used_ns``."""
-    expected: dict[bytes, int] = {}
+    (the module doc): ``2 * now - return``, the last use LRU would need to expect that
+    return, at most ``now`` (an overdue session counts as just used, never fresher); the
+    soonest return wins on a block that several chains share. Blocks absent from the result
+    keep their own last use."""
+    out: dict[bytes, int] = {}
     for mark in marks:
         start = mark.start(parents)
         if start is None or not mark.return_ns or not mark.live(now_ns):
             continue
-        used = 2 * now_ns - mark.return_ns
+        used = min(now_ns, 2 * now_ns - mark.return_ns)
         block: bytes | None = start
         while block is not None and block in parents:
-            if expected.get(block, used - 1) >= used:
+            if out.get(block, used - 1) >= used:
                 break  # a sooner return already covers the rest of the chain
-            expected[block] = used
+            out[block] = used
             block = parents[block]
-    return {h: max(used, last_used_ns.get(h, used)) for h, used in expected.items()}
+    return out
 
 
 def surviving_tip(parents: Mapping[bytes, bytes | None], tip: bytes,

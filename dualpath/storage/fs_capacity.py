@@ -205,8 +205,7 @@ class SharedCapacity:
         parents = {h: block.parent for h, block in blocks.items()} if marks else {}
         ranks = block_ranks(parents, marks.values(), now_ns) if marks else {}
         if self.by_sessions and marks:
-            used = {h: block.mtime_ns for h, block in blocks.items()}
-            index.set_ranks(ranks, block_recency(parents, marks.values(), used, now_ns))
+            index.set_ranks(ranks, block_recency(parents, marks.values(), now_ns))
         self.last_pass_marks = len(marks)
         measured = index.total_bytes
         victims = index.victims()

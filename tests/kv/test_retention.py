@@ -14,6 +14,7 @@ from dualpath.kv.retention import (
     Retention,
     SessionMark,
     block_ranks,
+    block_recency,
     mark_for,
     surviving_tip,
 )
@@ -103,10 +104,82 @@ def test_a_tip_that_is_not_stored_protects_nothing():
     assert block_ranks(blocks, [live(b"gone"), ended(b"nope")], NOW) == {}
 
 
+def test_until_its_tip_lands_a_mark_protects_its_chain_from_its_deepest_stored_anchor():
+    """The decode engine stores a turn's output blocks after the turn: meanwhile the prompt's
+    last block (or the hit's) stands for the tip, so the chain is not left nobody's."""
+    blocks = chain("a", 3)
+    mark = SessionMark(b"out", NOW - NS_PER_S, NOW + 60 * NS_PER_S, anchors=(b"a2", b"a0"))
+    assert block_ranks(blocks, [mark], NOW) == dict.fromkeys(blocks, (Retention.LIVE, 0))
+    assert mark.start(blocks) == b"a2"
+    assert SessionMark(b"out", 0, 1, anchors=(b"x", b"a1")).start(blocks) == b"a1"
+    assert SessionMark(b"a0", 0, 1, anchors=(b"a2",)).start(blocks) == b"a0"  # tip first
+
+
 def test_a_live_walk_raises_a_lower_priority_on_a_shared_prefix():
     blocks = {**chain("p", 1), **chain("a", 1, b"p0"), **chain("b", 1, b"p0")}
     ranks = block_ranks(blocks, [live(b"a0", 1), live(b"b0", 9)], NOW)
     assert ranks[b"p0"] == (Retention.LIVE, 9) and ranks[b"a0"] == (Retention.LIVE, 1)
+
+
+def test_a_hinted_return_is_kept_as_a_mark_and_in_its_json():
+    mark = mark_for(b"t", NOW, AgentHint(next_turn_in_s=7), window_s=30, anchors=(b"t", b"p"))
+    assert mark.return_ns == NOW + 7 * NS_PER_S and mark.anchors == (b"p",)
+    assert SessionMark.from_json(mark.to_json()) == mark
+    assert mark_for(b"t", NOW, AgentHint(lease_s=60)).return_ns == 0  # no return said
+    old = b'{"tip": "aa", "seen_ns": 1, "live_until_ns": 2, "ended": false, "priority": 0}'
+    assert SessionMark.from_json(old) == SessionMark(b"\xaa", 1, 2)  # marks of before
+    too_many = mark.to_json().replace(b'"anchors": ["70"]', b'"anchors": ' + b'["70",' * 5)
+    with pytest.raises(BadMark):
+        SessionMark.from_json(too_many)
+    with pytest.raises(BadMark):
+        SessionMark.from_json(mark.to_json().replace(b'["70"]', b'"70"'))
+
+
+def returning(tip: bytes, in_s: float, **kw) -> SessionMark:
+    return SessionMark(tip, NOW - NS_PER_S, NOW + 600 * NS_PER_S,
+                       return_ns=NOW + round(in_s * NS_PER_S), **kw)
+
+
+def test_live_chains_go_in_order_of_their_expected_return_latest_first():
+    """Among live chains, the one whose harness said it comes back last goes first, whatever
+    LRU says: here the chain used least recently is the one due soonest."""
+    blocks = {**chain("soon", 2), **chain("late", 2), **chain("later", 2)}
+    index = index_of(blocks, [b"soon0", b"soon1", b"late0", b"late1", b"later0", b"later1"])
+    marks = [returning(b"soon1", 1), returning(b"late1", 30), returning(b"later1", 90)]
+    index.set_ranks(block_ranks(blocks, marks, NOW), block_recency(blocks, marks, NOW))
+    assert [v.decode() for v in index.victims(target_bytes=0)] == [
+        "later1", "later0", "late1", "late0", "soon1", "soon0"]
+
+
+def test_a_hinted_return_stands_beside_lru_as_the_same_bet():
+    """LRU expects a block unused for t back in about t: a chain due in 10 s outlasts one
+    used 30 s ago and gives way to one used 2 s ago."""
+    blocks = {**chain("old", 1), **chain("hinted", 1), **chain("fresh", 1)}
+    used = {b"old0": NOW - 30 * NS_PER_S, b"hinted0": NOW - 60 * NS_PER_S,
+            b"fresh0": NOW - 2 * NS_PER_S}
+    index = PrefixLRUIndex(None)
+    for block in blocks:
+        index.add(block, None, 1, used[block])
+    marks = [returning(b"hinted0", 10), live(b"old0"), live(b"fresh0")]
+    index.set_ranks(block_ranks(blocks, marks, NOW), block_recency(blocks, marks, NOW))
+    assert index.victims(target_bytes=0) == [b"old0", b"hinted0", b"fresh0"]
+
+
+def test_a_shared_prefix_takes_the_soonest_return_and_an_overdue_one_counts_as_just_used():
+    """The harness's forecast replaces the chain's own last use, a block used just now too
+    (Belady's rule: due back in a minute goes before due back in a second); a session past
+    its expected return counts as just used, no fresher, so a hint cannot outrank LRU's
+    newest block by claiming an early return."""
+    blocks = {**chain("p", 2), **chain("a", 1, b"p1"), **chain("b", 1, b"p1")}
+    marks = [returning(b"a0", 50), returning(b"b0", 5)]
+    recency = block_recency(blocks, marks, NOW)
+    assert recency[b"p0"] == recency[b"p1"] == recency[b"b0"] == NOW - 5 * NS_PER_S
+    assert recency[b"a0"] == NOW - 50 * NS_PER_S
+    assert block_recency(blocks, [returning(b"a0", -30)], NOW)[b"a0"] == NOW
+    # ended, expired and unhinted chains keep their own last use
+    assert block_recency(blocks, [returning(b"a0", 5, ended=True), live(b"b0")], NOW) == {}
+    overdue = SessionMark(b"a0", NOW - 900 * NS_PER_S, NOW - NS_PER_S, return_ns=NOW)
+    assert block_recency(blocks, [overdue], NOW) == {}
 
 
 def test_a_mark_moves_to_the_deepest_block_eviction_left():

@@ -199,3 +199,45 @@ def test_an_unwritable_marks_folder_is_an_oserror_for_the_caller(tmp_path):
 def test_orphans_of_a_live_chain_go_first_and_are_not_counted_as_live():
     ranks = {b"l0": (Retention.LIVE, 0), b"e0": (Retention.ENDED, 0)}
     assert claims_evicted(ranks, [b"l0"], {b"l0"})["live_evicted_before_ended"] == 0
+
+
+def _returning(tip: bytes, in_s: float, anchors: tuple[bytes, ...] = ()) -> SessionMark:
+    now = time.time_ns()
+    return SessionMark(tip, now, now + 3600 * NS_PER_S, return_ns=now + round(in_s * NS_PER_S),
+                       anchors=anchors)
+
+
+def test_a_pass_takes_the_live_chain_due_back_last_though_it_was_used_last(tmp_path):
+    """Three live sessions, the one stored last (LRU keeps it) due back in a minute, the
+    others in seconds: a process that shares the store takes the minute's tail first."""
+    soon, later, third = _keys(3, salt=5), _keys(3, salt=6), _keys(3, salt=7)
+    with FsStore(tmp_path, SMALL, workers=1, capacity_bytes=100 * FILE_BYTES) as store:
+        for keys in (soon, third, later):
+            _put(store, keys)
+            time.sleep(0.01)
+        assert store.mark_session("\0soon", _returning(soon[-1].block_hash, 1))
+        assert store.mark_session("\0third", _returning(third[-1].block_hash, 5))
+        assert store.mark_session("\0later", _returning(later[-1].block_hash, 60))
+    with FsStore(tmp_path, SMALL, workers=1, capacity_bytes=CAP_BLOCKS * FILE_BYTES) as store:
+        assert store.capacity is not None and store.capacity.evict(force=True) == 1
+        assert _stored(store, later) == [True, True, False]
+        assert _stored(store, soon) == _stored(store, third) == [True, True, True]
+        assert store.stats["live_blocks_evicted"] == 1
+
+
+def test_a_mark_whose_tip_is_not_stored_yet_keeps_its_chain_live_from_an_anchor(tmp_path):
+    """The router marks a turn before its decode engine stored the output blocks: the
+    prompt's last block anchors the chain meanwhile, so an anonymous chain goes first."""
+    prompt, anonymous = _keys(3, salt=8), _keys(3, salt=9)
+    output = _keys(4, salt=10)[-1]  # a block nobody stored (yet)
+    with FsStore(tmp_path, SMALL, workers=1, capacity_bytes=CAP_BLOCKS * FILE_BYTES) as store:
+        _put(store, prompt)
+        time.sleep(0.01)
+        _put(store, anonymous)
+        now = time.time_ns()
+        store.mark_session("\0s", SessionMark(output.block_hash, now, now + 3600 * NS_PER_S,
+                                              anchors=(prompt[-1].block_hash,)))
+        _put(store, _keys(3, salt=11))  # 9 blocks: one over
+        assert _stored(store, prompt) == [True, True, True]
+        assert _stored(store, anonymous) == [True, True, False]
+        assert store.stats["live_blocks_evicted"] == 0
