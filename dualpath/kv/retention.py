@@ -26,13 +26,15 @@ to one due in a second, not the other way round (Belady's rule, with the harness
 
 **Anchors.** A mark's tip is the last full block of the turn's prompt and output, which the
 decode engine stores after the turn; until it lands, the mark protects its chain from the
-shallower blocks it names as anchors (the prompt's last full block, then the hit's).
+shallower blocks it names as anchors (the prompt's last full block, then the hit's). A turn
+also leaves a mark as it is admitted (:func:`in_flight_mark`), so the blocks its prefill
+stores belong to its session from the moment they land, not only once the turn is over.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -127,6 +129,26 @@ def mark_for(tip: bytes, seen_ns: int, hint: AgentHint | None,
                        hint is not None and hint.end_of_session,
                        hint.priority if hint is not None else 0, return_ns,
                        tuple(a for a in anchors if a != tip)[:MAX_ANCHORS])
+
+
+def in_flight_mark(tip: bytes, now_ns: int, hint: AgentHint | None,
+                   window_s: float = DEFAULT_WINDOW_S,
+                   anchors: tuple[bytes, ...] = ()) -> SessionMark:
+    """The mark a turn leaves as it is admitted: its chain ends at the prompt's last full
+    block (``tip``), live as :func:`mark_for` says but with no expected return (its blocks
+    are in use: their own recency is the latest) and never ended (the turn is not over);
+    ``anchors``: blocks of the prompt stored already or sooner, deepest first."""
+    still = None if hint is None else AgentHint(hint.priority, hint.lease_s)
+    return mark_for(tip, now_ns, still, window_s, anchors)
+
+
+def spaced_anchors(hashes: Sequence[bytes], num_hit_blocks: int) -> tuple[bytes, ...]:
+    """Anchors along a chain being stored (``hashes``, its blocks in order): three quarters,
+    half and a quarter of the way, and the hit's last block (stored already), deepest first;
+    whatever lands first protects the chain up to it."""
+    count = len(hashes)
+    ends = sorted({count * 3 // 4, count // 2, count // 4, num_hit_blocks}, reverse=True)
+    return tuple(hashes[n - 1] for n in ends if 0 < n <= count)
 
 
 def block_ranks(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMark],

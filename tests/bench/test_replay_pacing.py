@@ -104,6 +104,63 @@ def test_each_agent_names_its_session_and_ends_it_on_its_last_turn():
         assert ends == [False] * (len(turns) - 1) + [True]
 
 
+def test_hinted_turns_say_their_tool_time_and_unended_sessions_their_return():
+    """With ``hint_returns`` each turn but the last hints the tool time the replay waits
+    next; without ending, agent i's last turn hints ``returns_s[i]`` (the primers)."""
+    cluster = FakeCluster()
+    run_turns(cluster, [agent(0, 0.05, 9.0)], "dualpath",
+              pacing=Pacing(1.0, 0.1, sessions=True, hint_returns=True))
+    hints = [session.hint for _, _, session in cluster.sent]
+    assert [h.next_turn_in_s for h in hints[:2]] == [0.05, 0.1]  # capped like the wait
+    assert hints[2].end_of_session and hints[2].next_turn_in_s is None
+    cluster = FakeCluster()
+    run_turns(cluster, [agent(0), agent(0), agent(0)], "dualpath",
+              pacing=Pacing(sessions=True, end_sessions=False, returns_s=(10.0, 20.0)))
+    by_id = {session.session_id: session.hint for _, _, session in cluster.sent}
+    assert [by_id[k] and by_id[k].next_turn_in_s for k in sorted(by_id)] == [10.0, 20.0, None]
+    assert not any(h and h.end_of_session for h in by_id.values())
+
+
+def test_a_queued_agent_hints_a_slot_per_round_ahead_of_it():
+    from dualpath.bench.sessions import queue_returns
+
+    assert queue_returns(5, 2, 10.0) == (10.0, 10.0, 20.0, 20.0, 30.0)
+    assert queue_returns(2, 0, 1.0) == (1.0, 2.0)
+    with pytest.raises(ValueError, match="queue-slot-s"):
+        SessionsOptions(queue_slot_s=0)
+
+
+def test_a_restored_copy_of_the_primers_looks_just_stored(tmp_path):
+    """Every retention row starts from the same stored primers, moved to now: block files'
+    recency and the marks' times shift alike; a row without hints forgets the returns."""
+    import os
+
+    from dualpath.bench.sessions import PRIMED_AT, restore_primed
+    from dualpath.kv.retention import NS_PER_S, SessionMark
+
+    kept = tmp_path / "kept"
+    (kept / "m" / "aa").mkdir(parents=True)
+    (kept / ".sessions").mkdir()
+    block = kept / "m" / "aa" / "aa01.kvb"
+    block.write_bytes(b"x")
+    made_ns = 1_000 * NS_PER_S
+    os.utime(block, ns=(made_ns - 5 * NS_PER_S,) * 2)
+    mark = SessionMark(b"\xaa", made_ns - NS_PER_S, made_ns + 300 * NS_PER_S,
+                       return_ns=made_ns + 20 * NS_PER_S)
+    (kept / ".sessions" / "s.mark").write_bytes(mark.to_json())
+    (kept / PRIMED_AT).write_text(str(made_ns))
+    for hints in (True, False):
+        store = tmp_path / f"store-{hints}"
+        before = time.time_ns()
+        restore_primed(kept, store, hints)
+        shift = (store / "m" / "aa" / "aa01.kvb").stat().st_mtime_ns + 5 * NS_PER_S - made_ns
+        assert before - made_ns <= shift <= time.time_ns() - made_ns
+        moved = SessionMark.from_json((store / ".sessions" / "s.mark").read_bytes())
+        assert moved.seen_ns == mark.seen_ns + shift
+        assert moved.live_until_ns == mark.live_until_ns + shift
+        assert moved.return_ns == (mark.return_ns + shift if hints else 0)
+
+
 def test_the_working_set_counts_shared_prefixes_once_and_outputs_as_stored():
     primer = AgentTurn(list(range(8)), 1, keep=0)  # 2 blocks of 4
     turns = [AgentTurn([*range(8), 50, 51], 3, keep=0),  # 10 + 3 - 1 = 12: 3 blocks
@@ -122,8 +179,11 @@ def test_the_summary_compares_warm_with_cold_and_sessions_with_recency():
             for p, h, j, t, w, n in (("cold", 0.9, 30.0, 2.0, 0.0, 0),
                                      ("warm", 0.9, 20.0, 0.5, 0.8, 0),
                                      ("recency", 0.5, 20.0, 1.0, 0.0, 40),
-                                     ("sessions", 0.7, 10.0, 1.0, 0.0, 0))}
+                                     ("sessions", 0.7, 10.0, 1.0, 0.0, 0),
+                                     ("hints", 0.8, 8.0, 1.0, 0.0, 0))}
     summary = build_summary(rows)
+    assert summary["hit_rate_gain_points_hints"] == pytest.approx(30.0)
+    assert summary["jct_speedup_hints"] == 2.5
     assert summary["ttft_p50_reduction"] == pytest.approx(0.75)
     assert summary["jct_speedup_warm"] == 1.5 and summary["warm_hit_share"] == 0.8
     assert summary["prefetch_turn_share"] == 0.1 and "local_share" not in summary
@@ -241,7 +301,8 @@ def test_the_report_prints_each_experiment_and_writes_json_and_a_png(tmp_path):
                    "jct_s": 10.0, "ttft_p50_s": 0.3, "ttft_p90_s": 0.6, "evicted": evicted,
                    **turn_shares([{}] * 4, 3, 1)}
             for name, exp in (("cold", "warm"), ("warm", "warm"), ("recency", "retention"),
-                              ("sessions", "retention"), ("cold-online", "online"),
+                              ("sessions", "retention"), ("hints", "retention"),
+                              ("cold-online", "online"),
                               ("local-online", "online"))}
     for name, aps in (("cold-online", None), ("local-online", 0.31)):
         rows[name].update(capacity_aps=aps, ttft_slo_s=1.0,
@@ -253,6 +314,7 @@ def test_the_report_prints_each_experiment_and_writes_json_and_a_png(tmp_path):
     text = console.export_text()
     assert "DRAM copies and prefetch" in text and "50% of the working set" in text
     assert "sessions vs recency: hit rate +0.0 points" in text
+    assert "sessions with hinted returns vs recency: hit rate +0.0 points" in text
     assert "on its DE" in text and "75%" in text and "prefetched" in text
     assert "0.310" in text and "below the lowest" in text and "0.20+" in text
     write_report(result, tmp_path / "s.json", console)

@@ -72,3 +72,21 @@ def test_the_prompts_hashes_from_the_hit_lookup_give_the_same_tip():
     two = book.finish(2, output(2, prompt, [50, 51, 52]), NOW)
     assert one is not None and two is not None and one.mark.tip == two.mark.tip
     assert one.mark.tip == SPACE.salted("s").keys([*prompt, 50, 51])[-1].block_hash
+
+
+def test_a_mark_falls_back_on_its_prompts_and_its_hits_last_blocks():
+    """Until the decode engine stores the output blocks the tip names, the prompt's last full
+    block and the hit's stand for it (deepest first); a hinted return is kept."""
+    prompt = list(range(14))  # 3 full blocks of 4, the hit 2 of them
+    book = SessionBook(SPACE)
+    book.admit(1, Session("t", "body", AgentHint(next_turn_in_s=3)), Mode.DUALPATH, "")
+    result = ClusterOutput(1, prompt, [50, 51, 52, 53, 54], "length", 8, "pe", "p0", "d0")
+    write = book.finish(1, result, NOW)
+    keys = [k.block_hash for k in SPACE.keys([*prompt, 50, 51, 52, 53])]
+    assert write is not None and write.mark.tip == keys[-1] == keys[3]
+    assert write.mark.anchors == (keys[2], keys[1])
+    assert write.mark.return_ns == NOW + 3 * NS_PER_S
+    # no hit, and a turn whose output fills no block past the prompt's: no anchor twice
+    book.admit(2, Session("t", "body"), Mode.DUALPATH, "")
+    write = book.finish(2, output(2, list(range(12)), [50]), NOW)
+    assert write is not None and write.mark.anchors == ()

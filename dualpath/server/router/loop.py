@@ -54,7 +54,7 @@ from dualpath.protocol import (
     encode,
 )
 from dualpath.scheduler.global_scheduler import GlobalScheduler
-from dualpath.server.router.sessions import SessionBook
+from dualpath.server.router.sessions import MarkWrite, SessionBook
 from dualpath.server.router.setup import bind, cluster_keys, kv_tokens, scheduler_params
 from dualpath.server.router.state import RouterState
 from dualpath.server.router.types import (
@@ -270,8 +270,9 @@ class RouterLoop:
             self._oracle_ids.add(req.req_id)
         keys = self._lookup_keys(req)
         req.num_hit_blocks = self._count_hits(req, keys)
-        self.sessions.admit(req.req_id, req.session, req.mode, req.cache_salt,
-                            [key.block_hash for key in keys])
+        self._write_mark(self.sessions.admit(req.req_id, req.session, req.mode,
+                                             req.cache_salt, [key.block_hash for key in keys],
+                                             req.num_hit_blocks, time.time_ns()))
         return self.state.submit(req, self._clock())
 
     def _remember_oracle(self, req_id: int, out: ClusterOutput | Exception) -> None:
@@ -288,7 +289,10 @@ class RouterLoop:
 
     def _mark_session(self, req_id: int, result: ClusterOutput | Exception) -> None:
         """Tell the store where a finished turn left its session's chain (``sessions.py``)."""
-        write = self.sessions.finish(req_id, result, time.time_ns())
+        self._write_mark(self.sessions.finish(req_id, result, time.time_ns()))
+
+    def _write_mark(self, write: MarkWrite | None) -> None:
+        """Hand a session mark to the store (a failure costs the session its claim)."""
         if write is None:
             return
         try:

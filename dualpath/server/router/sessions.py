@@ -1,13 +1,15 @@
 """The router's book of agent sessions (pure: times come in as arguments).
 
-A request that names a session (``dualpath/sessions.py``) is noted when it is admitted; when
-it finishes, the book turns it into the session's new mark for the store
-(``kv/retention.py``): the chain now ends at the last full block of its prompt and
-output (the blocks its decode engine stores; until they land, the mark's anchors, its prompt's
-and its hit's last blocks, stand for it), live for the configured window or as long as
-the hint asks, or ended. Requests that store nothing (oracle, recompute) and failed requests
-leave no mark. The mark is keyed by the session id under the request's cache salt, so two
-tenants' sessions of one name stay apart.
+A request that names a session (``dualpath/sessions.py``) is noted when it is admitted, and
+leaves a mark then: its chain ends at its prompt's last full block, so the blocks its prefill
+stores are its session's as they land. When it finishes, the book turns it into the
+session's new mark for the store (``kv/retention.py``): the chain now ends at the last full
+block of its prompt and output (the blocks its decode engine stores; until they land, the
+mark's anchors, its prompt's and its hit's last blocks, stand for it), live for the
+configured window or as long as the hint asks, or ended. Requests that store nothing
+(oracle, recompute) leave no mark, and failed ones no new mark at their end. The mark is
+keyed by the session id under the request's cache salt, so two tenants' sessions of one
+name stay apart.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dualpath.kv.hashing import KeySpace, extend_block_hashes
-from dualpath.kv.retention import DEFAULT_WINDOW_S, SessionMark, mark_for
+from dualpath.kv.retention import (
+    DEFAULT_WINDOW_S,
+    SessionMark,
+    in_flight_mark,
+    mark_for,
+    spaced_anchors,
+)
 from dualpath.server.router.types import ClusterOutput
 from dualpath.sessions import Session, session_key
 from dualpath.vocab import Mode
@@ -47,12 +55,20 @@ class SessionBook:
         self.marks_made = 0
 
     def admit(self, req_id: int, session: Session | None, mode: Mode, cache_salt: str,
-              prompt_hashes: Sequence[bytes] = ()) -> None:
+              prompt_hashes: Sequence[bytes] = (), num_hit_blocks: int = 0,
+              now_ns: int = 0) -> MarkWrite | None:
         """Note a request's session, if it has one and its blocks will be stored;
         ``prompt_hashes``: the hashes of its prompt's leading blocks, if already made (the
-        finish hashes only what follows them)."""
-        if session is not None and mode not in (Mode.ORACLE, Mode.RECOMPUTE):
-            self._noted[req_id] = _Noted(session, cache_salt, tuple(prompt_hashes))
+        finish hashes only what follows them). Returns the mark the turn leaves while in
+        flight (``retention.in_flight_mark``; None: nothing noted or no full block)."""
+        if session is None or mode in (Mode.ORACLE, Mode.RECOMPUTE):
+            return None
+        self._noted[req_id] = _Noted(session, cache_salt, tuple(prompt_hashes))
+        if not prompt_hashes:
+            return None
+        return MarkWrite(session_key(session.session_id, cache_salt),
+                         in_flight_mark(prompt_hashes[-1], now_ns, session.hint, self.window_s,
+                                        spaced_anchors(prompt_hashes, num_hit_blocks)))
 
     def finish(self, req_id: int, result: ClusterOutput | Exception,
                now_ns: int) -> MarkWrite | None:
