@@ -26,7 +26,8 @@ to one due in a second, not the other way round (Belady's rule, with the harness
 
 **Anchors.** A mark's tip is the last full block of the turn's prompt and output, which the
 decode engine stores after the turn; until it lands, the mark protects its chain from the
-shallower blocks it names as anchors (the prompt's last full block, then the hit's). A turn
+shallower blocks it names as anchors (the prompt's last full block, then the hit's), and
+the blocks already stored below that anchor (on their way to the tip) as its own. A turn
 also leaves a mark as it is admitted (:func:`in_flight_mark`), so the blocks its prefill
 stores belong to its session from the moment they land, not only once the turn is over.
 """
@@ -161,6 +162,7 @@ def block_ranks(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMa
     live_priority: dict[bytes, int] = {}
     marked: set[bytes] = set()
     tips: set[bytes] = set()
+    pending: list[tuple[bytes, int]] = []  # live marks whose tip has not landed yet
     for mark in marks:
         start = mark.start(parents)
         if start is None:
@@ -168,8 +170,15 @@ def block_ranks(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMa
         tips.add(start)
         if mark.live(now_ns):
             _walk_live(parents, start, mark.priority, live_priority)
+            if start != mark.tip:
+                pending.append((start, mark.priority))
         else:
             _walk_marked(parents, start, marked)
+    if pending:
+        children = _children(parents)
+        claimed = set(live_priority) | marked
+        for start, priority in pending:
+            _walk_landing(children, start, priority, claimed, live_priority)
     shared = _shared_blocks(parents, tips) if marked else set()
     ranks: dict[bytes, Rank] = {
         h: (Retention.SHARED if h in shared else Retention.ENDED, 0) for h in marked}
@@ -220,6 +229,28 @@ def _walk_live(parents: Mapping[bytes, bytes | None], tip: bytes, priority: int,
             return  # an earlier walk covered the rest of the chain at this priority or above
         live_priority[block] = priority
         block = parents[block]
+
+
+def _children(parents: Mapping[bytes, bytes | None]) -> dict[bytes, list[bytes]]:
+    out: dict[bytes, list[bytes]] = {}
+    for block, parent in parents.items():
+        if parent is not None:
+            out.setdefault(parent, []).append(block)
+    return out
+
+
+def _walk_landing(children: Mapping[bytes, list[bytes]], start: bytes, priority: int,
+                  claimed: set[bytes], live_priority: dict[bytes, int]) -> None:
+    """Mark the stored blocks below ``start`` that no mark claims live at ``priority`` (at
+    least): a live mark's tip has not landed, so the blocks on their way to it are the
+    session's, not nobody's; another session's chain below it keeps its own claim."""
+    stack = list(children.get(start, ()))
+    while stack:
+        block = stack.pop()
+        if block in claimed or live_priority.get(block, priority - 1) >= priority:
+            continue
+        live_priority[block] = priority
+        stack.extend(children.get(block, ()))
 
 
 def _walk_marked(parents: Mapping[bytes, bytes | None], tip: bytes, marked: set[bytes]) -> None:

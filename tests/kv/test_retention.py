@@ -121,6 +121,21 @@ def test_a_live_walk_raises_a_lower_priority_on_a_shared_prefix():
     assert ranks[b"p0"] == (Retention.LIVE, 9) and ranks[b"a0"] == (Retention.LIVE, 1)
 
 
+def test_blocks_landing_below_an_anchor_are_the_pending_sessions_not_nobodys():
+    """A live mark whose tip has not landed claims the blocks stored below its anchor (its
+    prefill's blocks as they land), but not another mark's chain there, ended or live."""
+    blocks = {**chain("a", 2), **chain("land", 2, b"a1"), **chain("gone", 2, b"a1"),
+              **chain("other", 1, b"a1")}
+    pending = SessionMark(b"tip", NOW - NS_PER_S, NOW + 60 * NS_PER_S, anchors=(b"a1",))
+    ranks = block_ranks(blocks, [pending, ended(b"gone1"), live(b"other0", 5)], NOW)
+    assert ranks[b"land0"] == ranks[b"land1"] == (Retention.LIVE, 0)
+    assert ranks[b"a0"] == (Retention.LIVE, 5)  # the other live chain runs through it
+    assert ranks[b"gone0"] == ranks[b"gone1"] == (Retention.ENDED, 0)
+    assert ranks[b"other0"] == (Retention.LIVE, 5)
+    landed = SessionMark(b"a1", NOW - NS_PER_S, NOW + 60 * NS_PER_S)  # its tip is stored
+    assert block_ranks(blocks, [landed], NOW).keys() == {b"a0", b"a1"}
+
+
 def test_a_hinted_return_is_kept_as_a_mark_and_in_its_json():
     mark = mark_for(b"t", NOW, AgentHint(next_turn_in_s=7), window_s=30, anchors=(b"t", b"p"))
     assert mark.return_ns == NOW + 7 * NS_PER_S and mark.anchors == (b"p",)

@@ -90,3 +90,25 @@ def test_a_mark_falls_back_on_its_prompts_and_its_hits_last_blocks():
     book.admit(2, Session("t", "body"), Mode.DUALPATH, "")
     write = book.finish(2, output(2, list(range(12)), [50]), NOW)
     assert write is not None and write.mark.anchors == ()
+
+
+def test_an_admitted_turn_marks_its_prompts_chain_anchored_along_the_way():
+    """As it is admitted a turn's session mark moves to its prompt's last full block, live
+    (never ended, even on its last turn, and with no expected return: it is in use), with
+    anchors at 3/4, 1/2 and 1/4 of the chain and at the hit's end, deepest first."""
+    hashes = [k.block_hash for k in SPACE.keys(list(range(40)))]  # 10 blocks of 4
+    book = SessionBook(SPACE, window_s=60)
+    hint = AgentHint(priority=3, lease_s=900, end_of_session=False, next_turn_in_s=None)
+    write = book.admit(1, Session("t", "body", hint), Mode.DUALPATH, "", hashes, 2, NOW)
+    assert write is not None and write.session_key == session_key("t", "")
+    mark = write.mark
+    assert mark.tip == hashes[9] and mark.anchors == (hashes[6], hashes[4], hashes[1])
+    assert mark.priority == 3 and mark.live(NOW + 899 * NS_PER_S) and mark.return_ns == 0
+    ending = Session("u", "body", AgentHint(end_of_session=True))
+    write = book.admit(2, ending, Mode.DUALPATH, "", hashes, 0, NOW)
+    assert write is not None and not write.mark.ended and write.mark.live(NOW)
+    assert len(book) == 2  # both still noted for their finish
+    assert book.admit(3, None, Mode.DUALPATH, "", hashes, 0, NOW) is None
+    assert book.admit(4, Session("t", "body"), Mode.ORACLE, "", hashes, 0, NOW) is None
+    assert book.admit(5, Session("t", "body"), Mode.DUALPATH, "", (), 0, NOW) is None
+    assert len(book) == 3  # the last one still leaves a mark when it ends
