@@ -144,11 +144,14 @@ def in_flight_mark(tip: bytes, now_ns: int, hint: AgentHint | None,
 
 
 def spaced_anchors(hashes: Sequence[bytes], num_hit_blocks: int) -> tuple[bytes, ...]:
-    """Anchors along a chain being stored (``hashes``, its blocks in order): three quarters,
-    half and a quarter of the way, and the hit's last block (stored already), deepest first;
-    whatever lands first protects the chain up to it."""
+    """Anchors along a chain being stored (``hashes``, its blocks in order), deepest first:
+    the hit's last block (stored already) or else the chain's first, and half of the way.
+    The deepest that has landed claims the chain up to it and the blocks landing below it
+    (:func:`block_ranks`), so even a chain stored from nothing is its session's from its
+    first block on: were it nobody's, a store full of live chains would take that block at
+    once and every later one as an orphan."""
     count = len(hashes)
-    ends = sorted({count * 3 // 4, count // 2, count // 4, num_hit_blocks}, reverse=True)
+    ends = sorted({count // 2, max(1, num_hit_blocks)}, reverse=True)
     return tuple(hashes[n - 1] for n in ends if 0 < n <= count)
 
 

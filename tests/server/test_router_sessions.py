@@ -76,7 +76,8 @@ def test_the_prompts_hashes_from_the_hit_lookup_give_the_same_tip():
 
 def test_a_mark_falls_back_on_its_prompts_and_its_hits_last_blocks():
     """Until the decode engine stores the output blocks the tip names, the prompt's last full
-    block and the hit's stand for it (deepest first); a hinted return is kept."""
+    block, the hit's and the chain's first stand for it (deepest first); a hinted return is
+    kept."""
     prompt = list(range(14))  # 3 full blocks of 4, the hit 2 of them
     book = SessionBook(SPACE)
     book.admit(1, Session("t", "body", AgentHint(next_turn_in_s=3)), Mode.DUALPATH, "")
@@ -84,29 +85,31 @@ def test_a_mark_falls_back_on_its_prompts_and_its_hits_last_blocks():
     write = book.finish(1, result, NOW)
     keys = [k.block_hash for k in SPACE.keys([*prompt, 50, 51, 52, 53])]
     assert write is not None and write.mark.tip == keys[-1] == keys[3]
-    assert write.mark.anchors == (keys[2], keys[1])
+    assert write.mark.anchors == (keys[2], keys[1], keys[0])
     assert write.mark.return_ns == NOW + 3 * NS_PER_S
-    # no hit, and a turn whose output fills no block past the prompt's: no anchor twice
+    # no hit, and a turn whose output fills no block past the prompt's: the first block only
     book.admit(2, Session("t", "body"), Mode.DUALPATH, "")
     write = book.finish(2, output(2, list(range(12)), [50]), NOW)
-    assert write is not None and write.mark.anchors == ()
+    assert write is not None and write.mark.anchors == (keys[0],)
 
 
 def test_an_admitted_turn_marks_its_prompts_chain_anchored_along_the_way():
     """As it is admitted a turn's session mark moves to its prompt's last full block, live
     (never ended, even on its last turn, and with no expected return: it is in use), with
-    anchors at 3/4, 1/2 and 1/4 of the chain and at the hit's end, deepest first."""
+    anchors half of the way and at the hit's end (or the chain's first block), deepest
+    first."""
     hashes = [k.block_hash for k in SPACE.keys(list(range(40)))]  # 10 blocks of 4
     book = SessionBook(SPACE, window_s=60)
     hint = AgentHint(priority=3, lease_s=900, end_of_session=False, next_turn_in_s=None)
     write = book.admit(1, Session("t", "body", hint), Mode.DUALPATH, "", hashes, 2, NOW)
     assert write is not None and write.session_key == session_key("t", "")
     mark = write.mark
-    assert mark.tip == hashes[9] and mark.anchors == (hashes[6], hashes[4], hashes[1])
+    assert mark.tip == hashes[9] and mark.anchors == (hashes[4], hashes[1])
     assert mark.priority == 3 and mark.live(NOW + 899 * NS_PER_S) and mark.return_ns == 0
     ending = Session("u", "body", AgentHint(end_of_session=True))
     write = book.admit(2, ending, Mode.DUALPATH, "", hashes, 0, NOW)
     assert write is not None and not write.mark.ended and write.mark.live(NOW)
+    assert write.mark.anchors == (hashes[4], hashes[0])  # stored from nothing
     assert len(book) == 2  # both still noted for their finish
     assert book.admit(3, None, Mode.DUALPATH, "", hashes, 0, NOW) is None
     assert book.admit(4, Session("t", "body"), Mode.ORACLE, "", hashes, 0, NOW) is None

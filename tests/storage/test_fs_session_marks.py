@@ -241,3 +241,27 @@ def test_a_mark_whose_tip_is_not_stored_yet_keeps_its_chain_live_from_an_anchor(
         assert _stored(store, prompt) == [True, True, True]
         assert _stored(store, anonymous) == [True, True, False]
         assert store.stats["live_blocks_evicted"] == 0
+
+
+def test_a_chain_stored_from_nothing_into_a_store_full_of_live_chains_is_kept_as_it_lands(
+        tmp_path):
+    """A session's turn that hit nothing, admitted into a store full of other live sessions'
+    chains: its in-flight mark names the prompt's last block, anchored at the first, so each
+    block is its session's as it lands and the oldest live chain's tail makes room. Unclaimed,
+    its first block would go at once and every later one as an orphan."""
+    from dualpath.kv.retention import in_flight_mark, spaced_anchors
+
+    waiting = [_keys(4, salt=20 + i) for i in range(2)]
+    new = _keys(4, salt=30)
+    hashes = [k.block_hash for k in new]
+    with FsStore(tmp_path, SMALL, workers=1, capacity_bytes=CAP_BLOCKS * FILE_BYTES) as store:
+        for i, keys in enumerate(waiting):
+            _put(store, keys)
+            assert store.mark_session(f"\0w{i}", _mark(keys[-1].block_hash))
+            time.sleep(0.01)
+        assert store.mark_session("\0new", in_flight_mark(hashes[-1], time.time_ns(), None,
+                                                          anchors=spaced_anchors(hashes, 0)))
+        _put(store, new)  # 12 blocks: 4 over
+        assert _stored(store, new) == [True] * 4
+        assert _stored(store, waiting[0]) == [False] * 4
+        assert _stored(store, waiting[1]) == [True] * 4

@@ -94,6 +94,7 @@ class SessionBook:
 
 def anchors(hashes: Sequence[bytes], result: ClusterOutput, block_size: int) -> tuple[bytes, ...]:
     """The blocks a mark falls back on until its tip is stored, deepest first: the prompt's
-    last full block (its prefill engine stores it first) and the hit's (stored already)."""
-    ends = (len(result.prompt_ids) // block_size, result.num_hit_tokens // block_size)
+    last full block (its prefill engine stores it first), the hit's (stored already) and
+    the chain's first."""
+    ends = (len(result.prompt_ids) // block_size, result.num_hit_tokens // block_size, 1)
     return tuple(dict.fromkeys(hashes[n - 1] for n in ends if 0 < n <= len(hashes)))
