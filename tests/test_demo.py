@@ -108,11 +108,12 @@ def test_demo_runs_its_modes_and_reports_the_table_and_the_regime(tiny_chaotic_d
         assert s["jct_s"] > 0 and 0 < s["mean_ttft_s"] <= s["mean_turn_latency_s"], mode
         assert len(s["pe_read_bytes"]) == 1 and len(s["de_read_bytes"]) == 2
         assert s["read_deadline_misses"] == 0 and s["retried_turns"] == 0
-    for row in data["rows"]:  # the engines worked in every timed part (a tiny model's part
-        # can be shorter than one 10 ms clock tick of one role's process: only the sum is > 0)
+    for row in data["rows"]:  # the engines worked in every timed part that lasted a few 10 ms
+        # clock ticks (a tiny model's part can be shorter than one tick of one role's process,
+        # and the oracle's, which reads nothing, than one of both: only the sum is > 0)
         assert set(row["cpu_s"]) == {"prefill", "decode"} and min(row["cpu_s"].values()) >= 0
-        assert sum(row["cpu_s"].values()) > 0
         s = modes_before[row["mode"]]
+        assert sum(row["cpu_s"].values()) > 0 or s["jct_s"] < 0.05, row["mode"]
         cores = data["machine"]["cpus"]
         assert s["cores_busy"] == pytest.approx(sum(row["cpu_s"].values()) / cores / s["jct_s"])
     dual, basic = data["modes"]["dualpath"], data["modes"]["basic"]
