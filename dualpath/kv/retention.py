@@ -26,8 +26,9 @@ to one due in a second, not the other way round (Belady's rule, with the harness
 
 **Anchors.** A mark's tip is the last full block of the turn's prompt and output, which the
 decode engine stores after the turn; until it lands, the mark protects its chain from the
-shallower blocks it names as anchors (the prompt's last full block, then the hit's), and
-the blocks already stored below that anchor (on their way to the tip) as its own. A turn
+shallower blocks it names as anchors (the prompt's last full block, the hit's, the chain's
+first), and the blocks already stored below that anchor (on their way to the tip) as its
+own. A turn
 also leaves a mark as it is admitted (:func:`in_flight_mark`), so the blocks its prefill
 stores belong to its session from the moment they land, not only once the turn is over.
 """
