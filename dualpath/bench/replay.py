@@ -111,10 +111,10 @@ class _Agent:
     def __init__(self, cluster: LocalCluster, turns: list[AgentTurn], mode: str,
                  done: threading.Event, progress: Any, context: list[int] | None = None,
                  began: float = 0.0, cut_after_s: float | None = None,
-                 pacing: Pacing = NO_PACING, session_id: str = "") -> None:
+                 pacing: Pacing = NO_PACING, session_id: str = "", index: int = 0) -> None:
         self.cluster, self.turns, self.mode = cluster, turns, mode
         self.pacing, self.session_id = pacing, session_id
-        self.index = 0  # the agent's place in its run (its ``Pacing.returns_s``)
+        self.index = index  # the agent's place in its run (its ``Pacing.returns_s``)
         self.on_done: Any = None  # called once, when the agent ends (a pool starts the next)
         self._timer: threading.Timer | None = None  # a tool call under way
         self.done, self.progress, self.began = done, progress, began
@@ -250,10 +250,8 @@ def run_turns(cluster: LocalCluster, agents: list[list[AgentTurn]], mode: str,
     starts = contexts if contexts is not None else [[] for _ in agents]
     start = time.perf_counter()
     runs = [_Agent(cluster, turns, mode, ev, progress, context, start, cut_after_s, pacing,
-                   f"{label}-{mode}-agent{i}")
+                   f"{label}-{mode}-agent{i}", i)
             for i, (turns, ev, context) in enumerate(zip(agents, events, starts, strict=True))]
-    for i, run in enumerate(runs):
-        run.index = i
     offsets = start_offsets_s or [0.0] * len(runs)
     if pacing.max_agents is not None:
         offsets = _pool(runs, pacing.max_agents)

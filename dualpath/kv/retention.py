@@ -178,12 +178,12 @@ def block_ranks(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMa
                 pending.append((start, mark.priority))
         else:
             _walk_marked(parents, start, marked)
+    children = _children(parents) if pending or marked else {}
     if pending:
-        children = _children(parents)
         claimed = set(live_priority) | marked
         for start, priority in pending:
             _walk_landing(children, start, priority, claimed, live_priority)
-    shared = _shared_blocks(parents, tips) if marked else set()
+    shared = _shared_blocks(parents, tips, children) if marked else set()
     ranks: dict[bytes, Rank] = {
         h: (Retention.SHARED if h in shared else Retention.ENDED, 0) for h in marked}
     ranks.update((h, (Retention.LIVE, p)) for h, p in live_priority.items())
@@ -236,9 +236,10 @@ def _walk_live(parents: Mapping[bytes, bytes | None], tip: bytes, priority: int,
 
 
 def _children(parents: Mapping[bytes, bytes | None]) -> dict[bytes, list[bytes]]:
+    """Each stored block's stored children."""
     out: dict[bytes, list[bytes]] = {}
     for block, parent in parents.items():
-        if parent is not None:
+        if parent is not None and parent in parents:
             out.setdefault(parent, []).append(block)
     return out
 
@@ -265,13 +266,11 @@ def _walk_marked(parents: Mapping[bytes, bytes | None], tip: bytes, marked: set[
         block = parents[block]
 
 
-def _shared_blocks(parents: Mapping[bytes, bytes | None], tips: set[bytes]) -> set[bytes]:
+def _shared_blocks(parents: Mapping[bytes, bytes | None], tips: set[bytes],
+                   stored_children: Mapping[bytes, list[bytes]]) -> set[bytes]:
     """Blocks that two or more chains continue: more than one leaf or session tip lies at or
     below them."""
-    children: dict[bytes, int] = {}
-    for parent in parents.values():
-        if parent is not None and parent in parents:
-            children[parent] = children.get(parent, 0) + 1
+    children = {h: len(kids) for h, kids in stored_children.items()}
     ends = {h: int(h in tips or h not in children) for h in parents}
     waiting = dict(children)
     ready = [h for h in parents if h not in children]

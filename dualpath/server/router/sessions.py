@@ -5,7 +5,7 @@ leaves a mark then: its chain ends at its prompt's last full block, so the block
 stores are its session's as they land. When it finishes, the book turns it into the
 session's new mark for the store (``kv/retention.py``): the chain now ends at the last full
 block of its prompt and output (the blocks its decode engine stores; until they land, the
-mark's anchors, its prompt's and its hit's last blocks, stand for it), live for the
+mark's anchors, its prompt's, its hit's and its first blocks, stand for it), live for the
 configured window or as long as the hint asks, or ended. Requests that store nothing
 (oracle, recompute) leave no mark, and failed ones no new mark at their end. The mark is
 keyed by the session id under the request's cache salt, so two tenants' sessions of one
