@@ -80,6 +80,9 @@ IDLE_POLL_MS = 20
 __all__ = ["FAULT_HANG_ENV", "EngineIdentity", "EngineProcess"]  # FAULT_HANG_ENV: tests use it
 ROUTER_GONE_EXIT = 3  # exit status of an engine that stopped because its router fell silent
 VLLM_GONE_EXIT = 4  # ... because the vLLM instance it started died
+# how long a model server that stopped answering gets to exit before a failed call is told to
+# the router (a SIGKILLed vLLM's sockets close before its process is reaped)
+INSTANCE_EXIT_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -181,8 +184,13 @@ class EngineProcess:
     def _speakable(self, answers: list[Message]) -> list[Message]:
         """The worker's answers, or none once the instance under them died (its calls broke):
         the engine's exit, next round, speaks for all its requests, so the router moves each
-        stream once instead of placing it back on this engine first."""
-        if answers and self.parts.failure() is not None:
+        stream once instead of placing it back on this engine first. A failed call whose
+        instance no longer answers waits for that instance to exit (``INSTANCE_EXIT_WAIT_S``):
+        the call breaks a moment before the exit shows."""
+        if not answers:
+            return answers
+        broke = any(isinstance(answer, Failed) for answer in answers)
+        if self.parts.failure(INSTANCE_EXIT_WAIT_S if broke else 0.0) is not None:
             return []
         return answers
 

@@ -74,9 +74,10 @@ class EngineParts(Protocol):
         """The role's worker on these parts (a model server is started, or reached, here)."""
         ...
 
-    def failure(self) -> str | None:
+    def failure(self, wait_s: float = 0.0) -> str | None:
         """Why the engine must stop now (the model server it drives exited, with its log's
-        end), or None while it can serve."""
+        end), or None while it can serve. ``wait_s`` > 0: a model server that stopped
+        answering gets that long to exit before the answer is given."""
         ...
 
     def close(self) -> None:
@@ -130,7 +131,7 @@ class NativeEngineParts:
                                                          config.traffic.grant_timeout_s)
         return worker
 
-    def failure(self) -> str | None:
+    def failure(self, wait_s: float = 0.0) -> str | None:
         """Never: the model runs in this process."""
         return None
 

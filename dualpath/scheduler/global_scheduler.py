@@ -26,6 +26,9 @@ Decisions where the paper is silent:
 * Ties: least ``tok`` then name (PE); least ``seq``, then ``tok``, then name among the DEs
   below Z, least ``tok``, then ``seq``, then name above it; equal read queues → the PE side.
 * Split read (the paper's future work, off by default): see :func:`split_read`.
+* A moved stream (``left_engine``: the DE it left, which failed or lost it) goes to another DE
+  while one has room for it: its model server may be dying, and placed back there the stream
+  would move a second time.
 * ``round_robin`` (the paper's load-balance baseline): PEs and DEs each in name-order rotation,
   skipping a PE over β or a DE without memory for the request (safety, not balancing); the
   read path alternates PE, DE, PE, ... per request, ignoring queues.
@@ -264,7 +267,9 @@ class GlobalScheduler:
             req = self._waiting[0]
             pe = next_in_rotation(pes, self._rr_last[Role.PREFILL],
                                   lambda n: loads[n].tok <= self.params.beta_tokens)
-            de = next_in_rotation(des, self._rr_last[Role.DECODE],
+            des_for = [n for n in des if n != req.left_engine
+                       and loads[n].free_kv_tokens >= req.num_tokens] or des
+            de = next_in_rotation(des_for, self._rr_last[Role.DECODE],
                                   lambda n, need=req.num_tokens: loads[n].free_kv_tokens >= need)
             if pe is None or de is None:
                 break

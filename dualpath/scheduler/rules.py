@@ -107,7 +107,8 @@ def de_phase1(requests: Iterable[PendingRequest], group_tok: MutableMapping[str,
               ) -> list[tuple[PendingRequest, str]]:
     """Phase 1: each request to the DE group with the least total ``tok`` (ties: name); a
     request whose session is warm on a DE (``warm_engine``, a key of ``warm_des``: DE name ->
-    its group and free KV tokens) to that DE's group, when the DE has room for it.
+    its group and free KV tokens) to that DE's group, when the DE has room for it; a moved
+    stream to a group other than its ``left_engine``'s when that DE is its group's only one.
 
     ``group_tok`` (group -> Σ tok of its DEs) grows in place by each placed request's tokens.
     """
@@ -124,12 +125,28 @@ def de_phase1(requests: Iterable[PendingRequest], group_tok: MutableMapping[str,
             heapq.heapify(heap)
             out.append((req, warm_group))
             continue
+        sole = _sole_group(req.left_engine, warm_des or {})
+        if sole and heap[0][1] == sole and len(heap) > 1:
+            tok, group = min((t, g) for g, t in group_tok.items() if g != sole)
+            group_tok[group] = tok + req.num_tokens
+            heap = [(t, g) for g, t in group_tok.items()]
+            heapq.heapify(heap)
+            out.append((req, group))
+            continue
         tok, group = heap[0]
         tok += req.num_tokens
         heapq.heapreplace(heap, (tok, group))
         group_tok[group] = tok
         out.append((req, group))
     return out
+
+
+def _sole_group(engine: str, des: Mapping[str, tuple[str, int]]) -> str:
+    """The group of which ``engine`` is the only DE ("" when it has company, or is unknown)."""
+    group = des.get(engine, ("", 0))[0]
+    if not group or sum(1 for g, _ in des.values() if g == group) > 1:
+        return ""
+    return group
 
 
 def high_token_threshold(private_queue: Iterable[PendingRequest],
@@ -150,6 +167,7 @@ def high_token_threshold(private_queue: Iterable[PendingRequest],
 
 def _pick_de(req: PendingRequest, engines: Sequence[EngineLoad], z: float) -> EngineLoad | None:
     need = req.num_tokens
+    engines = _without_left(req, engines)
     warm = next((e for e in engines if e.name == req.warm_engine), None)
     if warm is not None and warm.free_kv_tokens >= need and (
             warm.tok + need <= z or warm.tok <= need + min(e.tok for e in engines
@@ -172,6 +190,15 @@ def _pick_de(req: PendingRequest, engines: Sequence[EngineLoad], z: float) -> En
     return None if best is None else best[3]
 
 
+def _without_left(req: PendingRequest, engines: Sequence[EngineLoad]) -> Sequence[EngineLoad]:
+    """The DEs a request may go to: all but the one a moved stream left, unless no other has
+    room for it."""
+    if not req.left_engine:
+        return engines
+    others = [e for e in engines if e.name != req.left_engine]
+    return others if any(e.free_kv_tokens >= req.num_tokens for e in others) else engines
+
+
 def de_phase2(private_queue: Sequence[PendingRequest], group_engines: Sequence[EngineLoad],
               params: SchedulerParams) -> list[tuple[PendingRequest, str]]:
     """Phase 2: place the head of a DE group's private queue, request by request.
@@ -181,7 +208,8 @@ def de_phase2(private_queue: Sequence[PendingRequest], group_engines: Sequence[E
     no more than the request's own tokens beyond the least loaded DE with room: reading its
     hit from that DE's DRAM is worth a decode load that much less even. Otherwise,
     among DEs with free KV for the head request, those staying at or below Z are preferred,
-    least ``seq`` first; else the least ``tok`` one above Z. The chosen DE's ``seq``, ``tok``
+    least ``seq`` first; else the least ``tok`` one above Z. A moved stream skips the DE it
+    left (``left_engine``) while another has room. The chosen DE's ``seq``, ``tok``
     and free KV change in place. The fetch ends at the first request no DE has memory for.
     Returns a head of the queue.
     """

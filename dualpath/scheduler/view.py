@@ -222,6 +222,9 @@ class PendingRequest:
     # the decode engine that keeps its agent session's blocks warm in DRAM ("": none known):
     # placed there, the request reads its hit on the DE path without the storage NIC
     warm_engine: str = ""
+    # the decode engine a moved stream left (it failed or lost the stream: its model server may
+    # be dying): another DE takes it when one has room, that one only when none other can
+    left_engine: str = ""
 
     def __post_init__(self) -> None:
         if self.num_tokens <= 0:

@@ -11,7 +11,7 @@ from dualpath.engine.loop import EngineIdentity, EngineProcess
 from dualpath.errors import TransferError
 from dualpath.kv.host_pool import HostPool
 from dualpath.kv.layout import KVLayout
-from dualpath.protocol import Failed
+from dualpath.protocol import Failed, Tokens
 from dualpath.traffic.lanes import Lane
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", block_size=4)
@@ -37,7 +37,7 @@ class BrokenParts:
         self.built_with = (storage, traffic)
         raise RuntimeError("the model server never answered")
 
-    def failure(self) -> str | None:
+    def failure(self, wait_s: float = 0.0) -> str | None:
         return None
 
     def close(self) -> None:
@@ -68,13 +68,18 @@ def test_a_store_that_cannot_open_still_closes_the_parts(tmp_path):
 
 
 class DyingParts:
-    """Parts whose model server dies (``failure`` says so) while the worker works."""
+    """Parts whose model server dies (``failure`` says so) while the worker works; ``dying``:
+    its sockets are closed and its exit shows only to a caller that waits for it."""
 
     def __init__(self) -> None:
-        self.dead = False
+        self.dead = self.dying = False
+        self.waits_s: list[float] = []
 
-    def failure(self) -> str | None:
-        return "the vLLM instance exited with -9" if self.dead else None
+    def failure(self, wait_s: float = 0.0) -> str | None:
+        self.waits_s.append(wait_s)
+        if self.dead or (self.dying and wait_s > 0):
+            return "the vLLM instance exited with -9"
+        return None
 
 
 def test_an_engine_whose_instance_died_sends_none_of_the_answers_its_calls_broke_into():
@@ -85,3 +90,13 @@ def test_an_engine_whose_instance_died_sends_none_of_the_answers_its_calls_broke
     parts.dead = True
     assert engine._speakable(answers) == []  # dead: its exit speaks for every request
     assert engine._speakable([]) == []
+
+
+def test_a_failed_call_waits_for_a_dying_instance_and_other_answers_do_not():
+    engine = EngineProcess.__new__(EngineProcess)
+    engine.parts = parts = DyingParts()
+    parts.dying = True
+    tokens = [Tokens(((7, 0, (5, 6)),))]
+    assert engine._speakable(tokens) == tokens and parts.waits_s == [0.0]  # no wait for these
+    assert engine._speakable([*tokens, Failed(7, "connection reset")]) == []
+    assert parts.waits_s[-1] > 0

@@ -765,6 +765,58 @@ def test_an_instance_never_healthy_is_stopped_at_the_timeout(tmp_path):
         started(tmp_path, "echo waiting; exec sleep 60", timeout_s=1)
 
 
+DYING_SERVER = """
+import http.server, os, sys, threading, time
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+        if self.path == "/die":  # as a SIGKILLed vLLM: its sockets close, then it is reaped
+            threading.Thread(target=die, daemon=True).start()
+    def log_message(self, *a): pass
+def die():
+    server.socket.close()
+    time.sleep(float(sys.argv[2]))
+    os._exit(9)
+server = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+server.serve_forever()
+"""
+
+
+@pytest.mark.parametrize("linger_s", [1.0, 60.0])
+def test_a_failure_waits_for_an_instance_whose_sockets_closed_to_exit(tmp_path, linger_s):
+    """The window that moved a stream twice: the instance's sockets are closed (the call broke)
+    but its process is not reaped yet. Without a wait the engine would tell the router the call
+    failed, and the router could place the stream back on this engine."""
+    import sys
+
+    server = tmp_path / "dying.py"
+    server.write_text(DYING_SERVER)
+    instance = started(tmp_path, f"exec {sys.executable} {server} $PORT {linger_s}")
+    parts = vllm_engine_parts(tmp_path / "SmolTest", ClusterConfig(), "prefill", "pe0",
+                              url=instance.url)  # the model folder ``started`` wrote
+    parts.instance = instance
+    try:
+        started_s = time.monotonic()
+        assert parts.failure(5.0) is None  # healthy: no wait at all
+        assert time.monotonic() - started_s < 2.0
+        instance.http._get("/die")
+        deadline = time.monotonic() + 5
+        while instance.http.healthy() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert parts.failure() is None  # not reaped yet: no wait, no failure seen
+        started_s = time.monotonic()
+        failure = parts.failure(3.0)
+        waited_s = time.monotonic() - started_s
+        if linger_s < 3.0:
+            assert failure is not None and "exited with 9" in failure
+            assert waited_s < 3.0
+        else:  # a server that stopped answering but lives on: the wait is bounded
+            assert failure is None and 3.0 <= waited_s < 4.5
+    finally:
+        instance.close()
+        parts.host_pool.close()
+
+
 def test_the_engine_exits_when_its_vllm_child_dies(fake, tmp_path, monkeypatch):
     import subprocess
 

@@ -316,6 +316,25 @@ def test_a_stream_grown_past_a_decode_engines_buffer_fails_clearly_when_it_would
     assert "cannot move" in str(done[1]) and zero(state) == {}
 
 
+def test_a_stream_its_decode_engine_failed_moves_once_to_the_other_decode_engine():
+    """Its DE failed the stream (its model server dying, say) but is still registered: the
+    stream goes on elsewhere, not back where it would fail and move again (both DEs idle once
+    it left, the tie would pick the same one)."""
+    state, model, done, sends = make_state(), EngineModel(), {}, []
+    hello_all(state)
+    apply(state.submit(request(1), 0.0), done, sends, state)
+    de = _to_decoding(state, model, done, sends)
+    assert de == "de2"  # the tie's winner
+    sends.pop(0)  # the Decode the engine fails instead of answering
+    wire = state.requests[1].wire_id
+    apply(state.on_message(de, Failed(wire, "vllm decode instance: connection reset"), 0.0),
+          done, sends, state)
+    assert state.requests[1].de not in ("", de)
+    run_to_quiet(state, model, done, sends, 0.0)
+    assert isinstance(done[1], ClusterOutput) and state.moved == 1
+    assert zero(state) == {}
+
+
 def test_a_request_aborted_while_it_moves_is_not_placed_again():
     state, model, done, sends = make_state(), EngineModel(), {}, []
     hello_all(state)

@@ -119,6 +119,7 @@ class Endings:
         self.records.by_wire.pop(req.wire_id, None)
         req.num_prior_outputs = req.num_streamed
         req.phase = Phase.MOVING
+        req.left_de = req.de
         req.pe = req.de = ""
         req.path = None
         out.lookup(req.req_id)

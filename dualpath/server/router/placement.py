@@ -98,7 +98,7 @@ class Placement:
         self.scheduler.submit(PendingRequest(req.req_id, len(req.kv_ids),
                                              self.ledger.read_tokens(req), req.read_path,
                                              req.mode in (Mode.BASIC, Mode.LAYERWISE),
-                                             self._warm_engine(req)))
+                                             self._warm_engine(req), req.left_de))
 
     def cancel(self, req: RequestState) -> None:
         """Take a queued request out of the scheduler."""

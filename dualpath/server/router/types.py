@@ -128,6 +128,7 @@ class RequestState:
     # of them, those an earlier attempt generated: the stream moved off a lost decode engine,
     # and this attempt continues from its KV (prompt + these tokens)
     num_prior_outputs: int = 0
+    left_de: str = ""  # the DE the stream last moved off (the scheduler places it elsewhere)
     cache_salt: str = ""  # the tenant's salt of its block keys (kv/hashing.salted_seed)
     session: Session | None = None  # the agent session it continues (dualpath/sessions.py)
     holds: Holds = field(default_factory=Holds)

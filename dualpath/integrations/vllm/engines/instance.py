@@ -257,6 +257,17 @@ class VllmInstance:
         """The owned child's exit status (None while it runs, or when not owned)."""
         return None if self.proc is None else self.proc.poll()
 
+    def wait_exited(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for an owned child to exit; whether it has (an instance
+        given by URL never has)."""
+        if self.proc is None:
+            return False
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def log_tail(self, nbytes: int = LOG_TAIL_BYTES) -> str:
         """The end of the child's log ("" when there is none)."""
         if self.log_path is None or not self.log_path.is_file():
@@ -394,10 +405,15 @@ class VllmEngineParts:
                                 storage, self.eos_token_ids, self.max_position,
                                 threads=threads)
 
-    def failure(self) -> str | None:
-        """The instance's exit, with the end of its log; None while it runs."""
+    def failure(self, wait_s: float = 0.0) -> str | None:
+        """The instance's exit, with the end of its log; None while it runs. With ``wait_s``,
+        an owned instance that runs but no longer answers ``/health`` (it is being killed: its
+        sockets close before its process is reaped) gets up to ``wait_s`` to finish exiting."""
         vllm = self.instance
-        if vllm is None or vllm.alive():
+        if vllm is None:
+            return None
+        if vllm.alive() and not (wait_s > 0 and vllm.owned and not vllm.http.healthy()
+                                 and vllm.wait_exited(wait_s)):
             return None
         return (f"the vLLM instance at {vllm.url} exited with {vllm.returncode}; its log "
                 f"{vllm.log_path}:\n{vllm.log_tail()}")
