@@ -323,7 +323,10 @@ def test_decode_instance_killed_mid_stream_moves_the_stream(cluster):
     assert killed is not None
     assert time.monotonic() - started < 180
     assert finish == "length"  # it streamed on to max_tokens
-    assert router_counter(cluster, "dualpath:router_moved_streams_total") == moved_before + 1
+    log = (cluster["store"].parent / "serve.log").read_text()
+    moves = [line for line in log.splitlines() if "stream moves off" in line]
+    assert router_counter(cluster, "dualpath:router_moved_streams_total") == moved_before + 1, \
+        "\n".join(moves) or log[-3000:]
     assert tokens == long["output"]  # plain vLLM's: nothing repeated or skipped at the move
 
 

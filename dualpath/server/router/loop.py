@@ -233,6 +233,8 @@ class RouterLoop:
         for req_id in effects.lookups:  # a moved request: its stream's blocks are stored now
             req = self.state.requests.get(req_id)
             if req is not None:
+                log.warning("router: request %d's stream moves off %s after %d tokens", req_id,
+                            req.left_de, req.num_streamed)
                 self._apply(self.state.resume(req_id, self._hit_blocks(req), self._clock()))
         for req_id, result in effects.done:
             self._listeners.pop(req_id, None)
