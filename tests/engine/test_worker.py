@@ -215,7 +215,8 @@ def _process(worker: Worker, inbox: list[Message]) -> EngineProcess:
     proc.storage = SimpleNamespace(close=lambda: None, metrics=lambda: {}, read_queue_tokens=0,
                                    warm=None)
     proc.host_pool = SimpleNamespace(close=lambda: None, num_free=8)
-    proc.parts = SimpleNamespace(failure=lambda: None, close=lambda: None, instance=None)
+    proc.parts = SimpleNamespace(failure=lambda wait_s=0.0: None, close=lambda: None,
+                                 instance=None)
     proc.ep = None
     proc.engine = None
     proc.config = SimpleNamespace(engine_timeout_s=1.0)
