@@ -23,6 +23,9 @@ extends; ties go least recently used first, as before. Without marks every block
 that guess on its chain by the hint (:func:`block_recency`): among live chains of one
 priority, the one expected back last goes first, so a queued agent due in a minute gives way
 to one due in a second, not the other way round (Belady's rule, with the harness's forecast).
+A session past its expected return ages from that moment, as if it had been used then: LRU's
+bet again, from the forecast on. A chain is as fresh as it is close to its expected return,
+before or after it, and never fresher than a block used now.
 
 **Anchors.** A mark's tip is the last full block of the turn's prompt and output, which the
 decode engine stores after the turn; until it lands, the mark protects its chain from the
@@ -193,16 +196,17 @@ def block_ranks(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMa
 def block_recency(parents: Mapping[bytes, bytes | None], marks: Iterable[SessionMark],
                   now_ns: int) -> dict[bytes, int]:
     """The recency eviction orders by on live chains whose harness said when they come back
-    (the module doc): ``2 * now - return``, the last use LRU would need to expect that
-    return, at most ``now`` (an overdue session counts as just used, never fresher); the
-    soonest return wins on a block that several chains share. Blocks absent from the result
-    keep their own last use."""
+    (the module doc): ``now - |now - return|``. Before the return that is ``2 * now -
+    return``, the last use LRU would need to expect it; past it, the return itself (an
+    overdue session ages from when it was due, never fresher than now). The freshest wins on
+    a block that several chains share. Blocks absent from the result keep their own last
+    use."""
     out: dict[bytes, int] = {}
     for mark in marks:
         start = mark.start(parents)
         if start is None or not mark.return_ns or not mark.live(now_ns):
             continue
-        used = min(now_ns, 2 * now_ns - mark.return_ns)
+        used = now_ns - abs(now_ns - mark.return_ns)
         block: bytes | None = start
         while block is not None and block in parents:
             if out.get(block, used - 1) >= used:

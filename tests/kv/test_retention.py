@@ -180,17 +180,21 @@ def test_a_hinted_return_stands_beside_lru_as_the_same_bet():
     assert index.victims(target_bytes=0) == [b"old0", b"hinted0", b"fresh0"]
 
 
-def test_a_shared_prefix_takes_the_soonest_return_and_an_overdue_one_counts_as_just_used():
+def test_a_shared_prefix_takes_the_soonest_return_and_an_overdue_one_ages_from_its_due_time():
     """The harness's forecast replaces the chain's own last use, a block used just now too
     (Belady's rule: due back in a minute goes before due back in a second); a session past
-    its expected return counts as just used, no fresher, so a hint cannot outrank LRU's
-    newest block by claiming an early return."""
+    its expected return ages from that moment (a queued agent whose slot is late gives way to
+    one in a short tool call), never fresher than now, so a hint cannot outrank LRU's newest
+    block by claiming an early return."""
     blocks = {**chain("p", 2), **chain("a", 1, b"p1"), **chain("b", 1, b"p1")}
     marks = [returning(b"a0", 50), returning(b"b0", 5)]
     recency = block_recency(blocks, marks, NOW)
     assert recency[b"p0"] == recency[b"p1"] == recency[b"b0"] == NOW - 5 * NS_PER_S
     assert recency[b"a0"] == NOW - 50 * NS_PER_S
-    assert block_recency(blocks, [returning(b"a0", -30)], NOW)[b"a0"] == NOW
+    assert block_recency(blocks, [returning(b"a0", 0)], NOW)[b"a0"] == NOW  # due now
+    assert block_recency(blocks, [returning(b"a0", -30)], NOW)[b"a0"] == NOW - 30 * NS_PER_S
+    recency = block_recency(blocks, [returning(b"a0", -3), returning(b"b0", 2)], NOW)
+    assert recency[b"a0"] < recency[b"b0"]  # 3 s late goes before due in 2 s
     # ended, expired and unhinted chains keep their own last use
     assert block_recency(blocks, [returning(b"a0", 5, ended=True), live(b"b0")], NOW) == {}
     overdue = SessionMark(b"a0", NOW - 900 * NS_PER_S, NOW - NS_PER_S, return_ns=NOW)
