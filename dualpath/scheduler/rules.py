@@ -108,7 +108,8 @@ def de_phase1(requests: Iterable[PendingRequest], group_tok: MutableMapping[str,
     """Phase 1: each request to the DE group with the least total ``tok`` (ties: name); a
     request whose session is warm on a DE (``warm_engine``, a key of ``warm_des``: DE name ->
     its group and free KV tokens) to that DE's group, when the DE has room for it; a moved
-    stream to a group other than its ``left_engine``'s when that DE is its group's only one.
+    stream to a group other than its ``left_engine``'s when that DE is its group's only one
+    and another group has a DE with room for it.
 
     ``group_tok`` (group -> Σ tok of its DEs) grows in place by each placed request's tokens.
     """
@@ -125,9 +126,9 @@ def de_phase1(requests: Iterable[PendingRequest], group_tok: MutableMapping[str,
             heapq.heapify(heap)
             out.append((req, warm_group))
             continue
-        sole = _sole_group(req.left_engine, warm_des or {})
-        if sole and heap[0][1] == sole and len(heap) > 1:
-            tok, group = min((t, g) for g, t in group_tok.items() if g != sole)
+        elsewhere = _groups_elsewhere(req, heap[0][1], warm_des or {})
+        if elsewhere:
+            tok, group = min((t, g) for g, t in group_tok.items() if g in elsewhere)
             group_tok[group] = tok + req.num_tokens
             heap = [(t, g) for g, t in group_tok.items()]
             heapq.heapify(heap)
@@ -141,12 +142,14 @@ def de_phase1(requests: Iterable[PendingRequest], group_tok: MutableMapping[str,
     return out
 
 
-def _sole_group(engine: str, des: Mapping[str, tuple[str, int]]) -> str:
-    """The group of which ``engine`` is the only DE ("" when it has company, or is unknown)."""
-    group = des.get(engine, ("", 0))[0]
-    if not group or sum(1 for g, _ in des.values() if g == group) > 1:
-        return ""
-    return group
+def _groups_elsewhere(req: PendingRequest, least: str,
+                      des: Mapping[str, tuple[str, int]]) -> set[str]:
+    """For a moved stream whose ``left_engine`` is the only DE of ``least`` (the group phase 1
+    would pick), the other groups with a DE that has room for it; otherwise none."""
+    group = des.get(req.left_engine, ("", 0))[0]
+    if group != least or sum(1 for g, _ in des.values() if g == group) > 1:
+        return set()
+    return {g for g, free in des.values() if free >= req.num_tokens and g != group}
 
 
 def high_token_threshold(private_queue: Iterable[PendingRequest],

@@ -45,8 +45,9 @@ def test_a_moved_stream_skips_the_engine_it_left_in_its_own_group_or_another():
 
 
 def test_the_engine_it_left_takes_it_when_no_other_has_room_and_warmth_does_not_pull_it_back():
-    assert decode_of(PendingRequest(1, 1000, left_engine="d0"),
-                     view(free_d1=999, d1_group="D0")) == "d0"
+    for group in ("D0", "D1"):
+        assert decode_of(PendingRequest(1, 1000, left_engine="d0"),
+                         view(free_d1=999, d1_group=group)) == "d0"
     assert decode_of(PendingRequest(1, 1000, 960, warm_engine="d0", left_engine="d0"),
                      view(d1_group="D0")) == "d1"
     assert decode_of(PendingRequest(1, 1000, left_engine="d7")) == "d0"  # gone: no matter
