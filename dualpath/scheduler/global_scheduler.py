@@ -51,6 +51,7 @@ from dualpath.scheduler.rules import (
     pe_fetch,
     read_plan,
     split_read,
+    without_left,
 )
 from dualpath.scheduler.view import Assignment, ClusterView, EngineLoad, PendingRequest
 from dualpath.vocab import Policy, ReadPath, Role
@@ -267,8 +268,7 @@ class GlobalScheduler:
             req = self._waiting[0]
             pe = next_in_rotation(pes, self._rr_last[Role.PREFILL],
                                   lambda n: loads[n].tok <= self.params.beta_tokens)
-            des_for = [n for n in des if n != req.left_engine
-                       and loads[n].free_kv_tokens >= req.num_tokens] or des
+            des_for = [e.name for e in without_left(req, [loads[n] for n in des])]
             de = next_in_rotation(des_for, self._rr_last[Role.DECODE],
                                   lambda n, need=req.num_tokens: loads[n].free_kv_tokens >= need)
             if pe is None or de is None:

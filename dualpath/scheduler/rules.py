@@ -170,7 +170,7 @@ def high_token_threshold(private_queue: Iterable[PendingRequest],
 
 def _pick_de(req: PendingRequest, engines: Sequence[EngineLoad], z: float) -> EngineLoad | None:
     need = req.num_tokens
-    engines = _without_left(req, engines)
+    engines = without_left(req, engines)
     warm = next((e for e in engines if e.name == req.warm_engine), None)
     if warm is not None and warm.free_kv_tokens >= need and (
             warm.tok + need <= z or warm.tok <= need + min(e.tok for e in engines
@@ -193,7 +193,7 @@ def _pick_de(req: PendingRequest, engines: Sequence[EngineLoad], z: float) -> En
     return None if best is None else best[3]
 
 
-def _without_left(req: PendingRequest, engines: Sequence[EngineLoad]) -> Sequence[EngineLoad]:
+def without_left(req: PendingRequest, engines: Sequence[EngineLoad]) -> Sequence[EngineLoad]:
     """The DEs a request may go to: all but the one a moved stream left, unless no other has
     room for it."""
     if not req.left_engine:

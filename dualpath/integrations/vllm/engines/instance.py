@@ -410,10 +410,7 @@ class VllmEngineParts:
         an owned instance that runs but no longer answers ``/health`` (it is being killed: its
         sockets close before its process is reaped) gets up to ``wait_s`` to finish exiting."""
         vllm = self.instance
-        if vllm is None:
-            return None
-        if vllm.alive() and not (wait_s > 0 and vllm.owned and not vllm.http.healthy()
-                                 and vllm.wait_exited(wait_s)):
+        if vllm is None or not _exited(vllm, wait_s):
             return None
         return (f"the vLLM instance at {vllm.url} exited with {vllm.returncode}; its log "
                 f"{vllm.log_path}:\n{vllm.log_tail()}")
@@ -423,6 +420,16 @@ class VllmEngineParts:
         if self.instance is not None:
             self.instance.close()
         self.host_pool.close()
+
+
+def _exited(vllm: VllmInstance, wait_s: float) -> bool:
+    """Whether ``vllm`` has exited; with ``wait_s`` > 0, one this process owns that no longer
+    answers ``/health`` is first given up to ``wait_s`` to exit."""
+    if not vllm.alive():
+        return True
+    if wait_s <= 0 or not vllm.owned or vllm.http.healthy():
+        return False
+    return vllm.wait_exited(wait_s)
 
 
 def shm_path_for(name: str) -> str:
