@@ -160,6 +160,12 @@ class TrafficConfig:
     inflight_chunks: int = 4
     # A transfer whose peer does not grant its NIC's share this long fails (peer dead or hung).
     grant_timeout_s: float = 5.0
+    # A layerwise prefill moves a request's KV in groups of consecutive layers of at least
+    # this many bytes, as far as the PE's layer window allows (``kv/layer_groups.py``): each
+    # move costs a submission, grants, a completion poll and futures whatever its size, so
+    # small layers (a short context of a small model) moved one by one spend more CPU on that
+    # than on their bytes. 0: one layer per move.
+    layer_group_bytes: int = 4 << 20
     # Expert-parallel traffic generator (testbed): bytes per token each prefill forward and
     # decode step exchanges with the other engines of its group on the high lane (0: off).
     ep_bytes_per_token: int = 0
@@ -182,6 +188,8 @@ class TrafficConfig:
             raise ValueError("inflight_chunks must be >= 1")
         if self.kv_chunk_bytes is not None and self.kv_chunk_bytes <= 0:
             raise ValueError("kv_chunk_bytes must be > 0 (or None for chunk_bytes)")
+        if self.layer_group_bytes < 0:
+            raise ValueError(f"layer_group_bytes must be >= 0, got {self.layer_group_bytes}")
         if self.ep_bytes_per_token < 0 or not self.grant_timeout_s > 0:
             raise ValueError("ep_bytes_per_token must be >= 0 and grant_timeout_s > 0")
         for cap in (self.compute_send_cap_mb_s, self.compute_recv_cap_mb_s):

@@ -65,6 +65,16 @@ def load_s_per_token(kv_bytes_per_token: float, snic_bytes_s: float) -> float:
     return kv_bytes_per_token / snic_bytes_s
 
 
+def snic_bytes_s_for(kappa: float, kv_bytes_per_token: float,
+                     recompute_s_per_token: float) -> float:
+    """The storage-NIC bandwidth at which loading a token costs ``kappa`` times recomputing it
+    (the inverse of ``load_s_per_token`` / ``recompute_s_per_token``)."""
+    if not (kappa > 0 and kv_bytes_per_token > 0 and recompute_s_per_token > 0):
+        raise RegimeError(f"kappa, KV bytes per token and recompute seconds per token must be "
+                          f"> 0, got {kappa}, {kv_bytes_per_token} and {recompute_s_per_token}")
+    return kv_bytes_per_token / (kappa * recompute_s_per_token)
+
+
 def recompute_s_per_token(compute_s: float, computed_tokens: int) -> float | None:
     """A prefill engine's seconds per computed token (None when it computed nothing)."""
     if compute_s < 0 or computed_tokens < 0:

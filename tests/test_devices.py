@@ -147,15 +147,49 @@ def test_a_benchmarks_auto_dtype_is_bf16_only_where_the_device_computes_it_nativ
     assert bench_dtype("bfloat16", "cpu", no_bf16) == "bfloat16"
 
 
-def test_the_demos_default_cap_carries_the_same_tokens_in_either_dtype():
+def test_the_demos_gpu_default_cap_carries_the_same_tokens_in_either_dtype():
+    """On a GPU the fixed default; on a CPU it stays open for the probe (``probed_cap``)."""
     from dualpath.bench.demo import READ_CAP_FLOAT32_MB_S, DemoOptions, resolved
 
-    bf16 = resolved(DemoOptions(dtype="bfloat16"), "cpu")
+    bf16 = resolved(DemoOptions(dtype="bfloat16"), "cuda")
     assert (bf16.dtype, bf16.read_cap_mb_s) == ("bfloat16", READ_CAP_FLOAT32_MB_S / 2)
-    fp32 = resolved(DemoOptions(dtype="float32"), "cpu")
+    fp32 = resolved(DemoOptions(dtype="float32"), "cuda")
     assert fp32.read_cap_mb_s == READ_CAP_FLOAT32_MB_S
+    assert resolved(DemoOptions(dtype="float32"), "cpu").read_cap_mb_s is None
     assert resolved(DemoOptions(dtype="float32", read_cap_mb_s=80.0), "cpu").read_cap_mb_s == 80
     assert resolved(DemoOptions(), "cuda").dtype == "bfloat16"
+
+
+def test_the_demos_cpu_cap_puts_kappa_on_its_target_by_the_probed_recompute(tiny_deep_dir):
+    """The probe times a real recompute; the cap is where loading a token costs PROBE_KAPPA of
+    that time; a given cap is kept and no probe runs."""
+    from rich.console import Console
+
+    from dualpath.bench.demo import PROBE_KAPPA, DemoOptions, probed_cap
+    from dualpath.bench.recompute_probe import probe_recompute_s_per_token
+    from dualpath.bench.report import kv_bytes_per_token
+    from dualpath.workloads.demo import DemoSession, DemoTurn
+
+    s_per_token = probe_recompute_s_per_token(tiny_deep_dir, "float32", 100, 16)
+    assert 0 < s_per_token < 1
+    sessions = [DemoSession("a", (DemoTurn(50, 0, 2), DemoTurn(90, 50, 2))),
+                DemoSession("b", (DemoTurn(60, 0, 2), DemoTurn(110, 60, 2)))]
+    options = DemoOptions(model=str(tiny_deep_dir), dtype="float32")
+    probed = probed_cap(options, tiny_deep_dir, sessions, Console(quiet=True))
+    assert probed.read_cap_mb_s is not None
+    load_s = kv_bytes_per_token(tiny_deep_dir, "float32") / (probed.read_cap_mb_s * 1e6)
+    kappa = load_s / probe_recompute_s_per_token(tiny_deep_dir, "float32", 100, 16)
+    assert PROBE_KAPPA / 3 < kappa < PROBE_KAPPA * 3  # two timings of a tiny model: noisy
+    kept = replace_cap(options, 80.0)
+    assert probed_cap(kept, tiny_deep_dir, sessions, Console(quiet=True)) is kept
+    with pytest.raises(ValueError, match="1 token"):
+        probe_recompute_s_per_token(tiny_deep_dir, "float32", 0, 16)
+
+
+def replace_cap(options, cap_mb_s):
+    from dataclasses import replace
+
+    return replace(options, read_cap_mb_s=cap_mb_s)
 
 
 def test_vllm_engines_keep_float32_for_the_benchmarks_auto():

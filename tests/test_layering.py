@@ -33,7 +33,7 @@ REQUIRED_PURE = ("dualpath/kv/hashing.py", "dualpath/kv/block_pool.py", "dualpat
                  "dualpath/server/router/endings.py", "dualpath/server/router/membership.py",
                  "dualpath/vocab.py",
                  "dualpath/regime.py", "dualpath/ending.py", "dualpath/sessions.py",
-                 "dualpath/kv/retention.py",
+                 "dualpath/kv/retention.py", "dualpath/kv/layer_groups.py",
                  "dualpath/server/router/sessions.py", "dualpath/server/router/prefetch.py")
 OPTIONAL_PURE = ("dualpath/traffic/lanes.py", "dualpath/traffic/token_bucket.py",
                  "dualpath/kv/layout.py")

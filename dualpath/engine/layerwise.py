@@ -43,6 +43,7 @@ from dualpath.engine.futures import all_of
 from dualpath.kv.block_plan import BlockPlan
 from dualpath.kv.cache import PagedKVCache
 from dualpath.kv.host_pool import HostPool
+from dualpath.kv.layer_groups import group_of, layers_per_move
 from dualpath.kv.layout import buffer_offset
 from dualpath.kv.runs import paired_runs
 from dualpath.model.hooks import LayerHooks
@@ -142,9 +143,11 @@ class PrefillHooks(LayerHooks):
 
     def __init__(self, plan: LayerPlan, cache: PagedKVCache, traffic: TrafficManager,
                  host_pool: HostPool | None = None, watcher: EventWatcher | None = None,
-                 stream_ordered: bool | None = None) -> None:
+                 stream_ordered: bool | None = None, group_bytes: int = 0) -> None:
         """``stream_ordered`` (default: the cache is on CUDA) runs the CUDA pipeline above;
-        ``watcher`` turns compute events into futures (default: the device's shared one)."""
+        ``watcher`` turns compute events into futures (default: the device's shared one);
+        ``group_bytes``: each load and forward carries consecutive layers up to that size
+        where the window allows (``kv/layer_groups.py``; 0: one layer per move)."""
         if plan.mode == PrefillMode.BASIC and cache.is_window:
             raise ValueError("basic prefill keeps every layer resident; this cache holds a "
                              f"window of {cache.resident_layers} layers")
@@ -165,6 +168,10 @@ class PrefillHooks(LayerHooks):
         self._on_cuda = cache.data.is_cuda if stream_ordered is None else stream_ordered
         self._watcher = watcher if watcher is not None or not self._on_cuda \
             else shared_watcher(cache.data.device)
+        layer_blocks = max(len(plan.host_loads()) + len(plan.de_loads()),
+                           len(plan.forward_blocks()))
+        self.group = layers_per_move(layer_blocks * self.lb, group_bytes, self.window,
+                                     self.num_layers)  # layers per load and per forward
         self.wait_s = 0.0  # the forward's time blocked on this request's loads and sends
         self.num_stream_waits = 0  # CUDA: copy events the compute stream waited on
 
@@ -172,15 +179,18 @@ class PrefillHooks(LayerHooks):
     def before_layer(self, layer_idx: int) -> None:
         if self.plan.mode == PrefillMode.BASIC:
             if layer_idx == 0 and self._has_loads:
-                for load in [self._start_load(i) for i in range(self.num_layers)]:
+                for load in [self._start_load(layers) for layers in self._groups()]:
                     self._await_load(load)
             return
         if self._has_loads:
-            # prefetch: every later layer the window has a slot for loads while this one
+            # prefetch: every later group the window has slots for loads while this layer
             # computes (a slot's load starts once its tenant's send has left)
             for ahead in range(layer_idx, min(layer_idx + self.window, self.num_layers)):
-                if ahead not in self._loads:
-                    self._loads[ahead] = self._start_load(ahead)
+                layers = group_of(ahead, self.group, self.num_layers)
+                if ahead in self._loads or layers.stop > layer_idx + self.window:
+                    continue  # started already, or its last slot still holds this layer
+                load = self._start_load(layers)
+                self._loads.update(dict.fromkeys(layers, load))
             self._await_load(self._loads.pop(layer_idx))
         self._wait_slot_free(layer_idx)  # the compute writes into the slot
 
@@ -190,16 +200,17 @@ class PrefillHooks(LayerHooks):
         computed = self._device_done()
         if computed is not None and self.cache.is_window:
             self._computed[layer_idx] = computed
-        if self.plan.forward_blocks():
-            self._sends[layer_idx] = self._start_forward(layer_idx, computed)
+        layers = group_of(layer_idx, self.group, self.num_layers)
+        if self.plan.forward_blocks() and layer_idx == layers[-1]:  # the group's last layer
+            self._sends.update(dict.fromkeys(layers, self._start_forward(layers, computed)))
 
     def finish(self) -> None:
         if self.plan.mode == PrefillMode.BASIC and self._moves and self.plan.forward_blocks():
             computed = self._device_done()
-            for i in range(self.num_layers):
-                self._sends[i] = self._start_forward(i, computed)
+            for layers in self._groups():
+                self._sends.update(dict.fromkeys(layers, self._start_forward(layers, computed)))
         errors = []
-        for future in [*self._sends.values(), *self._landed]:
+        for future in {id(f): f for f in [*self._sends.values(), *self._landed]}.values():
             if (exc := self._wait(future, raises=False)) is not None:
                 errors.append(exc)
         self._sends.clear()
@@ -218,6 +229,18 @@ class PrefillHooks(LayerHooks):
         self._computed.clear()
 
     # -- moves --------------------------------------------------------------------------------
+    def _groups(self) -> list[range]:
+        """Every layer, in the groups that move together."""
+        return [group_of(i, self.group, self.num_layers)
+                for i in range(0, self.num_layers, self.group)]
+
+    def _group_tenants(self, layers: range) -> Future[None] | None:
+        """What must settle before ``layers`` may take their slots (see ``_slot_tenant``)."""
+        tenants = {id(f): f for i in layers if (f := self._slot_tenant(i)) is not None}
+        if len(tenants) <= 1:
+            return next(iter(tenants.values()), None)
+        return all_of(list(tenants.values()))
+
     def _slot_tenant(self, layer_idx: int) -> Future[None] | None:
         """What must settle before ``layer_idx`` may take its slot: the send of the layer that
         held the slot before it, or on CUDA with nothing to send, that layer's compute."""
@@ -262,16 +285,17 @@ class PrefillHooks(LayerHooks):
     def _compute_stream(self) -> Any:
         return torch.cuda.current_stream(self.cache.data.device)
 
-    def _start_load(self, layer_idx: int) -> _Load:
-        """Layer ``layer_idx``'s context KV into its slot, once the slot's tenant has left."""
-        plan, after = self.plan, self._slot_tenant(layer_idx)
+    def _start_load(self, layers: range) -> _Load:
+        """The context KV of ``layers`` into their slots, once the slots' tenants have left:
+        one submission per source for the whole group."""
+        plan, after = self.plan, self._group_tenants(layers)
         load_host: list[Future[None]] = []
         issued: list[Future[list[Any]]] = []
         landed: list[Future[None]] = []
         host = plan.host_loads()
-        if host:  # PE host buffer -> device (CNIC-assisted copies, one submission a layer)
+        if host:  # PE host buffer -> device (CNIC-assisted copies, one submission a group)
             assert self.host_pool is not None
-            pairs = self._host_pairs(layer_idx, host)
+            pairs = [pair for i in layers for pair in self._host_pairs(i, host)]
             if self._on_cuda:  # the compute stream waits for the copy stream's events
                 issue = CopyIssue()
                 copied = self.traffic.submit_copies(pairs, Lane.KV_LOAD, "h2d", after=after,
@@ -283,8 +307,9 @@ class PrefillHooks(LayerHooks):
             landed.append(copied)
         remote = plan.de_loads()
         if remote:  # DE host buffer -> device over the compute network
-            segments = [(self.addrs.layer_block(layer_idx, plan.pe_blocks[j]),
-                         plan.de_layer_block(layer_idx, j, self.lb), self.lb) for j in remote]
+            segments = [(self.addrs.layer_block(i, plan.pe_blocks[j]),
+                         plan.de_layer_block(i, j, self.lb), self.lb)
+                        for i in layers for j in remote]
             read = self.traffic.submit("read", plan.de_endpoint, segments, Lane.KV_LOAD,
                                        after=after)
             landed.append(read)
@@ -293,12 +318,13 @@ class PrefillHooks(LayerHooks):
         self._landed.append(load.landed)
         return load
 
-    def _start_forward(self, layer_idx: int, computed: Future[None] | None) -> Future[None]:
-        """Layer ``layer_idx``'s new KV to the DE buffer, once ``computed`` (if any) is done."""
-        plan = self.plan
-        segments = [(self.addrs.layer_block(layer_idx, plan.pe_blocks[j]),
-                     plan.de_layer_block(layer_idx, j, self.lb), self.lb)
-                    for j in plan.forward_blocks()]
+    def _start_forward(self, layers: range, computed: Future[None] | None) -> Future[None]:
+        """The new KV of ``layers`` to the DE buffer in one submission, once ``computed`` (if
+        any) is done."""
+        plan, blocks = self.plan, self.plan.forward_blocks()
+        segments = [(self.addrs.layer_block(i, plan.pe_blocks[j]),
+                     plan.de_layer_block(i, j, self.lb), self.lb)
+                    for i in layers for j in blocks]
         return self.traffic.submit("write", plan.de_endpoint, segments, Lane.KV_FORWARD,
                                    after=computed)
 

@@ -395,7 +395,8 @@ class PrefillWorker:
                          reload_blocks=0 if first_chunk or not window
                          else -(-cached // self.block_size),
                          num_pe_read_blocks=job.num_pe_read_blocks)
-        return PrefillHooks(plan, self.engine.runner.cache, self.traffic, self.host_pool)
+        return PrefillHooks(plan, self.engine.runner.cache, self.traffic, self.host_pool,
+                            group_bytes=self.traffic.config.layer_group_bytes)
 
     def _complete(self, batch: list[tuple[PrefillJob, int]], done: Forwarded) -> list[Message]:
         """Sample the first token of the batch's requests computed to their end (this

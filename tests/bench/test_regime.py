@@ -88,3 +88,14 @@ def test_recompute_seconds_per_token():
 def test_figures_that_describe_no_run_are_refused(call):
     with pytest.raises(RegimeError):
         call()
+
+
+def test_the_nic_for_a_kappa_inverts_load_over_recompute():
+    from dualpath.regime import snic_bytes_s_for
+
+    bytes_s = snic_bytes_s_for(0.08, 23_040, 0.69e-3)
+    assert bytes_s == pytest.approx(417.4e6, rel=1e-3)  # the demo's bf16 SmolLM2 on an EPYC
+    assert load_s_per_token(23_040, bytes_s) / 0.69e-3 == pytest.approx(0.08)
+    for bad in [(0, 1, 1), (0.1, 0, 1), (0.1, 1, 0), (-1, 1, 1)]:
+        with pytest.raises(RegimeError):
+            snic_bytes_s_for(*bad)

@@ -35,9 +35,9 @@ NUM_LAYERS = 4
 BLOCK = 4
 
 
-def _spec() -> ModelSpec:
+def _spec(num_layers: int = NUM_LAYERS) -> ModelSpec:
     return ModelSpec(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
-                     num_layers=NUM_LAYERS, num_heads=2, num_kv_heads=1, head_dim=8,
+                     num_layers=num_layers, num_heads=2, num_kv_heads=1, head_dim=8,
                      rms_norm_eps=1e-5, max_position=64, torch_dtype="float32")
 
 
@@ -154,16 +154,17 @@ def fake_cuda(monkeypatch):
 
 
 def _hooks(log: Log, window: int | None, num_hit_blocks: int = 2,
-           pe_blocks: tuple[int, ...] = (0, 1, 2)) -> tuple[PrefillHooks, FakeTraffic,
-                                                          FakeWatcher]:
-    spec = _spec()
+           pe_blocks: tuple[int, ...] = (0, 1, 2), num_layers: int = NUM_LAYERS,
+           group_bytes: int = 0) -> tuple[PrefillHooks, FakeTraffic, FakeWatcher]:
+    spec = _spec(num_layers)
     cache = PagedKVCache(spec, num_blocks=8, block_size=BLOCK, kv_dtype="float32",
                          layer_window=window)
     lb = cache.data[0, 0].numel() * cache.data.element_size()
-    pool = HostPool(NUM_LAYERS * lb, num_hit_blocks or 1, pin=False)
+    pool = HostPool(num_layers * lb, num_hit_blocks or 1, pin=False)
     base = cache.data.data_ptr()
 
     def layer_of_dst(dst: torch.Tensor) -> int:  # slot of the cache view -> the layer loading
+        # (a group's first layer names its load)
         slot = (dst.data_ptr() - base) // (cache.num_blocks * lb)
         return pending_layer[slot]
 
@@ -175,12 +176,13 @@ def _hooks(log: Log, window: int | None, num_hit_blocks: int = 2,
     plan = _spread(plan, lb)
     watcher = FakeWatcher()
     hooks = PrefillHooks(plan, cache, traffic, pool, watcher=watcher,  # type: ignore[arg-type]
-                         stream_ordered=True)
+                         stream_ordered=True, group_bytes=group_bytes)
     original = hooks._start_load
 
-    def tracked_start(layer_idx: int):
-        pending_layer[cache.layer_slot(layer_idx)] = layer_idx
-        return original(layer_idx)
+    def tracked_start(layers: range):
+        for layer_idx in layers:
+            pending_layer[cache.layer_slot(layer_idx)] = layer_idx
+        return original(layers)
 
     hooks._start_load = tracked_start  # type: ignore[method-assign]
     return hooks, traffic, watcher
@@ -263,6 +265,25 @@ def test_without_sends_a_slot_waits_for_its_tenants_compute(fake_cuda):
     # layer 2's load waits for the device to finish layer 0 (it overwrites layer 0's slot)
     computed0 = watcher.watched[next(iter(watcher.watched))]
     assert traffic.copy_after[2] is computed0
+
+
+def test_without_sends_a_group_waits_for_the_compute_of_every_layer_it_replaces(fake_cuda):
+    """Eight layers, four slots, groups of two, nothing to forward: the load of layers 4-5
+    takes the slots of layers 0 and 1, so it waits for the device to finish both."""
+    log = fake_cuda
+    hooks, traffic, watcher = _hooks(log, window=4, num_hit_blocks=2, pe_blocks=(0, 1),
+                                     num_layers=8, group_bytes=1 << 30)
+    hooks.plan = _no_forward(hooks.plan)
+    assert hooks.group == 2
+    for i in range(3):
+        _layer(hooks, log, i)
+    after = traffic.copy_after[4]
+    assert after is not None and not after.done()
+    computed = list(watcher.watched.values())
+    computed[0].set_result(None)  # the device finished layer 0, not yet layer 1
+    assert not after.done(), "layers 4-5 may load while layer 1 still computes in its slot"
+    computed[1].set_result(None)
+    assert after.done()
 
 
 def _no_forward(plan: LayerPlan) -> LayerPlan:

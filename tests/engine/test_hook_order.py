@@ -175,6 +175,7 @@ class RecordingTraffic(TrafficManager):
     def __init__(self, log: EventLog, layers: LayerMap, gate: bool, send_s: float) -> None:
         self.log, self.layers, self.gate = log, layers, gate
         self.blocks: dict[tuple[str, int], set[int]] = {}  # (load|send, layer) -> prompt blocks
+        self.submissions: dict[str, int] = {"load": 0, "send": 0}  # calls, not layers
         self._pending: dict[tuple[str, int], int] = {}  # bytes submitted, not yet moved
         self._lock = threading.Lock()
         super().__init__(RecordingBackend(self._started, self._moved, send_s), TrafficConfig())
@@ -183,12 +184,11 @@ class RecordingTraffic(TrafficManager):
                after: Future[None] | None = None) -> Future[None]:
         assert peer == DE_ENDPOINT
         touched = set().union(*(self.layers.segment(s) for s in segments))
-        (layer,) = {layer for layer, _ in touched}  # one submission moves one layer
         what = "load" if kind == "read" else "send"
         assert lane is (Lane.KV_LOAD if what == "load" else Lane.KV_FORWARD)
-        self._issue(what, layer, {j for _, j in touched}, sum(s[2] for s in segments))
+        self._issue(what, touched, per_block=True)
         if what == "load":
-            after = _both(after, self._gate(layer))
+            after = _both(after, self._gate(min(layer for layer, _ in touched)))
         return super().submit(kind, peer, segments, lane, after=after)
 
     def submit_copies(self, pairs: Sequence[tuple[Any, Any]], lane: Lane,
@@ -200,18 +200,27 @@ class RecordingTraffic(TrafficManager):
                 for d, s in (zip(dst, src, strict=True) if dst.dim() > 1 else [(dst, src)])]
         touched = set().union(*(self.layers.host_copy(dst.data_ptr(), src.data_ptr(), dst.nbytes)
                                 for dst, src in rows))
-        (layer,) = {layer for layer, _ in touched}  # one submission moves one layer
-        self._issue("load", layer, {block for _, block in touched}, 0)
+        layers = sorted({layer for layer, _ in touched})
+        self._issue("load", touched, per_block=False)
         inner = super().submit_copies(pairs, lane, direction,
-                                      after=_both(after, self._gate(layer)))
-        return _then(inner, lambda: self._copied(layer))
+                                      after=_both(after, self._gate(layers[0])))
+        return _then(inner, lambda: [self._copied(layer) for layer in layers])
 
-    def _issue(self, what: str, layer: int, blocks: set[int], nbytes: int) -> None:
+    def _issue(self, what: str, touched: set[tuple[int, int]], per_block: bool) -> None:
+        """Log one submission of the ``touched`` (layer, prompt block)s, which may span
+        layers; each layer is pending until its bytes moved (``per_block``) or, for host
+        copies, until the submission's copies are done."""
+        layers = sorted({layer for layer, _ in touched})
         with self._lock:
-            self.blocks.setdefault((what, layer), set()).update(blocks)
-            key = (what, layer)
-            self._pending[key] = self._pending.get(key, 0) + (nbytes or 1)
-        self.log.add(f"{what}_issued", layer)
+            self.submissions[what] += 1
+            for layer in layers:
+                blocks = {j for i, j in touched if i == layer}
+                self.blocks.setdefault((what, layer), set()).update(blocks)
+                key = (what, layer)
+                self._pending[key] = self._pending.get(key, 0) + (
+                    len(blocks) * self.layers.lb if per_block else 1)
+        for layer in layers:
+            self.log.add(f"{what}_issued", layer)
 
     def _gate(self, layer: int) -> Future[None] | None:
         """Completes once layer ``layer - 1`` has started computing (or after ``GATE_S``)."""
@@ -231,14 +240,14 @@ class RecordingTraffic(TrafficManager):
         self._settle("load", layer, 1)
 
     def _started(self, kind: str, segments: Sequence[Segment]) -> None:
-        (layer,) = {layer for seg in segments for layer, _ in self.layers.segment(seg)}
-        self.log.add("read_started" if kind == "read" else "send_started", layer)
+        for layer in sorted({layer for seg in segments for layer, _ in self.layers.segment(seg)}):
+            self.log.add("read_started" if kind == "read" else "send_started", layer)
 
     def _moved(self, kind: str, segments: Sequence[Segment]) -> None:
         what = "load" if kind == "read" else "send"
         for seg in segments:
-            (layer,) = {layer for layer, _ in self.layers.segment(seg)}
-            self._settle(what, layer, seg[2])
+            for layer, _ in self.layers.segment(seg):
+                self._settle(what, layer, self.layers.lb)
 
     def _settle(self, what: str, layer: int, nbytes: int) -> None:
         with self._lock:
@@ -299,6 +308,8 @@ class Run:
     hidden: torch.Tensor
     de_buffer: torch.Tensor
     blocks: dict[tuple[str, int], set[int]] = field(default_factory=dict)
+    submissions: dict[str, int] = field(default_factory=dict)
+    group: int = 1
 
 
 def _engine(model_dir, window: int | None) -> LLMEngine:
@@ -326,7 +337,7 @@ def _random_kv(nbytes: int, seed: int) -> torch.Tensor:
 
 
 def _prefill(engine: LLMEngine, mode: str, read_path: str, gate: bool = False,
-             send_s: float = 0.0) -> Run:
+             send_s: float = 0.0, group_bytes: int = 0) -> Run:
     """One real prefill forward of the miss tokens, with the hit KV in PE slots and/or the DE
     buffer (a split read: block 0 on the PE, block 1 on the DE)."""
     cache = engine.runner.cache
@@ -349,14 +360,15 @@ def _prefill(engine: LLMEngine, mode: str, read_path: str, gate: bool = False,
     log = EventLog()
     layer_map = LayerMap(addrs, plan, num_layers, pool)
     with RecordingTraffic(log, layer_map, gate, send_s) as traffic:
-        hooks = PrefillHooks(plan, cache, traffic, pool)
+        hooks = PrefillHooks(plan, cache, traffic, pool, group_bytes=group_bytes)
         inputs = engine.runner.prepare([(seq, PROMPT_LEN - NUM_HIT * BLOCK)])
         with compute_events(engine.runner.model, log):
             hidden = engine.runner.run(inputs, hooks)
     assert torch.isfinite(hidden).all()
     if not cache.is_window:  # the cache still holds every layer: check it against the sources
         _assert_bytes_landed(engine, plan, de_buffer, pool)
-    return Run(log, plan, num_layers, hidden, de_buffer, traffic.blocks)
+    return Run(log, plan, num_layers, hidden, de_buffer, traffic.blocks, traffic.submissions,
+               hooks.group)
 
 
 def _assert_bytes_landed(engine: LLMEngine, plan: LayerPlan, de_buffer: torch.Tensor,
@@ -488,3 +500,62 @@ def test_a_wider_window_prefetches_as_many_layers_as_it_has_slots(tiny_deep_dir,
     reference = _prefill(full, "layerwise", read_path)
     assert torch.equal(run.hidden, reference.hidden)
     assert torch.equal(run.de_buffer, reference.de_buffer)
+
+
+GROUPED = 1 << 30  # a move size no tiny layer reaches: as many layers per move as allowed
+LOAD_SOURCES = {"pe": 1, "de": 1, "split": 2}  # submissions per loaded group
+
+
+@pytest.mark.parametrize("read_path", READ_PATHS)
+def test_a_full_cache_moves_every_layer_in_one_load_and_one_send(full, read_path):
+    """Grouped moves: one submission per source carries the six layers' hit KV, one carries
+    their new KV; the bytes in the cache and the DE buffer and the hidden states are those
+    of the layer-by-layer run."""
+    reference = _prefill(full, "layerwise", read_path)
+    run = _prefill(full, "layerwise", read_path, send_s=SLOW_SEND_S, group_bytes=GROUPED)
+    _assert_every_layer_moved(run)
+    assert run.group == run.num_layers
+    assert run.submissions == {"load": LOAD_SOURCES[read_path], "send": 1}
+    assert reference.submissions == {"load": LOAD_SOURCES[read_path] * run.num_layers,
+                                     "send": run.num_layers}
+    log, last = run.log, run.num_layers - 1
+    assert log.first("send_issued", 0) > log.first("compute_end", last)
+    assert torch.equal(run.de_buffer, reference.de_buffer)
+    assert torch.equal(run.hidden, reference.hidden)
+
+
+@pytest.mark.parametrize("read_path", READ_PATHS)
+def test_a_window_of_four_moves_pairs_and_reuses_slots_only_after_they_left(
+        tiny_deep_dir, full, read_path):
+    """Four slots hold two groups of two: group (i, i+1) loads while the group before it
+    computes, a group's slots are reused only once the group they held (layers j-4, j-3) has
+    left, even with slow sends; the KV sent and the hidden states are a full cache's."""
+    engine = _engine(tiny_deep_dir, 4)
+    run = _prefill(engine, "layerwise", read_path, send_s=SLOW_SEND_S, group_bytes=GROUPED)
+    _assert_every_layer_moved(run)
+    assert run.group == 2
+    groups = run.num_layers // 2
+    assert run.submissions == {"load": LOAD_SOURCES[read_path] * groups, "send": groups}
+    log = run.log
+    for j in range(4, run.num_layers):
+        if read_path != "pe":
+            assert log.first("read_started", j) > log.last("send_done", j - 4), (
+                f"layer {j} loads into a slot layer {j - 4} has not left: {log.events}")
+        assert log.first("compute_start", j) > log.last("send_done", j - 4)
+    for g in range(2, run.num_layers, 2):  # in flight while the group before it computes
+        assert log.first("load_issued", g) < log.first("compute_end", g - 1), (
+            f"group {g}'s load is not issued before layer {g - 1} ends: {log.events}")
+    reference = _prefill(full, "layerwise", read_path)
+    assert torch.equal(run.de_buffer, reference.de_buffer), "a group reused a slot too early"
+    assert torch.equal(run.hidden, reference.hidden)
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_basic_grouped_loads_before_layer_0_and_sends_after_the_last(full, read_path):
+    run = _prefill(full, "basic", read_path, group_bytes=GROUPED)
+    _assert_every_layer_moved(run)
+    assert run.submissions == {"load": 1, "send": 1}
+    log, last = run.log, run.num_layers - 1
+    for i in range(run.num_layers):
+        assert log.last("load_done", i) < log.first("compute_start", 0)
+        assert log.first("send_issued", i) > log.first("compute_end", last)
