@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dualpath.config import EngineConfig
+from dualpath.config import EngineConfig, TrafficConfig
 from dualpath.engine.decode import DecodeWorker
 from dualpath.engine.llm_engine import LLMEngine
 from dualpath.engine.prefill import PrefillWorker
@@ -35,13 +35,15 @@ def engine_of(model_dir, **overrides) -> LLMEngine:
 class Pair:
     """A prefill and a decode worker whose traffic managers reach each other in-process."""
 
-    def __init__(self, model_dir, **prefill_config) -> None:
+    def __init__(self, model_dir, pe_traffic: TrafficConfig | None = None,
+                 **prefill_config) -> None:
         self.pe_engine = engine_of(model_dir, **prefill_config)
         self.de_engine = engine_of(model_dir)
         layout = self.de_engine.layout
         self.pe_backend, self.de_backend = LocalBackend(), LocalBackend()
         self.pe = PrefillWorker(self.pe_engine, HostPool(layout.full_block_bytes, 8, pin=False),
-                                TrafficManager(self.pe_backend), self._storage(layout))
+                                TrafficManager(self.pe_backend, pe_traffic),
+                                self._storage(layout))
         self.de = DecodeWorker(self.de_engine, HostPool(layout.full_block_bytes, 8, pin=False),
                                TrafficManager(self.de_backend), self._storage(layout))
         cache = self.pe_engine.runner.cache.data
@@ -78,10 +80,12 @@ def test_a_fenced_buffer_stays_out_of_the_pool_until_unfenced(tiny_llama_dir):
     assert de.host_pool.num_free == slots and de.fenced_requests() == ()
 
 
-def test_a_dropped_prefill_engine_stops_sending_at_the_next_layer(tiny_llama_dir):
-    """The engine is dropped after layer 0: layer 0's KV went out, nothing after it; the
-    request fails only once that send has settled."""
-    pair = Pair(tiny_llama_dir)
+@pytest.mark.parametrize("group_bytes", [0, TrafficConfig().layer_group_bytes])
+def test_a_dropped_prefill_engine_stops_sending_at_the_next_layer(tiny_llama_dir, group_bytes):
+    """The engine is dropped after layer 0. Layer by layer: layer 0's KV went out, nothing
+    after it. In groups (the tiny model's layers make one): the group never ended, so nothing
+    went out. The request fails only once what was sent has settled."""
+    pair = Pair(tiny_llama_dir, TrafficConfig(layer_group_bytes=group_bytes))
     ready = pair.buffer(1)
     layers_done = []
     pair.pe.abandon = lambda: len(layers_done) > 0  # dropped once layer 0 has computed
@@ -100,8 +104,9 @@ def test_a_dropped_prefill_engine_stops_sending_at_the_next_layer(tiny_llama_dir
     (failed,) = pair.pe.work()
     assert isinstance(failed, Failed) and "dropped this engine" in failed.error
     assert layers_done == [0] and pair.pe.held_requests() == ()
-    layer_bytes = pair.de.layout.layer_block_bytes * 6
-    assert buffer[:layer_bytes].any() and not buffer[layer_bytes:].any()
+    layer_bytes = pair.de.layout.layer_block_bytes * 6 if group_bytes == 0 else 0
+    assert bool(buffer[:layer_bytes].any()) == (group_bytes == 0)
+    assert not buffer[layer_bytes:].any()
     assert pair.pe.free_kv_blocks == 32 and pair.pe.settled()
 
 
