@@ -176,7 +176,7 @@ def test_the_demos_cpu_cap_puts_kappa_on_its_target_by_the_probed_recompute(tiny
                 DemoSession("b", (DemoTurn(60, 0, 2), DemoTurn(110, 60, 2)))]
     options = DemoOptions(model=str(tiny_deep_dir), dtype="float32")
     probed = probed_cap(options, tiny_deep_dir, sessions, Console(quiet=True))
-    assert probed.read_cap_mb_s is not None
+    assert probed.read_cap_mb_s is not None and probed.probed_recompute_s_per_token > 0
     load_s = kv_bytes_per_token(tiny_deep_dir, "float32") / (probed.read_cap_mb_s * 1e6)
     kappa = load_s / probe_recompute_s_per_token(tiny_deep_dir, "float32", 100, 16)
     assert PROBE_KAPPA / 3 < kappa < PROBE_KAPPA * 3  # two timings of a tiny model: noisy

@@ -98,6 +98,8 @@ class DemoOptions:
     # dtype's size (180 MB/s of bf16 KV, the same 7,800 tokens/s as 360 of float32).
     read_cap_mb_s: float | None = None
     compute_cap_mb_s: float | None = None  # None: COMPUTE_PER_STORAGE x read_cap_mb_s
+    # Set by ``probed_cap`` when it chose the read cap: the recompute it timed (s per token).
+    probed_recompute_s_per_token: float | None = None
     sessions: int | None = None  # first N sessions of the excerpt (None: all)
     turns: int | None = None  # first N turns of each session (None: all)
     # basic first (the cluster is started for the first mode: basic keeps every layer resident,
@@ -287,7 +289,8 @@ def probed_cap(options: DemoOptions, model_dir: Path, sessions: list[DemoSession
     console.print(f"recompute on this CPU: {s_per_token * 1e3:.2f} ms per token at "
                   f"{mean_tokens} tokens, so storage NICs at {bytes_s / 1e6:.0f} MB/s put "
                   f"kappa at {PROBE_KAPPA:g} (the run measures its own below)")
-    return replace(options, read_cap_mb_s=round(bytes_s / 1e6, 1))
+    return replace(options, read_cap_mb_s=round(bytes_s / 1e6, 1),
+                   probed_recompute_s_per_token=s_per_token)
 
 
 def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, Any]:
@@ -380,7 +383,11 @@ def _result(options: DemoOptions, header: dict[str, Any], sessions: list[DemoSes
                         "heartbeat_s": options.heartbeat_s},
             "caps_mb_s": {"read": options.read_cap_mb_s,
                           "compute": options.compute_cap_mb_s
-                          or COMPUTE_PER_STORAGE * options.read_cap_mb_s},
+                          or COMPUTE_PER_STORAGE * options.read_cap_mb_s,
+                          # the read cap's source: None where given or a GPU's fixed default
+                          "read_probe": None if options.probed_recompute_s_per_token is None
+                          else {"recompute_s_per_token": options.probed_recompute_s_per_token,
+                                "kappa": PROBE_KAPPA}},
             "workload": {**header, "sessions": len(sessions),
                          "turns": max(len(s.turns) for s in sessions),
                          "traces": [s.trace for s in sessions], "seed": options.seed},
